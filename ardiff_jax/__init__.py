@@ -1,0 +1,52 @@
+"""ardiff_jax: a JAX/XLA runtime for autoregressive video diffusion with KV kept across requests.
+
+Public API (import from here):
+
+* capability: :class:`ARDiffusionKVBranchSpec`, :class:`ARDiffusionCrossAttentionKVSpec`,
+  :class:`ARDiffusionKVCacheSpec`, protocols :class:`SupportsARDiffusionPipeline`,
+  :class:`SupportsARDiffusionWarmup`, :class:`SupportsStepExecution`;
+* KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`, :class:`MemoryPlan`,
+  :class:`PagedKVCaches`, :class:`CrossAttentionKV`;
+* functional core: :mod:`ardiff_jax.kv`.
+"""
+
+from ardiff_jax.capability import (
+    ARDiffusionCrossAttentionKVSpec,
+    ARDiffusionKVBranchSpec,
+    ARDiffusionKVCacheSpec,
+    SupportsARDiffusionPipeline,
+    SupportsARDiffusionWarmup,
+    SupportsStepExecution,
+)
+from ardiff_jax.kv import KVLayout, KVPools, LayerKVCache, PagedKVCaches
+from ardiff_jax.runtime import (
+    SCRATCH_BLOCKS_ENV,
+    ARDiffusionKVCache,
+    ARDiffusionKVState,
+    ARDiffusionRequestAdapter,
+    CrossAttentionKV,
+    MemoryPlan,
+    plan_memory,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCRATCH_BLOCKS_ENV",
+    "ARDiffusionCrossAttentionKVSpec",
+    "ARDiffusionKVBranchSpec",
+    "ARDiffusionKVCache",
+    "ARDiffusionKVCacheSpec",
+    "ARDiffusionKVState",
+    "ARDiffusionRequestAdapter",
+    "CrossAttentionKV",
+    "KVLayout",
+    "KVPools",
+    "LayerKVCache",
+    "MemoryPlan",
+    "PagedKVCaches",
+    "SupportsARDiffusionPipeline",
+    "SupportsARDiffusionWarmup",
+    "SupportsStepExecution",
+    "plan_memory",
+]

@@ -1,0 +1,203 @@
+"""Non-causal attention over a paged session history, plus its dense reference.
+
+The key sequence of one forward is ``[sink frames][newest history frames][current block]
+[extra tokens]`` (CONTRACTS.md section 3.5): history comes from the pools, the current
+block and the extra (action/state register) tokens come from the arguments, so a
+non-committing forward writes nothing.
+
+Fast path (:func:`paged_attention`): read the session's run of ``sink + window`` pages
+with one contiguous ``dynamic_slice``, mask the pages that hold no visible frame, and
+combine the history part and the current part with a shared log-sum-exp (no
+concatenation of K/V). Softmax attention does not depend on key order, so reading the
+ring in physical order gives the same result as the ordered sequence up to float
+summation order. Masked values are zeroed as well as masked scores, so whatever an
+invisible page holds (a previous owner's KV, even NaN) contributes exactly nothing.
+
+Dense reference (:func:`ref_paged_attention`): gather the visible pages in reference
+order, concatenate ``[history][current][extra]`` and run textbook softmax attention in
+float32 (:func:`ref_attention`). Tests compare the two.
+
+Query heads ``Hq`` must be a multiple of the KV heads ``H``; query head ``h`` reads KV
+head ``h // (Hq // H)``, as ``jax.nn.dot_product_attention`` groups heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ardiff_jax.kv._layout import KVLayout, KVPools
+from ardiff_jax.kv._ops import gather_pages, read_run
+from ardiff_jax.kv._tables import run_visibility, visible_table
+
+__all__ = ["paged_attention", "ref_paged_attention", "ref_attention"]
+
+
+def _drop_batch(name: str, x: jax.Array) -> tuple[jax.Array, bool]:
+    """Accept ``[N, H, D]`` or ``[1, N, H, D]``; return the 3-d array and whether it had a batch."""
+    if x.ndim == 4:
+        if x.shape[0] != 1:
+            raise ValueError(f"{name} must have batch size 1, got shape {tuple(x.shape)}")
+        return x[0], True
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be [N, H, D] or [1, N, H, D], got shape {tuple(x.shape)}")
+    return x, False
+
+
+def _check_kv(layout: KVLayout, name: str, x: jax.Array) -> None:
+    if x.shape[1:] != (layout.num_kv_heads, layout.head_size):
+        raise ValueError(
+            f"{name} must have {layout.num_kv_heads} KV heads of size {layout.head_size}, got shape {tuple(x.shape)}"
+        )
+
+
+def _prepare(
+    layout: KVLayout, q: jax.Array, k: jax.Array, v: jax.Array, extra_k: jax.Array | None,
+    extra_v: jax.Array | None,
+) -> tuple[jax.Array, bool, jax.Array, jax.Array, int]:
+    """Validate shapes (at trace time) and merge current + extra K/V; returns current frames."""
+    q3, had_batch = _drop_batch("q", q)
+    k3, _ = _drop_batch("k", k)
+    v3, _ = _drop_batch("v", v)
+    if q3.shape[-1] != layout.head_size:
+        raise ValueError(f"q head size must be {layout.head_size}, got shape {tuple(q.shape)}")
+    if q3.shape[1] % layout.num_kv_heads:
+        raise ValueError(
+            f"q heads ({q3.shape[1]}) must be a multiple of the KV heads ({layout.num_kv_heads})"
+        )
+    _check_kv(layout, "k", k3)
+    _check_kv(layout, "v", v3)
+    if k3.shape != v3.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    seq_len = k3.shape[0]
+    if seq_len <= 0 or seq_len % layout.tokens_per_frame:
+        raise ValueError(
+            f"current k/v length {seq_len} must be a positive multiple of tokens_per_frame "
+            f"({layout.tokens_per_frame})"
+        )
+    num_frames = seq_len // layout.tokens_per_frame
+    if num_frames > layout.window_frames:
+        raise ValueError(
+            f"current block of {num_frames} frames exceeds window_frames ({layout.window_frames})"
+        )
+    if (extra_k is None) != (extra_v is None):
+        raise ValueError("extra_k and extra_v must be given together")
+    num_extra = 0
+    if extra_k is not None:
+        ek, _ = _drop_batch("extra_k", extra_k)
+        ev, _ = _drop_batch("extra_v", extra_v)
+        _check_kv(layout, "extra_k", ek)
+        _check_kv(layout, "extra_v", ev)
+        if ek.shape != ev.shape:
+            raise ValueError(f"extra_k and extra_v shapes differ: {tuple(ek.shape)} vs {tuple(ev.shape)}")
+        num_extra = ek.shape[0]
+        k3 = jnp.concatenate([k3.astype(layout.dtype), ek.astype(layout.dtype)], axis=0)
+        v3 = jnp.concatenate([v3.astype(layout.dtype), ev.astype(layout.dtype)], axis=0)
+    extra_pages = -(-num_extra // layout.tokens_per_frame)
+    if num_frames + extra_pages > layout.scratch_pages:
+        raise RuntimeError(
+            f"AR-Diffusion scratch blocks exhausted: {num_frames} current frames + {num_extra} extra tokens "
+            f"({extra_pages} pages) exceed {layout.scratch_pages} scratch pages per branch; declare "
+            f"max_scratch_tokens_per_branch in the spec or raise AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
+        )
+    return q3, had_batch, k3.astype(layout.dtype), v3.astype(layout.dtype), num_frames
+
+
+def _default_scale(layout: KVLayout, scale: Any) -> Any:
+    return 1.0 / math.sqrt(layout.head_size) if scale is None else scale
+
+
+def paged_attention(
+    layout: KVLayout,
+    pools: KVPools,
+    cursor: jax.Array,  # i32[3]: (run_base, committed, visible_start)
+    layer: jax.Array | int,  # i32[]
+    q: jax.Array,  # [S, Hq, D] or [1, S, Hq, D]
+    k: jax.Array,  # [f*T, H, D] or [1, f*T, H, D]: the current block
+    v: jax.Array,  # [f*T, H, D] or [1, f*T, H, D]
+    extra_k: jax.Array | None = None,  # [E, H, D] or [1, E, H, D]: action/state tokens
+    extra_v: jax.Array | None = None,
+    *,
+    scale: Any = None,  # float or f32[]; default 1/sqrt(D)
+) -> jax.Array:
+    """Non-causal attention of ``q`` over the visible history, the current block and extras.
+
+    Returns an array of ``q``'s shape and dtype. Reads the pools, never writes them.
+    """
+    q3, had_batch, cur_k, cur_v, num_frames = _prepare(layout, q, k, v, extra_k, extra_v)
+    seq_q, num_q_heads, head_size = q3.shape
+    groups = num_q_heads // layout.num_kv_heads
+    q4 = q3.astype(layout.dtype).reshape(seq_q, layout.num_kv_heads, groups, head_size)
+    scale = _default_scale(layout, scale)
+
+    run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
+    hist_k, hist_v = read_run(layout, pools, layer, run_base)
+    page_visible = run_visibility(layout, committed, visible_start, num_frames, jnp)
+    token_visible = jnp.repeat(page_visible, layout.tokens_per_frame)  # bool[(K+W)*T]
+    hist_v = jnp.where(token_visible[:, None, None], hist_v, jnp.zeros((), hist_v.dtype))
+
+    f32 = jnp.float32
+    s_hist = jnp.einsum("shgd,nhd->hgsn", q4, hist_k, preferred_element_type=f32) * scale
+    s_hist = jnp.where(token_visible, s_hist, -jnp.inf)
+    s_cur = jnp.einsum("shgd,nhd->hgsn", q4, cur_k, preferred_element_type=f32) * scale
+    # The current block is never empty, so the running max is finite.
+    m = jnp.maximum(s_hist.max(axis=-1, keepdims=True), s_cur.max(axis=-1, keepdims=True))
+    e_hist = jnp.exp(s_hist - m)
+    e_cur = jnp.exp(s_cur - m)
+    denom = e_hist.sum(axis=-1, keepdims=True) + e_cur.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("hgsn,nhd->hgsd", e_hist.astype(hist_v.dtype), hist_v, preferred_element_type=f32)
+    out = out + jnp.einsum("hgsn,nhd->hgsd", e_cur.astype(cur_v.dtype), cur_v, preferred_element_type=f32)
+    out = out / denom
+    out = out.transpose(2, 0, 1, 3).reshape(seq_q, num_q_heads, head_size).astype(q.dtype)
+    return out[None] if had_batch else out
+
+
+def ref_attention(
+    q: jax.Array,  # [S, Hq, D]
+    k: jax.Array,  # [N, H, D]
+    v: jax.Array,  # [N, H, D]
+    *,
+    mask: jax.Array | None = None,  # bool[N]: keys to attend to (default all)
+    scale: Any = None,
+) -> jax.Array:
+    """Textbook dense non-causal softmax attention in float32; output in ``q.dtype``."""
+    f32 = jnp.float32
+    groups = q.shape[1] // k.shape[1]
+    kq = jnp.repeat(k.astype(f32), groups, axis=1)
+    vq = jnp.repeat(v.astype(f32), groups, axis=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = jnp.einsum("shd,nhd->hsn", q.astype(f32), kq, precision="highest") * scale
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
+        vq = jnp.where(mask[:, None, None], vq, 0.0)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("hsn,nhd->shd", weights, vq, precision="highest")
+    return out.astype(q.dtype)
+
+
+def ref_paged_attention(
+    layout: KVLayout,
+    pools: KVPools,
+    cursor: jax.Array,  # i32[3]
+    layer: jax.Array | int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    extra_k: jax.Array | None = None,
+    extra_v: jax.Array | None = None,
+    *,
+    scale: Any = None,
+) -> jax.Array:
+    """Dense reference of :func:`paged_attention`: ordered gather + concat + float32 softmax."""
+    q3, had_batch, cur_k, cur_v, num_frames = _prepare(layout, q, k, v, extra_k, extra_v)
+    pages, frames = visible_table(layout, cursor, num_frames, jnp)
+    hist_k, hist_v = gather_pages(layout, pools, layer, pages)
+    hist_mask = jnp.repeat(frames >= 0, layout.tokens_per_frame)
+    keys = jnp.concatenate([hist_k, cur_k], axis=0)
+    values = jnp.concatenate([hist_v, cur_v], axis=0)
+    mask = jnp.concatenate([hist_mask, jnp.ones((cur_k.shape[0],), bool)])
+    out = ref_attention(q3, keys, values, mask=mask, scale=_default_scale(layout, scale)).astype(q.dtype)
+    return out[None] if had_batch else out

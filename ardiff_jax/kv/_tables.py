@@ -1,0 +1,120 @@
+"""Cursor arithmetic: which frames a forward sees and which pages hold them.
+
+One implementation serves the host (``xp=numpy``, the runner path) and device code
+(``xp=jax.numpy`` inside ``jit``, device-side rollouts), so both paths agree by
+construction. Shapes depend only on the static layout and the number of current frames,
+never on the fill level: filling, wrapping and resetting a window reuse one program.
+
+A branch cursor is ``(committed, visible_start)``:
+
+* ``committed``: frames committed since the session (or its last reset) began;
+* ``visible_start``: first non-sink frame still visible. It stays 0 in the sliding mode
+  and jumps to ``committed`` after every commit under ``reset_at_boundary`` (only the
+  sink survives a boundary).
+
+Frame ``g`` of a run lives at page ``base + g`` if ``g < sink`` else at
+``base + sink + (g - sink) mod window``. For a forward with ``f`` current frames the
+visible history is the sink ``[0, min(committed, sink))`` followed by the newest
+``window - f`` non-sink frames ``[lo, committed)`` where
+``lo = max(sink, visible_start, committed - (window - f))``: the current frames use up
+window slots, so at most ``sink + window`` video frames are visible including them
+(CONTRACTS.md section 3.5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ardiff_jax.kv._layout import KVLayout
+
+__all__ = [
+    "CURSOR_FIELDS",
+    "VisibleHistory",
+    "make_cursor",
+    "page_of_frame",
+    "visible_history",
+    "visible_table",
+    "run_visibility",
+    "block_pages",
+]
+
+#: Layout of the ``i32[3]`` cursor vector passed into jitted code.
+CURSOR_FIELDS = ("run_base", "committed", "visible_start")
+
+
+def make_cursor(run_base: int, committed: int, visible_start: int) -> np.ndarray:
+    """``i32[3]`` cursor (one leaf: cheaper to pass into jit than three scalars)."""
+    return np.array([run_base, committed, visible_start], dtype=np.int32)
+
+
+class VisibleHistory(NamedTuple):
+    """Visible committed frames: ``[0, num_sink)`` then ``[window_start, window_start + num_window)``."""
+
+    num_sink: Any
+    window_start: Any
+    num_window: Any
+
+
+def page_of_frame(layout: KVLayout, run_base: Any, frame: Any, xp: Any = np) -> Any:
+    """Page id holding absolute frame ``frame`` of the run starting at ``run_base``."""
+    sink, window = layout.sink_frames, layout.window_frames
+    ring = run_base + sink + xp.mod(frame - sink, window)
+    return xp.where(frame < sink, run_base + frame, ring)
+
+
+def visible_history(layout: KVLayout, committed: Any, visible_start: Any, num_current_frames: int,
+                    xp: Any = np) -> VisibleHistory:
+    """The committed frames visible to a forward of ``num_current_frames`` current frames."""
+    sink, window = layout.sink_frames, layout.window_frames
+    num_sink = xp.minimum(committed, sink)
+    window_start = xp.maximum(xp.maximum(visible_start, sink), committed - (window - num_current_frames))
+    num_window = xp.maximum(committed - window_start, 0)
+    return VisibleHistory(num_sink, window_start, num_window)
+
+
+def visible_table(layout: KVLayout, cursor: Any, num_current_frames: int, xp: Any = np) -> tuple[Any, Any]:
+    """Ordered visible history: ``(pages i32[K+W], frames i32[K+W])``.
+
+    Entries are ``[sink frames][newest history frames, oldest to newest]`` then padding;
+    padded entries hold the null page ``P`` and frame ``-1``. Appending the current block
+    and the extra tokens gives the reference key order ``[sink][history][current][extra]``.
+    """
+    run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
+    hist = visible_history(layout, committed, visible_start, num_current_frames, xp)
+    index = xp.arange(layout.run_pages, dtype=np.int32)
+    frames = xp.where(index < hist.num_sink, index, hist.window_start + (index - hist.num_sink))
+    valid = index < hist.num_sink + hist.num_window
+    pages = xp.where(valid, page_of_frame(layout, run_base, frames, xp), layout.null_page)
+    frames = xp.where(valid, frames, -1)
+    return pages.astype(np.int32), frames.astype(np.int32)
+
+
+def run_visibility(layout: KVLayout, committed: Any, visible_start: Any, num_current_frames: int,
+                   xp: Any = np) -> Any:
+    """``bool[K+W]``: which pages of a run (in physical order) hold a visible frame.
+
+    The fast attention path reads a run contiguously and masks with this; it selects
+    exactly the frames of :func:`visible_table`, in ring order instead of time order.
+    """
+    sink, window = layout.sink_frames, layout.window_frames
+    hist = visible_history(layout, committed, visible_start, num_current_frames, xp)
+    index = xp.arange(layout.run_pages, dtype=np.int32)
+    in_sink = index < hist.num_sink
+    # Ring slot r holds, among the visible frames [window_start, window_start + num_window),
+    # the one with (frame - sink) mod window == r; fewer than `window` frames are visible,
+    # so at most one does.
+    ring_offset = xp.mod(index - hist.window_start, window)  # (ring slot) - (slot of window_start)
+    in_ring = (index >= sink) & (ring_offset < hist.num_window)
+    return in_sink | in_ring
+
+
+def block_pages(layout: KVLayout, run_base: Any, committed: Any, num_frames: int, xp: Any = np) -> Any:
+    """``i32[num_frames]``: pages a commit of ``num_frames`` frames writes.
+
+    In the sliding mode these are the ring pages of the oldest resident frames, exactly the
+    ones the commit evicts; none of them is visible to the committing forward itself.
+    """
+    frames = committed + xp.arange(num_frames, dtype=np.int32)
+    return page_of_frame(layout, run_base, frames, xp).astype(np.int32)

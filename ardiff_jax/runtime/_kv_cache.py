@@ -1,0 +1,215 @@
+"""``ARDiffusionKVCache``: the KV manager (memory plan, pools, session slots).
+
+The manager is the only owner of the device pools and the only place that replaces the
+pool references (after each donated commit). Sessions are host objects that hold a slot
+number, never an array of the pools. Constructible directly for research code and tests;
+normal users go through :class:`~ardiff_jax.ARDiffusionEngine`. Like the reference's
+manager, this class is not a stable API; the capability spec is the stable boundary.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from ardiff_jax.capability import ARDiffusionKVCacheSpec
+from ardiff_jax.kv import KVLayout, KVPools, allocate_pools, commit_block, default_storage_dtype
+from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
+from ardiff_jax.runtime._state import ARDiffusionKVState
+
+__all__ = ["ARDiffusionKVCache"]
+
+logger = logging.getLogger("ardiff_jax.runtime")
+
+
+class ARDiffusionKVCache:
+    """Plans memory, allocates the pools once, hands out session slots.
+
+    Args:
+      spec: the pipeline's KV geometry and policy.
+      dtype: logical KV dtype (``"bfloat16"``, ``jnp.float32``, ...).
+      available_memory_bytes: free memory to plan against. ``None`` measures it:
+        ``device.memory_stats()`` where the backend has it, else the host's available RAM.
+      gpu_memory_fraction: share of the free memory for KV, in ``(0, 1]``; a soft floor
+        (one session that fits the free memory is always admitted).
+      device: where the pools live (default: the first device).
+      storage_dtype: dtype of the pool arrays; default per backend (``uint16`` bit patterns
+        for 16-bit floats on CPU, the logical dtype elsewhere).
+    """
+
+    def __init__(
+        self,
+        spec: ARDiffusionKVCacheSpec,
+        *,
+        dtype: Any,
+        available_memory_bytes: int | None = None,
+        gpu_memory_fraction: float = 0.1,
+        device: jax.Device | None = None,
+        storage_dtype: Any = None,
+    ) -> None:
+        if not isinstance(spec, ARDiffusionKVCacheSpec):
+            raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
+        self._device = device if device is not None else jax.devices()[0]
+        if available_memory_bytes is None:
+            available, source = free_memory_bytes(self._device)
+        else:
+            available, source = available_memory_bytes, "explicit"
+        self._spec = spec
+        self._plan: MemoryPlan = plan_memory(
+            spec, dtype=dtype, available_memory_bytes=available, gpu_memory_fraction=gpu_memory_fraction,
+            memory_source=source,
+        )
+        plan = self._plan
+        if storage_dtype is None:
+            storage_dtype = default_storage_dtype(dtype, self._device.platform)
+        self._layout = KVLayout(
+            num_layers=spec.num_layers,
+            num_pages=plan.pool_pages,
+            tokens_per_frame=spec.tokens_per_frame,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            sink_frames=spec.sink_frames,
+            window_frames=spec.window_frames,
+            frames_per_block=spec.frames_per_block,
+            scratch_pages=plan.scratch_blocks_per_branch,
+            reset_at_boundary=spec.reset_at_boundary,
+            max_model_len=spec.max_model_len,
+            dtype=dtype,
+            storage_dtype=storage_dtype,
+        )
+        self._pools: KVPools = allocate_pools(self._layout, self._device)
+        self._free_slots = list(range(plan.session_capacity))  # a heap: lowest free slot first
+        self._states: dict[str, ARDiffusionKVState] = {}
+        logger.info(
+            "AR-Diffusion KV cache: %d layers x %d KV heads x %d, %d tokens/frame, block %d, window %d, sink %d; "
+            "capacity %d of %d requested; pools %s %s (%d bytes) on %s",
+            spec.num_layers, spec.num_kv_heads, spec.head_size, spec.tokens_per_frame, spec.frames_per_block,
+            spec.window_frames, spec.sink_frames, plan.session_capacity, spec.session_capacity,
+            self._layout.pool_shape, self._layout.storage_dtype, self._layout.pool_bytes, self._device,
+        )
+        logger.debug("%s", plan)
+
+    # -- read-only views ---------------------------------------------------------------------
+    @property
+    def spec(self) -> ARDiffusionKVCacheSpec:
+        return self._spec
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return self._plan
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def device(self) -> jax.Device:
+        return self._device
+
+    @property
+    def dtype(self) -> str:
+        """Logical KV dtype name."""
+        return self._layout.dtype
+
+    @property
+    def session_capacity(self) -> int:
+        """Effective capacity: sessions that can be resident at once."""
+        return self._plan.session_capacity
+
+    @property
+    def pools(self) -> KVPools:
+        """The current pools. Do not keep this reference across a commit: commits donate it."""
+        return self._pools
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def session_ids(self) -> tuple[str, ...]:
+        """Ids of the open states, in creation order."""
+        return tuple(self._states)
+
+    def get_state(self, session_id: str) -> ARDiffusionKVState | None:
+        return self._states.get(session_id)
+
+    # -- sessions ------------------------------------------------------------------------------
+    def create_state(self, session_id: str) -> ARDiffusionKVState:
+        """Open a new session in a free slot. RuntimeError when every slot is taken."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"AR-Diffusion session ids must be non-empty strings, got {session_id!r}")
+        self.check_pools()
+        slot = self._take_slot(session_id)
+        state = ARDiffusionKVState(self, session_id, slot)
+        self._states[session_id] = state
+        return state
+
+    def _take_slot(self, session_id: str) -> int:
+        if session_id in self._states:
+            raise ValueError(f"AR-Diffusion session {session_id!r} already has an open state")
+        if not self._free_slots:
+            raise RuntimeError(
+                f"AR-Diffusion KV cache has no free session slot (capacity {self.session_capacity}); close or evict "
+                "a session first"
+            )
+        return heapq.heappop(self._free_slots)
+
+    def _reopen(self, state: ARDiffusionKVState) -> int:
+        """Give a closed state a slot again (``state.reset`` reopens a closed state)."""
+        slot = self._take_slot(state.session_id)
+        self._states[state.session_id] = state
+        return slot
+
+    def _release_slot(self, state: ARDiffusionKVState, slot: int | None) -> None:
+        if self._states.get(state.session_id) is state:
+            del self._states[state.session_id]
+        if slot is not None:
+            heapq.heappush(self._free_slots, slot)
+
+    # -- device ---------------------------------------------------------------------------------
+    def check_pools(self) -> None:
+        """RuntimeError if the pool buffers were donated or deleted behind the manager's back."""
+        if self._pools.is_deleted():
+            raise RuntimeError(
+                "AR-Diffusion KV pools were deleted or donated outside the KV manager (a model must not donate "
+                "PagedKVCaches); the resident sessions' KV is lost"
+            )
+
+    def _write_block(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
+        """One donated scatter of a committed block; swaps the pool references after dispatch."""
+        self.check_pools()
+        self._pools = commit_block(self._layout, self._pools, pages, k, v)
+
+    def block_until_ready(self) -> None:
+        """Wait for every dispatched pool write (surfaces asynchronous device errors)."""
+        self.check_pools()
+        jax.block_until_ready(self._pools)
+
+    def reallocate_pools(self) -> None:
+        """Replace lost pools with fresh zeroed ones. Every open session must be closed first."""
+        if self._states:
+            raise RuntimeError(
+                f"AR-Diffusion reallocate_pools needs every session closed; open: {list(self._states)}"
+            )
+        self._pools.delete()
+        self._pools = allocate_pools(self._layout, self._device)
+
+    def close(self) -> None:
+        """Close every session and free the pools now (notebooks: release device memory)."""
+        for state in list(self._states.values()):
+            state.close()
+        self._pools.delete()
+
+    def memory_report(self) -> dict[str, int]:
+        """Live device bytes owned by the manager: pools and published cross-attention arrays."""
+        cross = sum(state.cross_attention_bytes for state in self._states.values())
+        return {
+            "pool_bytes": 0 if self._pools.is_deleted() else self._layout.pool_bytes,
+            "cross_attention_bytes": cross,
+            "open_sessions": len(self._states),
+            "free_slots": len(self._free_slots),
+        }
