@@ -5,6 +5,10 @@ Public API (import from here):
 * capability: :class:`ARDiffusionKVBranchSpec`, :class:`ARDiffusionCrossAttentionKVSpec`,
   :class:`ARDiffusionKVCacheSpec`, protocols :class:`SupportsARDiffusionPipeline`,
   :class:`SupportsARDiffusionWarmup`, :class:`SupportsStepExecution`;
+* engine and runner: :class:`ARDiffusionEngine`, :class:`ARDiffusionModelRunner`,
+  :class:`EngineConfig`, :class:`DiffusionRequest`, :class:`StepResult`,
+  :class:`StepSchedulerOutput`, typed ticks :class:`ARDiffusionTickRequest`,
+  :class:`ARDiffusionControlInput`, :class:`ARDiffusionChunkMetadata`;
 * KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`, :class:`MemoryPlan`,
   :class:`PagedKVCaches`, :class:`CrossAttentionKV`;
 * functional core: :mod:`ardiff_jax.kv`.
@@ -20,7 +24,19 @@ from ardiff_jax.capability import (
 )
 from ardiff_jax.kv import KVLayout, KVPools, LayerKVCache, PagedKVCaches
 from ardiff_jax.runtime import (
+    AR_DIFFUSION_TICK_KEY,
     SCRATCH_BLOCKS_ENV,
+    WARMUP_SESSION_ID,
+    ARDiffusionChunkMetadata,
+    ARDiffusionControlInput,
+    ARDiffusionEngine,
+    ARDiffusionModelRunner,
+    ARDiffusionTickRequest,
+    DiffusionRequest,
+    EngineConfig,
+    SessionEvent,
+    StepResult,
+    StepSchedulerOutput,
     ARDiffusionKVCache,
     ARDiffusionKVState,
     ARDiffusionRequestAdapter,
@@ -32,7 +48,19 @@ from ardiff_jax.runtime import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AR_DIFFUSION_TICK_KEY",
     "SCRATCH_BLOCKS_ENV",
+    "WARMUP_SESSION_ID",
+    "ARDiffusionChunkMetadata",
+    "ARDiffusionControlInput",
+    "ARDiffusionEngine",
+    "ARDiffusionModelRunner",
+    "ARDiffusionTickRequest",
+    "DiffusionRequest",
+    "EngineConfig",
+    "SessionEvent",
+    "StepResult",
+    "StepSchedulerOutput",
     "ARDiffusionCrossAttentionKVSpec",
     "ARDiffusionKVBranchSpec",
     "ARDiffusionKVCache",
