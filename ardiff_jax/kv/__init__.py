@@ -20,6 +20,7 @@ from ardiff_jax.kv._ops import commit_block, gather_pages, read_run, write_block
 from ardiff_jax.kv._tables import (
     CURSOR_FIELDS,
     VisibleHistory,
+    advance_cursor,
     block_pages,
     make_cursor,
     page_of_frame,
@@ -35,6 +36,7 @@ __all__ = [
     "LayerKVCache",
     "PagedKVCaches",
     "VisibleHistory",
+    "advance_cursor",
     "allocate_pools",
     "block_pages",
     "commit_block",

@@ -38,6 +38,7 @@ __all__ = [
     "visible_table",
     "run_visibility",
     "block_pages",
+    "advance_cursor",
 ]
 
 #: Layout of the ``i32[3]`` cursor vector passed into jitted code.
@@ -118,3 +119,14 @@ def block_pages(layout: KVLayout, run_base: Any, committed: Any, num_frames: int
     """
     frames = committed + xp.arange(num_frames, dtype=np.int32)
     return page_of_frame(layout, run_base, frames, xp).astype(np.int32)
+
+
+def advance_cursor(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np) -> Any:
+    """The cursor after committing ``num_frames`` frames (``i32[3]``).
+
+    Eviction is eager and metadata-only: the new block overwrote the oldest ring pages, and
+    under ``reset_at_boundary`` every non-sink frame stops being visible.
+    """
+    committed = cursor[1] + num_frames
+    visible_start = committed if layout.reset_at_boundary else cursor[2]
+    return xp.stack([xp.asarray(cursor[0]), xp.asarray(committed), xp.asarray(visible_start)]).astype(np.int32)
