@@ -62,19 +62,30 @@ def rollout_blocks(
     level, ring wrap and session mix runs the same program.
     """
     seq_len = num_frames * layout.tokens_per_frame
+    block_shape = (layout.num_layers, seq_len, layout.num_kv_heads, layout.head_size)
 
-    def step(carry: tuple[KVPools, jax.Array], inputs: tuple[jax.Array, Any]):
-        pools, cursors = carry
+    # Each step first writes the *previous* step's block, then runs its own forward. Writing
+    # before reading lets XLA scatter into the carried pools in place; a read followed by a
+    # write of the same carried buffer makes it copy a whole pool per step. The deferral is
+    # exact: a committed block is written before any later forward runs, and its pages are
+    # invisible to the forward that produced it.
+    def step(carry: tuple[KVPools, jax.Array, tuple[jax.Array, jax.Array, jax.Array]], inputs: tuple[jax.Array, Any]):
+        pools, cursors, (pending_pages, pending_k, pending_v) = carry
+        pools = write_block(layout, pools, pending_pages, pending_k, pending_v)
         index, x = inputs
         cursor = cursors[index]
         caches = PagedKVCaches(pools=pools, cursor=cursor, layout=layout, seq_len=seq_len)
         y, k, v = block_fn(caches, x)
         pages = block_pages(layout, cursor[0], cursor[1], num_frames, jnp)
-        pools = write_block(layout, pools, pages, k, v)
         cursors = cursors.at[index].set(advance_cursor(layout, cursor, num_frames, jnp))
-        return (pools, cursors), y
+        pending = (pages, k.reshape(block_shape).astype(layout.dtype), v.reshape(block_shape).astype(layout.dtype))
+        return (pools, cursors, pending), y
 
-    (pools, cursors), ys = jax.lax.scan(step, (pools, cursors), (session_index, xs))
+    # Nothing pending before the first step: null pages drop the write.
+    nothing = (jnp.full((num_frames,), layout.null_page, jnp.int32), jnp.zeros(block_shape, layout.dtype),
+               jnp.zeros(block_shape, layout.dtype))
+    (pools, cursors, pending), ys = jax.lax.scan(step, (pools, cursors, nothing), (session_index, xs))
+    pools = write_block(layout, pools, *pending)
     return pools, cursors, ys
 
 
