@@ -134,6 +134,8 @@ def paged_attention(
     scale = _default_scale(layout, scale)
 
     run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
+    # Python ints are normalised by PagedKVCaches; a traced negative index must not clamp to 0.
+    layer = jnp.where(jnp.asarray(layer) < 0, jnp.asarray(layer) + layout.num_layers, layer)
     hist_k, hist_v = read_run(layout, pools, layer, run_base)
     page_visible = run_visibility(layout, committed, visible_start, num_frames, jnp)
     token_visible = jnp.repeat(page_visible, layout.tokens_per_frame)  # bool[(K+W)*T]
