@@ -1,0 +1,563 @@
+"""``CFGWorldActionPipeline``: a DreamZero-style world-action pipeline with classifier-free guidance.
+
+Correspondence to DreamZero's adapter in vLLM-Omni (CONTRACTS.md section 9):
+
+============================================  =================================================
+DreamZero (``DreamZeroPipeline``)              here
+============================================  =================================================
+branches ``("positive", 0)``, ``("negative",   the same; ``CFGPipelineConfig.cfg_parallel_layout``
+0 if CFG-parallel world size >= 2 else 1)``    selects the shared-index layout (see below)
+``_kv_get(state, is_negative, seq_len,         :meth:`_kv_get` (same signature), :meth:`_kv_commit`,
+update_kv_cache)``, ``_kv_commit``,            :meth:`_kv_get_cross`, :meth:`_kv_populate_cross`:
+``_kv_get_cross``, ``_kv_populate_cross``      boolean CFG calls -> branch names
+``"text"`` (text_len) + ``"image"`` (257)      ``"text"`` (``config.text_len``) + ``"image"``
+cross caches                                   (``config.image_len``; none when 0)
+action/state register tokens in scratch        ``num_register_tokens`` = actions + state tokens,
+(``num_action_per_block + num_state_per_      declared as ``max_scratch_tokens_per_branch`` and
+block``), never cached                         passed as ``extra_k/extra_v``
+prefill: observed frames committed at          :meth:`forward` commits the observation's latent
+timestep 0, then the denoise loop with         frames at t = 0 on both branches, then denoises the
+``update_kv_cache=False``                      next block non-committing with CFG
+CFG ``neg + scale * (pos - neg)``; actions     video flow ``neg + scale * (pos - neg)``; action
+use the positive branch only                   flow from the positive branch only
+prompt change -> "session" reset               prompt change -> ``state.reset()`` + fresh model
+(``state.reset()``)                            state (equal to a new session with that prompt)
+warmup: ``1 + ceil(max(0, W - 1) / F)``        :meth:`ar_diffusion_warmup_requests`: the same count,
+requests, 1 observation frame then 4           one frame for request 0 (``reset=True``), four after
+robot observation keys (3 camera views,        :class:`ObservationSchema`: the same keys; views are
+joint/cartesian/gripper)                       stitched 2x2 and encoded by a stand-in VAE
+output ``{"actions", "video"}``                the same
+============================================  =================================================
+
+Not carried over: DreamZero's model-detected window resets (``reset(keep_cross_attention=
+("text",))`` at the attention-window boundary); this pipeline uses the runtime's sliding
+window + sink instead.
+
+CFG-parallel layout: with ``cfg_parallel_layout=True`` both branches report
+``local_index=0``. That layout is only valid when each branch runs on its own worker (the
+positive half on one, the negative on the other): the branches then share one
+worker-local storage slot that only one of them ever uses. On a single worker both
+branches commit into the same run and the runtime refuses the second commit with a
+RuntimeError (``share local_index``), failing the request closed. Use the default
+(positive 0, negative 1) in-process.
+
+Stand-ins for what cannot be downloaded: the three camera views are stitched 2x2
+(``[[exterior 0, exterior 1], [wrist, black]]``, as DreamZero stitches three 176x320
+views into 352x640) and encoded by a fixed "VAE" (8x8 average pooling, 4x temporal
+pooling after the first frame as Wan's causal VAE does, a fixed random 3 -> C channel
+map); image tokens are the first observed latent frame's patch features resampled to
+``image_len`` tokens (DreamZero uses CLIP features of the conditioning image).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ardiff_jax.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+from ardiff_jax.models._common import (
+    DiTModules,
+    FewStepSchedule,
+    PipelineBase,
+    check_positive_int,
+    image_cross_kv,
+    nbytes,
+    new_session_key,
+    prompt_ids,
+    resolve_config,
+    session_seed,
+    step_noise_key,
+    text_cross_kv,
+)
+from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._dit import patchify
+from ardiff_jax.runtime._requests import DiffusionRequest
+
+__all__ = ["CFGWorldActionPipeline", "CFGPipelineConfig", "ObservationSchema", "cfg_step", "cfg_commit"]
+
+POSITIVE = "positive"
+NEGATIVE = "negative"
+TEXT = "text"
+IMAGE = "image"
+
+VIEW_KEYS = (
+    "observation/exterior_image_0_left",
+    "observation/exterior_image_1_left",
+    "observation/wrist_image_left",
+)
+STATE_KEYS = (
+    ("observation/joint_position", 7),
+    ("observation/cartesian_position", 6),
+    ("observation/gripper_position", 1),
+)
+#: Pixel frames per latent frame after the first (Wan's causal VAE: 1 + 4k -> 1 + k).
+TEMPORAL_STRIDE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservationSchema:
+    """The robot observation this pipeline accepts (DreamZero's DROID keys).
+
+    * three camera views (:data:`VIEW_KEYS`), ``uint8[view_height, view_width, 3]`` or
+      ``uint8[n, view_height, view_width, 3]``, the same ``n`` for all views, where ``n`` is 1
+      or a multiple of 4 (``n / 4`` latent frames; one frame gives one latent frame);
+    * robot state (:data:`STATE_KEYS`): joint position (7), cartesian position (6), gripper (1);
+    * optional ``"prompt"``: used when the request has no ``prompt``.
+
+    The 2x2 stitch of the views is ``latent_height * 8`` x ``latent_width * 8`` pixels, so a
+    view is ``4 * latent_height`` x ``4 * latent_width``.
+    """
+
+    view_height: int
+    view_width: int
+
+    @classmethod
+    def for_config(cls, config: CausalDiTConfig) -> ObservationSchema:
+        return cls(view_height=4 * config.latent_height, view_width=4 * config.latent_width)
+
+    @property
+    def state_dim(self) -> int:
+        return sum(size for _, size in STATE_KEYS)
+
+    def example(self, num_frames: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+        """A valid observation with ``num_frames`` pixel frames (warmup and tests)."""
+        rng = np.random.default_rng(seed)
+        obs: dict[str, np.ndarray] = {
+            key: rng.integers(0, 256, (num_frames, self.view_height, self.view_width, 3), dtype=np.uint8)
+            for key in VIEW_KEYS
+        }
+        for key, size in STATE_KEYS:
+            obs[key] = rng.uniform(-1.0, 1.0, (size,)).astype(np.float32)
+        return obs
+
+    def validate(self, observation: Any) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """``(views uint8[n, Hv, Wv, 3] x 3, state f32[14], n)``; ValueError naming the bad field."""
+        if not isinstance(observation, Mapping):
+            raise ValueError(
+                f"CFGWorldActionPipeline needs inputs['observation'] (a mapping with {list(VIEW_KEYS)} and "
+                f"{[key for key, _ in STATE_KEYS]}), got {type(observation).__name__}")
+        views = []
+        for key in VIEW_KEYS:
+            if key not in observation:
+                raise ValueError(f"observation is missing {key!r}")
+            view = np.asarray(observation[key])
+            if view.ndim == 3:
+                view = view[None]
+            if view.dtype != np.uint8 or view.shape[1:] != (self.view_height, self.view_width, 3):
+                raise ValueError(
+                    f"observation {key!r} must be uint8[{self.view_height}, {self.view_width}, 3] or "
+                    f"uint8[n, {self.view_height}, {self.view_width}, 3], got {view.dtype}{list(view.shape)}")
+            views.append(view)
+        frames = {view.shape[0] for view in views}
+        if len(frames) != 1:
+            raise ValueError(f"observation views must have the same number of frames, got {sorted(frames)}")
+        num_frames = frames.pop()
+        if num_frames != 1 and num_frames % TEMPORAL_STRIDE:
+            raise ValueError(f"observation frames must be 1 or a multiple of {TEMPORAL_STRIDE}, got {num_frames}")
+        state = []
+        for key, size in STATE_KEYS:
+            if key not in observation:
+                raise ValueError(f"observation is missing {key!r}")
+            value = np.asarray(observation[key], dtype=np.float32).reshape(-1)
+            if value.shape != (size,) or not np.isfinite(value).all():
+                raise ValueError(f"observation {key!r} must be {size} finite floats, got {value.shape}")
+            state.append(value)
+        return views, np.concatenate(state), num_frames
+
+    @staticmethod
+    def latent_frames(num_frames: int) -> int:
+        return 1 if num_frames == 1 else num_frames // TEMPORAL_STRIDE
+
+
+class _ObservationEncoder:
+    """Stand-in VAE (host numpy, deterministic): stitch 2x2, 8x8 average pool, 4x temporal pool, 3 -> C map."""
+
+    def __init__(self, config: CausalDiTConfig, seed: int) -> None:
+        self._config = config
+        rng = np.random.default_rng(seed)
+        self._mix = (rng.standard_normal((3, config.latent_channels)) / math.sqrt(3)).astype(np.float32)
+
+    def __call__(self, views: list[np.ndarray]) -> np.ndarray:
+        """Three ``uint8[n, Hv, Wv, 3]`` views -> ``f32[n_latent, C, H, W]``."""
+        cfg = self._config
+        n, hv, wv, _ = views[0].shape
+        stitched = np.zeros((n, 2 * hv, 2 * wv, 3), np.float32)
+        stitched[:, :hv, :wv] = views[0]
+        stitched[:, :hv, wv:] = views[1]
+        stitched[:, hv:, :wv] = views[2]
+        pixels = stitched / 127.5 - 1.0
+        pooled = pixels.reshape(n, cfg.latent_height, 8, cfg.latent_width, 8, 3).mean(axis=(2, 4))
+        if n > 1:
+            pooled = pooled.reshape(n // TEMPORAL_STRIDE, TEMPORAL_STRIDE, *pooled.shape[1:]).mean(axis=1)
+        latents = pooled @ self._mix  # [n_lat, H, W, C]
+        return np.ascontiguousarray(latents.transpose(0, 3, 1, 2))
+
+
+def image_features(config: CausalDiTConfig, latent_frame: np.ndarray) -> np.ndarray:
+    """``f32[C, H, W]`` -> ``f32[image_len, patch_dim]``: patch features resampled along the token axis."""
+    feats = patchify(np.asarray(latent_frame, np.float32)[None], config.patch_size)  # numpy: no device work
+    tokens = feats.shape[0]
+    where = np.linspace(0.0, tokens - 1, config.image_len)
+    return np.stack([np.interp(where, np.arange(tokens), col) for col in feats.T], axis=1).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CFGPipelineConfig:
+    """Policy of :class:`CFGWorldActionPipeline`.
+
+    Attributes:
+      schedule: the denoising schedule (DreamZero runs 16 steps, ~4 with its DiT cache).
+      guidance_scale: CFG scale (DreamZero: 5.0).
+      negative_prompt: text of the negative branch.
+      num_state_tokens: register tokens carrying the robot state; the rest carry actions.
+      action_dim: dimensions of one action (DROID: 7 joints + gripper).
+      session_capacity: requested upper bound of resident sessions.
+      cfg_parallel_layout: both branches at ``local_index=0`` (one branch per worker only).
+      weights_seed, noise_seed: seeds of the random weights and of per-session noise.
+    """
+
+    schedule: FewStepSchedule = FewStepSchedule()
+    guidance_scale: float = 5.0
+    negative_prompt: str = ""
+    num_state_tokens: int = 1
+    action_dim: int = 8
+    session_capacity: int = 3
+    cfg_parallel_layout: bool = False
+    weights_seed: int = 0
+    noise_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, FewStepSchedule):
+            raise TypeError(f"schedule must be a FewStepSchedule, got {type(self.schedule).__name__}")
+        if not math.isfinite(self.guidance_scale):
+            raise ValueError(f"guidance_scale must be finite, got {self.guidance_scale}")
+        check_positive_int("CFGPipelineConfig num_state_tokens", self.num_state_tokens)
+        check_positive_int("CFGPipelineConfig action_dim", self.action_dim)
+        check_positive_int("CFGPipelineConfig session_capacity", self.session_capacity)
+        if not isinstance(self.negative_prompt, str):
+            raise ValueError(f"negative_prompt must be a string, got {self.negative_prompt!r}")
+
+
+def _register_features(config: CausalDiTConfig, actions: jax.Array, state_features: jax.Array) -> jax.Array:
+    """``[A, action_dim]`` noisy actions + ``[S, register_dim]`` state -> ``[A + S, register_dim]``."""
+    pad = config.register_dim - actions.shape[1]
+    return jnp.concatenate([jnp.pad(actions, ((0, 0), (0, pad))), state_features])
+
+
+def _cfg_step(
+    graphdef: Any,
+    params: Any,
+    pos_attention: Any,  # SelfAttentionBackend of the positive branch
+    neg_attention: Any,  # SelfAttentionBackend of the negative branch
+    x_t: jax.Array,  # f32[f, C, H, W]
+    a_t: jax.Array,  # f32[A, action_dim]
+    state_features: jax.Array,  # f32[S, register_dim]
+    t: jax.Array,  # f32[]
+    sigma: jax.Array,  # f32[]
+    sigma_next: jax.Array,  # f32[]
+    session_key: jax.Array,
+    block_index: jax.Array,  # i32[]
+    step_index: jax.Array,  # i32[]
+    frame_start: jax.Array,  # i32[]
+    pos_cross: tuple[Any, Any],  # (text_kv, image_kv | None) of the positive branch
+    neg_cross: tuple[Any, Any],
+    guidance_scale: jax.Array,  # f32[]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    modules = nnx.merge(graphdef, params)
+    dit = modules.transformer
+    registers = _register_features(dit.config, a_t, state_features)
+    pos = dit(x_t, t, frame_start, pos_cross[0], pos_cross[1], registers, attention=pos_attention)
+    neg = dit(x_t, t, frame_start, neg_cross[0], neg_cross[1], registers, attention=neg_attention)
+    video_flow = neg.video + guidance_scale * (pos.video - neg.video)
+    # DreamZero guides the video only; the action prediction comes from the positive branch.
+    action_flow = pos.registers[: a_t.shape[0], : a_t.shape[1]]
+    x0 = x_t - sigma * video_flow
+    a0 = a_t - sigma * action_flow
+    video_key, action_key = jax.random.split(step_noise_key(session_key, block_index, step_index))
+    x_next = (1.0 - sigma_next) * x0 + sigma_next * jax.random.normal(video_key, x_t.shape, jnp.float32)
+    a_next = (1.0 - sigma_next) * a0 + sigma_next * jax.random.normal(action_key, a_t.shape, jnp.float32)
+    return x_next, x0, a_next, a0
+
+
+def _cfg_commit(
+    graphdef: Any,
+    params: Any,
+    attention: Any,  # SelfAttentionBackend of one branch
+    latents: jax.Array,  # f32[n, C, H, W]: observed (clean) latent frames
+    frame_start: jax.Array,  # i32[]
+    text_kv: Any,  # [L, N, H, D] x 2
+    image_kv: Any,  # [L, Ni, H, D] x 2 or None
+) -> tuple[jax.Array, jax.Array]:
+    modules = nnx.merge(graphdef, params)
+    out = modules.transformer(latents, jnp.float32(0.0), frame_start, text_kv, image_kv, None, attention=attention)
+    return out.k, out.v
+
+
+def _initial_noise(session_key: jax.Array, block_index: jax.Array, video_shape: tuple[int, ...],
+                   action_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    video_key, action_key = jax.random.split(jax.random.fold_in(jax.random.fold_in(session_key, block_index), 0))
+    return (jax.random.normal(video_key, video_shape, jnp.float32),
+            jax.random.normal(action_key, action_shape, jnp.float32))
+
+
+#: One CFG denoise step over both branches: ``-> (x_next, x0, a_next, a0)``.
+cfg_step = jax.jit(_cfg_step, static_argnums=0)
+#: The committing forward of observed frames on one branch (t = 0): ``-> (k, v)`` each ``[L, n*T, H, D]``.
+cfg_commit = jax.jit(_cfg_commit, static_argnums=0)
+initial_noise = jax.jit(_initial_noise, static_argnums=(2, 3))
+
+
+@dataclasses.dataclass
+class _CFGSession:
+    key: jax.Array
+    prompt: str
+    block_index: int = 0
+    last_video: jax.Array | None = None
+    last_actions: jax.Array | None = None
+
+
+class CFGWorldActionPipeline(PipelineBase):
+    """DreamZero-style world-action pipeline with positive/negative CFG KV branches.
+
+    Args:
+      config: a :class:`CausalDiTConfig` (with register tokens; image branch optional) or a
+        preset name.
+      pipeline_config: :class:`CFGPipelineConfig`.
+      modules: weights to reuse (another pipeline's ``.modules`` of the same config).
+      device: where inputs and weights live (default: the first device).
+
+    Request: ``prompt`` (or ``observation["prompt"]``; required on a session's first
+    request), ``inputs["observation"]`` per :class:`ObservationSchema`, optional
+    ``inputs["seed"]`` for a new session. Output: ``{"actions": f32[A, action_dim],
+    "video": f32[f, C, H, W]}``. See the module docstring for the DreamZero correspondence.
+    """
+
+    def __init__(self, config: CausalDiTConfig | str = "tiny", pipeline_config: CFGPipelineConfig | None = None,
+                 *, modules: DiTModules | None = None, device: jax.Device | None = None) -> None:
+        pipeline_config = CFGPipelineConfig() if pipeline_config is None else pipeline_config
+        if not isinstance(pipeline_config, CFGPipelineConfig):
+            raise TypeError(f"pipeline_config must be a CFGPipelineConfig, got {type(pipeline_config).__name__}")
+        # Validate the pairing before paying for weights.
+        self._check_compatible(resolve_config(config), pipeline_config)
+        self.pipeline_config = pipeline_config
+        super().__init__(config, pipeline_config.weights_seed, modules, device)
+        self.schema = ObservationSchema.for_config(self.config)
+        self._encoder = _ObservationEncoder(self.config, pipeline_config.weights_seed + 1)
+        self._sessions: dict[str, _CFGSession] = {}
+        self._negative_text_kv: tuple[jax.Array, jax.Array] | None = None
+
+    @staticmethod
+    def _check_compatible(config: CausalDiTConfig, pipeline_config: CFGPipelineConfig) -> None:
+        if config.num_register_tokens <= pipeline_config.num_state_tokens:
+            raise ValueError(
+                f"CFGWorldActionPipeline needs action and state register tokens: num_register_tokens "
+                f"({config.num_register_tokens}) must exceed num_state_tokens ({pipeline_config.num_state_tokens})")
+        state_dim = sum(size for _, size in STATE_KEYS)
+        if config.register_dim < max(state_dim, pipeline_config.action_dim):
+            raise ValueError(
+                f"CFGWorldActionPipeline register_dim ({config.register_dim}) must hold the robot state "
+                f"({state_dim}) and one action ({pipeline_config.action_dim})")
+
+    @property
+    def schedule(self) -> FewStepSchedule:
+        return self.pipeline_config.schedule
+
+    @property
+    def num_action_tokens(self) -> int:
+        return self.config.num_register_tokens - self.pipeline_config.num_state_tokens
+
+    # -- capability ---------------------------------------------------------------------------
+    @staticmethod
+    def kv_spec_for(config: CausalDiTConfig, pipeline_config: CFGPipelineConfig | None = None
+                    ) -> ARDiffusionKVCacheSpec:
+        """The spec a pipeline of ``config`` reports (no weights needed)."""
+        pipeline_config = CFGPipelineConfig() if pipeline_config is None else pipeline_config
+        negative_index = 0 if pipeline_config.cfg_parallel_layout else 1
+        cross = [ARDiffusionCrossAttentionKVSpec(TEXT, config.text_len)]
+        if config.image_len:
+            cross.append(ARDiffusionCrossAttentionKVSpec(IMAGE, config.image_len))
+        return ARDiffusionKVCacheSpec(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_heads,
+            head_size=config.head_dim,
+            tokens_per_frame=config.tokens_per_frame,
+            frames_per_block=config.frames_per_block,
+            window_frames=config.window_frames,
+            sink_frames=config.sink_frames,
+            kv_branches=(ARDiffusionKVBranchSpec(POSITIVE, 0), ARDiffusionKVBranchSpec(NEGATIVE, negative_index)),
+            cross_attention=tuple(cross),
+            max_scratch_tokens_per_branch=config.num_register_tokens,
+            session_capacity=pipeline_config.session_capacity,
+            model_owned_state_bytes_per_session=CFGWorldActionPipeline.model_owned_bytes_bound(
+                config, pipeline_config),
+        )
+
+    @staticmethod
+    def model_owned_bytes_bound(config: CausalDiTConfig, pipeline_config: CFGPipelineConfig) -> int:
+        """Upper bound of one session's device state: last video block, last actions, key."""
+        actions = nbytes((config.num_register_tokens - pipeline_config.num_state_tokens, pipeline_config.action_dim))
+        return nbytes(config.block_shape) + actions + 16
+
+    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
+        return self.kv_spec_for(self.config, self.pipeline_config)
+
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
+        """DreamZero's warmup: ``1 + ceil(max(0, window - 1) / frames_per_block)`` requests.
+
+        Request 0 resets the session and carries one observation frame (the conditioning
+        image); the later ones carry four frames each. Together they compile every program a
+        rollout uses (1-frame commit, CFG step, text/image projections).
+        """
+        cfg = self.config
+        count = 1 + math.ceil(max(0, cfg.window_frames - 1) / cfg.frames_per_block)
+        for index in range(count):
+            yield DiffusionRequest(
+                f"ardiffusion-warmup-{index}", prompt="warmup",
+                extra_args={"reset": index == 0, "session_id": session_id},
+                inputs={"observation": self.schema.example(1 if index == 0 else TEMPORAL_STRIDE, seed=index)},
+            )
+
+    @property
+    def session_ids(self) -> tuple[str, ...]:
+        return tuple(self._sessions)
+
+    def model_owned_bytes(self, session_id: str) -> int:
+        """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return 0
+        total = int(jax.random.key_data(session.key).nbytes)
+        for array in (session.last_video, session.last_actions):
+            if array is not None:
+                total += int(array.nbytes)
+        return total
+
+    # -- DreamZero-style boolean -> branch helpers -------------------------------------------
+    @staticmethod
+    def _branch(is_negative: bool) -> str:
+        return NEGATIVE if is_negative else POSITIVE
+
+    def _kv_get(self, state: Any, is_negative: bool, seq_len: int, update_kv_cache: bool) -> Any:
+        return state.get_kv_caches(self._branch(is_negative), seq_len=seq_len, commit_current=update_kv_cache)
+
+    def _kv_commit(self, state: Any, is_negative: bool, kv: tuple[jax.Array, jax.Array] | None = None) -> None:
+        state.commit_paged_context(self._branch(is_negative), kv=kv)
+
+    def _kv_get_cross(self, state: Any, is_negative: bool) -> tuple[Any, Any]:
+        branch = self._branch(is_negative)
+        text = state.get_cross_attention_kv(branch, TEXT)
+        image = state.get_cross_attention_kv(branch, IMAGE) if self.config.image_len else None
+        return text, image
+
+    def _kv_populate_cross(self, state: Any, session: _CFGSession, first_latent: np.ndarray) -> None:
+        """Publish any missing text/image cache of both branches (one call per cache and branch)."""
+        image_kv = None
+        for is_negative in (False, True):
+            branch = self._branch(is_negative)
+            if not state.is_cross_attention_populated(branch, TEXT):
+                state.populate_cross_attention(branch, TEXT, zip(*self._text_kv(session, is_negative), strict=True))
+            if self.config.image_len and not state.is_cross_attention_populated(branch, IMAGE):
+                if image_kv is None:
+                    feats = self._to_device(image_features(self.config, first_latent))
+                    image_kv = image_cross_kv(self._graphdef, self._params, feats)
+                state.populate_cross_attention(branch, IMAGE, zip(*image_kv, strict=True))
+
+    def _text_kv(self, session: _CFGSession, is_negative: bool) -> tuple[jax.Array, jax.Array]:
+        if is_negative:
+            # The negative prompt is fixed per pipeline: project it once for all sessions.
+            if self._negative_text_kv is None:
+                ids = self._to_device(prompt_ids(self.pipeline_config.negative_prompt, self.config.text_len))
+                self._negative_text_kv = text_cross_kv(self._graphdef, self._params, ids)
+            return self._negative_text_kv
+        ids = self._to_device(prompt_ids(session.prompt, self.config.text_len))
+        return text_cross_kv(self._graphdef, self._params, ids)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _parse(self, session_id: str, request: DiffusionRequest) -> tuple[list[np.ndarray], np.ndarray, int,
+                                                                          str | None]:
+        observation = request.inputs.get("observation")
+        views, robot_state, num_frames = self.schema.validate(observation)
+        prompt = request.prompt if request.prompt is not None else observation.get("prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"CFGWorldActionPipeline prompt must be a string, got {type(prompt).__name__}")
+        if prompt is None and session_id not in self._sessions:
+            raise ValueError(
+                f"CFGWorldActionPipeline session {session_id!r} has no prompt yet: its first request needs one")
+        latent_frames = self.schema.latent_frames(num_frames)
+        if latent_frames > self.config.window_frames:
+            raise ValueError(
+                f"observation of {num_frames} frames encodes to {latent_frames} latent frames, more than the "
+                f"window ({self.config.window_frames})")
+        return views, robot_state, latent_frames, prompt
+
+    def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
+        """Commit the observation on both branches, then denoise the next block with CFG."""
+        state = self._bound_state()
+        session_id = state.session_id
+        views, robot_state, latent_frames, prompt = self._parse(session_id, request)
+        session = self._sessions.get(session_id)
+        if session is not None and prompt is not None and prompt != session.prompt:
+            # DreamZero's "session" reset on a prompt change: history and every cross cache go.
+            state.reset()
+            session = None
+        if session is None:
+            seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
+            assert prompt is not None
+            session = _CFGSession(key=new_session_key(seed, self.device), prompt=prompt)
+            self._sessions[session_id] = session
+        latents = self._encoder(views)
+        self._kv_populate_cross(state, session, latents[0])
+        self._commit_observation(state, self._to_device(latents))
+        video, actions = self._denoise(state, session, robot_state)
+        session.last_video, session.last_actions = video, actions
+        session.block_index += 1
+        return {"actions": actions, "video": video}
+
+    def _commit_observation(self, state: Any, latents: jax.Array) -> None:
+        """Prefill: the observed latent frames, clean (t = 0), committed on each branch."""
+        seq_len = latents.shape[0] * self.config.tokens_per_frame
+        for is_negative in (False, True):
+            caches = self._kv_get(state, is_negative, seq_len, update_kv_cache=True)
+            text_kv, image_kv = self._kv_get_cross(state, is_negative)
+            frame_start = np.int32(state.adapter(self._branch(is_negative)).committed_frames)
+            k, v = cfg_commit(self._graphdef, self._params, caches, latents, frame_start, text_kv, image_kv)
+            self._kv_commit(state, is_negative, (k, v))
+
+    def _denoise(self, state: Any, session: _CFGSession, robot_state: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+        block_index = np.int32(session.block_index)
+        x, a = initial_noise(session.key, block_index, cfg.block_shape,
+                             (self.num_action_tokens, self.pipeline_config.action_dim))
+        state_features = np.zeros((self.pipeline_config.num_state_tokens, cfg.register_dim), np.float32)
+        state_features[:, : robot_state.shape[0]] = robot_state
+        state_features = self._to_device(state_features)
+        frame_start = np.int32(state.adapter(POSITIVE).committed_frames)
+        pos_cross, neg_cross = self._kv_get_cross(state, False), self._kv_get_cross(state, True)
+        scale = np.float32(self.pipeline_config.guidance_scale)
+        x0 = a0 = None
+        for step in range(self.schedule.num_steps):
+            pos = self._kv_get(state, False, seq_len, update_kv_cache=False)
+            neg = self._kv_get(state, True, seq_len, update_kv_cache=False)
+            t, sigma, sigma_next = self.schedule.step_args(step)
+            x, x0, a, a0 = cfg_step(self._graphdef, self._params, pos, neg, x, a, state_features, t, sigma,
+                                    sigma_next, session.key, block_index, np.int32(step), frame_start, pos_cross,
+                                    neg_cross, scale)
+        # Denoise contexts never write; clear them so the branches end the request with nothing pending.
+        self._kv_commit(state, False)
+        self._kv_commit(state, True)
+        assert x0 is not None and a0 is not None
+        return x0, a0

@@ -1,0 +1,187 @@
+"""``CausalDiTConfig``: the size and KV policy of a Wan-style causal video transformer, and presets.
+
+The config carries both the network size (layers, width, heads, FFN) and the causal
+policy a causal-Wan checkpoint fixes at training time (frames per AR block, attention
+window, sink, register tokens, text/image context lengths). Pipelines read the KV
+geometry from here, as the seed's ``WorldPipeline`` sketch reads it from its transformer.
+
+Presets (PERFORMANCE_ANCHORS.md section 6):
+
+* ``tiny``: CPU tests in seconds; its KV geometry is ``ardiff_jax.geometries.tiny()``.
+* ``medium``: 8 layers, 4 heads x 128, 220 tokens/frame (22x40 latent); the geometry of
+  ``ardiff_jax.geometries.medium()``.
+* ``wan_1_3b``: Wan2.1-T2V-1.3B (30 layers, 12 heads x 128, dim 1536, FFN 8960, 1560
+  tokens/frame = 60x104 latent, 3-frame blocks, 512 x 4096 text); the geometry of
+  ``ardiff_jax.geometries.wan_1_3b()``. On CPU instantiate it shape-wise only
+  (``nnx.eval_shape``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+__all__ = ["CausalDiTConfig", "DIT_PRESETS", "dit_preset"]
+
+_POSITIVE = (
+    "num_layers", "dim", "num_heads", "ffn_dim", "latent_channels", "latent_height", "latent_width",
+    "patch_size", "text_len", "text_dim", "frames_per_block", "window_frames", "freq_dim",
+)
+_NON_NEGATIVE = ("sink_frames", "image_len", "num_register_tokens", "register_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalDiTConfig:
+    """Size and causal policy of a :class:`~ardiff_jax.models.CausalDiT`.
+
+    Attributes:
+      num_layers, dim, num_heads, ffn_dim: transformer size (``head_dim = dim // num_heads``).
+      latent_channels, latent_height, latent_width: one latent frame is ``[C, H, W]``.
+      patch_size: spatial patch (Wan: 2x2); ``tokens_per_frame = (H / p) * (W / p)``.
+      text_len, text_dim: text context tokens and the text encoder's width (umT5: 512 x 4096).
+      image_len: image-conditioning tokens (Wan I2V CLIP: 257); 0 = no image branch.
+      frames_per_block: latent frames one AR block generates and commits.
+      window_frames, sink_frames: visible context = sink + window frames, current block included.
+      num_register_tokens, register_dim: action/state (control) tokens that ride along with
+        a block in scratch and are never cached; 0 = none.
+      freq_dim: sinusoidal timestep embedding width (Wan: 256).
+      rope_theta, eps: RoPE base and norm epsilon.
+      dtype: activation dtype; param_dtype: parameter dtype.
+    """
+
+    num_layers: int
+    dim: int
+    num_heads: int
+    ffn_dim: int
+    latent_channels: int
+    latent_height: int
+    latent_width: int
+    text_len: int
+    text_dim: int
+    frames_per_block: int
+    window_frames: int
+    sink_frames: int = 0
+    patch_size: int = 2
+    image_len: int = 0
+    num_register_tokens: int = 0
+    register_dim: int = 0
+    freq_dim: int = 256
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in _POSITIVE + _NON_NEGATIVE:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"CausalDiTConfig {field} must be an integer, got {value!r}")
+            if field in _POSITIVE and value <= 0:
+                raise ValueError(f"CausalDiTConfig {field} must be positive, got {value}")
+            if value < 0:
+                raise ValueError(f"CausalDiTConfig {field} must be non-negative, got {value}")
+        for field in ("dtype", "param_dtype"):
+            try:
+                object.__setattr__(self, field, jnp.dtype(getattr(self, field)).name)
+            except TypeError:
+                raise ValueError(f"CausalDiTConfig {field} {getattr(self, field)!r} is not a dtype") from None
+        if self.dim % self.num_heads:
+            raise ValueError(f"CausalDiTConfig dim ({self.dim}) must be a multiple of num_heads ({self.num_heads})")
+        # 3-D RoPE splits the head into (frame, row, col) parts of d - 4*(d//6), 2*(d//6), 2*(d//6)
+        # channels (Wan's split); every part needs at least one rotated pair.
+        if self.head_dim % 2 or self.head_dim < 6:
+            raise ValueError(f"CausalDiTConfig head_dim ({self.head_dim}) must be even and at least 6 for 3-D RoPE")
+        if self.freq_dim % 2:
+            raise ValueError(f"CausalDiTConfig freq_dim must be even, got {self.freq_dim}")
+        for field in ("latent_height", "latent_width"):
+            if getattr(self, field) % self.patch_size:
+                raise ValueError(
+                    f"CausalDiTConfig {field} ({getattr(self, field)}) must be a multiple of patch_size "
+                    f"({self.patch_size})"
+                )
+        if self.frames_per_block > self.window_frames:
+            raise ValueError(
+                f"CausalDiTConfig frames_per_block ({self.frames_per_block}) must not exceed window_frames "
+                f"({self.window_frames})"
+            )
+        if (self.num_register_tokens > 0) != (self.register_dim > 0):
+            raise ValueError(
+                "CausalDiTConfig num_register_tokens and register_dim must both be zero or both positive, got "
+                f"{self.num_register_tokens} and {self.register_dim}"
+            )
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Token grid of one frame: ``(rows, cols)``."""
+        return self.latent_height // self.patch_size, self.latent_width // self.patch_size
+
+    @property
+    def tokens_per_frame(self) -> int:
+        rows, cols = self.grid
+        return rows * cols
+
+    @property
+    def patch_dim(self) -> int:
+        """Features of one patch token: ``C * p * p``."""
+        return self.latent_channels * self.patch_size * self.patch_size
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """Latents of one AR block: ``(frames, C, H, W)``."""
+        return (self.frames_per_block, self.latent_channels, self.latent_height, self.latent_width)
+
+    @property
+    def rope_axes(self) -> tuple[int, int, int]:
+        """Head channels rotated by the frame, row and column positions (Wan's split)."""
+        d = self.head_dim
+        return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
+
+    def replace(self, **changes: object) -> CausalDiTConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def tiny() -> CausalDiTConfig:
+    """CPU-test size: 2 layers, 2 heads x 16, 8x8 latent (16 tokens/frame), 4 channels, text 8, image 4."""
+    return CausalDiTConfig(
+        name="tiny", num_layers=2, dim=32, num_heads=2, ffn_dim=64, latent_channels=4, latent_height=8,
+        latent_width=8, text_len=8, text_dim=32, image_len=4, frames_per_block=2, window_frames=5, sink_frames=1,
+        num_register_tokens=3, register_dim=16, freq_dim=32,
+    )
+
+
+def medium() -> CausalDiTConfig:
+    """CPU-benchmark size: 8 layers, 4 heads x 128, 22x40 latent (220 tokens/frame), text 512, image 257."""
+    return CausalDiTConfig(
+        name="medium", num_layers=8, dim=512, num_heads=4, ffn_dim=2048, latent_channels=16, latent_height=22,
+        latent_width=40, text_len=512, text_dim=512, image_len=257, frames_per_block=3, window_frames=9,
+        sink_frames=3, num_register_tokens=33, register_dim=32,
+    )
+
+
+def wan_1_3b() -> CausalDiTConfig:
+    """Wan2.1-T2V-1.3B as Self-Forcing/LongLive run it: 21 visible frames with a 3-frame sink."""
+    return CausalDiTConfig(
+        name="wan_1_3b", num_layers=30, dim=1536, num_heads=12, ffn_dim=8960, latent_channels=16,
+        latent_height=60, latent_width=104, text_len=512, text_dim=4096, frames_per_block=3, window_frames=18,
+        sink_frames=3,
+    )
+
+
+DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {"tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b}
+
+
+def dit_preset(name: str, **overrides: object) -> CausalDiTConfig:
+    """A preset config by name, optionally with fields replaced (e.g. ``dtype="bfloat16"``)."""
+    try:
+        config = DIT_PRESETS[name]()
+    except KeyError:
+        raise KeyError(f"unknown CausalDiT preset {name!r}; choose from {sorted(DIT_PRESETS)}") from None
+    return config.replace(**overrides) if overrides else config

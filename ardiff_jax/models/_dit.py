@@ -1,0 +1,445 @@
+"""``CausalDiT``: a Wan-style block-causal video transformer in Flax NNX.
+
+Architecture (Wan2.1, as the causal variants of Self-Forcing/CausVid/LongLive run it):
+
+* latent frames ``[f, C, H, W]`` -> tokens with a ``p x p`` spatial patch (Wan's Conv3d with
+  kernel ``(1, p, p)`` is a linear map of each patch);
+* per block: adaLN modulation from the timestep (shift/scale/gate for self-attention and
+  FFN), self-attention with q/k RMS-norm and 3-D rotary positions, cross-attention to the
+  text tokens (plus image tokens for I2V, summed as in Wan I2V), GELU FFN;
+* a modulated final head back to latent patches.
+
+Causal-specific parts:
+
+* RoPE is applied to q and k **before** the block's K/V leave the layer, with the frame
+  axis at the *absolute* frame index (``frame_start + i``), so cached keys never need
+  re-rotation when the window slides (Self-Forcing caches rotated keys the same way);
+* self-attention goes through an attention backend (:mod:`ardiff_jax.models._attention`):
+  the runtime's paged view or the dense reference; the current block's per-layer K/V are
+  returned (``[L, f*T, H, D]``) so a committing forward can hand them to the runtime;
+* optional register tokens (action/state/control) travel with the block through every
+  layer: their queries see the same keys as the video tokens and their K/V are passed as
+  ``extra_k/extra_v`` (scratch, never cached). They are not rotated (no spatial position).
+
+The layers are stacked (``nnx.vmap`` at construction) and run with ``jax.lax.scan``, so
+compile time does not grow with depth. Cross-attention K/V are projected once per prompt
+(:meth:`CausalDiT.text_cross_kv`) and passed in per call, stacked ``[L, N, H, D]``.
+
+Departures from Wan made on purpose: random init everywhere (there are no checkpoints on
+this machine; Wan zero-initialises the output head, which would make every prediction 0),
+and a fixed, deterministic byte-level "text encoder" (:class:`ByteTextEncoder`) instead of
+umT5, so prompts matter without downloads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ardiff_jax.models._attention import SelfAttentionBackend, dot_attention
+from ardiff_jax.models._config import CausalDiTConfig
+
+__all__ = ["CausalDiT", "DiTOutput", "ByteTextEncoder", "tokenize_prompt", "patchify", "unpatchify",
+           "rope_angles", "apply_rope", "timestep_embedding"]
+
+_F32 = jnp.float32
+
+
+class DiTOutput(NamedTuple):
+    """One forward of :class:`CausalDiT`.
+
+    Attributes:
+      video: ``f32[f, C, H, W]`` the flow (velocity) prediction of the block.
+      registers: ``f32[E, register_dim]`` the register-token head output, or ``None``.
+      k: ``[L, f*T, H, D]`` the block's self-attention keys (RoPE applied), every layer.
+      v: ``[L, f*T, H, D]`` the block's self-attention values.
+    """
+
+    video: jax.Array
+    registers: jax.Array | None
+    k: jax.Array
+    v: jax.Array
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def patchify(latents: jax.Array, patch: int) -> jax.Array:
+    """``[f, C, H, W]`` -> ``[f * (H/p) * (W/p), C*p*p]`` (frame-major, then row, then column)."""
+    f, c, h, w = latents.shape
+    x = latents.reshape(f, c, h // patch, patch, w // patch, patch)
+    x = x.transpose(0, 2, 4, 1, 3, 5)
+    return x.reshape(f * (h // patch) * (w // patch), c * patch * patch)
+
+
+def unpatchify(tokens: jax.Array, frames: int, channels: int, height: int, width: int, patch: int) -> jax.Array:
+    """Inverse of :func:`patchify`: ``[f*T, C*p*p]`` -> ``[f, C, H, W]``."""
+    x = tokens.reshape(frames, height // patch, width // patch, channels, patch, patch)
+    x = x.transpose(0, 3, 1, 4, 2, 5)
+    return x.reshape(frames, channels, height, width)
+
+
+def timestep_embedding(dim: int, timestep: jax.Array) -> jax.Array:
+    """Wan's sinusoidal embedding of a scalar timestep: ``f32[dim]`` = ``[cos, sin]``."""
+    half = dim // 2
+    freqs = jnp.power(10000.0, -jnp.arange(half, dtype=_F32) / half)
+    angle = jnp.asarray(timestep, _F32) * freqs
+    return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)])
+
+
+def _inv_freq(axis_dim: int, theta: float) -> jax.Array:
+    return 1.0 / jnp.power(theta, jnp.arange(0, axis_dim, 2, dtype=_F32) / axis_dim)
+
+
+def rope_angles(config: CausalDiTConfig, frame_start: jax.Array, num_frames: int) -> jax.Array:
+    """Rotation angles ``f32[f*T, D/2]`` of a block's tokens.
+
+    Token ``(i, r, c)`` of the block is at frame ``frame_start + i`` (absolute: keys are
+    cached rotated), row ``r``, column ``c``; each axis rotates its own slice of the head
+    (Wan's ``d - 4*(d//6)``, ``2*(d//6)``, ``2*(d//6)`` channel split).
+    """
+    rows, cols = config.grid
+    d_t, d_h, d_w = config.rope_axes
+    frames = jnp.asarray(frame_start, _F32) + jnp.arange(num_frames, dtype=_F32)
+    t_pos = jnp.broadcast_to(frames[:, None, None], (num_frames, rows, cols)).reshape(-1)
+    r_pos = jnp.broadcast_to(jnp.arange(rows, dtype=_F32)[None, :, None], (num_frames, rows, cols)).reshape(-1)
+    c_pos = jnp.broadcast_to(jnp.arange(cols, dtype=_F32)[None, None, :], (num_frames, rows, cols)).reshape(-1)
+    theta = config.rope_theta
+    return jnp.concatenate(
+        [t_pos[:, None] * _inv_freq(d_t, theta), r_pos[:, None] * _inv_freq(d_h, theta),
+         c_pos[:, None] * _inv_freq(d_w, theta)], axis=-1)
+
+
+def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """Rotate consecutive channel pairs of ``x [N, H, D]`` by ``angles [N, D/2]`` (complex multiply)."""
+    n, h, d = x.shape
+    pairs = x.astype(_F32).reshape(n, h, d // 2, 2)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return out.reshape(n, h, d).astype(x.dtype)
+
+
+def _layer_norm(x: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm without affine parameters, in float32 (Wan's norm1/norm2/head norm)."""
+    xf = x.astype(_F32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    return (xf - mean) * jax.lax.rsqrt(var + eps)
+
+
+# -- modules -------------------------------------------------------------------------------
+
+
+def _linear(config: CausalDiTConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+    # Wan initialises linear layers with Xavier-uniform weights and zero biases.
+    return nnx.Linear(din, dout, dtype=config.dtype, param_dtype=config.param_dtype,
+                      kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """RMS norm over the last axis with a learned scale, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: str) -> None:
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(_F32)
+        out = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        return (out * self.weight[...].astype(_F32)).astype(x.dtype)
+
+
+class AffineLayerNorm(nnx.Module):
+    """LayerNorm with scale and bias (Wan's ``norm3`` before cross-attention, the image MLP norms)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: str) -> None:
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        out = _layer_norm(x, self.eps) * self.scale[...].astype(_F32) + self.bias[...].astype(_F32)
+        return out.astype(x.dtype)
+
+
+class SelfAttention(nnx.Module):
+    """Block-causal self-attention: q/k RMS-norm, 3-D RoPE on video tokens, attention via a backend."""
+
+    def __init__(self, config: CausalDiTConfig, rngs: nnx.Rngs) -> None:
+        dim = config.dim
+        self.config = config
+        self.q = _linear(config, dim, dim, rngs)
+        self.k = _linear(config, dim, dim, rngs)
+        self.v = _linear(config, dim, dim, rngs)
+        self.o = _linear(config, dim, dim, rngs)
+        self.norm_q = RMSNorm(dim, config.eps, config.param_dtype)
+        self.norm_k = RMSNorm(dim, config.eps, config.param_dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [V + E, dim]: video tokens then register tokens
+        num_video: int,  # V (static)
+        angles: jax.Array,  # f32[V, D/2]
+        layer: jax.Array,  # i32[]
+        attention: SelfAttentionBackend,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        cfg = self.config
+        s = x.shape[0]
+        heads, head_dim = cfg.num_heads, cfg.head_dim
+        q = self.norm_q(self.q(x)).reshape(s, heads, head_dim)
+        k = self.norm_k(self.k(x)).reshape(s, heads, head_dim)
+        v = self.v(x).reshape(s, heads, head_dim)
+        # Rotate before the K/V leave the layer: the cache holds rotated keys at absolute
+        # frame positions, so history never needs re-rotation when the window slides.
+        q_video = apply_rope(q[:num_video], angles)
+        k_video = apply_rope(k[:num_video], angles)
+        v_video = v[:num_video]
+        if s > num_video:
+            q_all = jnp.concatenate([q_video, q[num_video:]])
+            extra_k, extra_v = k[num_video:], v[num_video:]
+        else:
+            q_all, extra_k, extra_v = q_video, None, None
+        out = attention.attend(layer, q_all, k_video, v_video, extra_k=extra_k, extra_v=extra_v,
+                               scale=1.0 / math.sqrt(head_dim))
+        return self.o(out.reshape(s, cfg.dim)), (k_video, v_video)
+
+
+class CrossAttention(nnx.Module):
+    """Cross-attention to precomputed text (and optional image) K/V; Wan I2V sums the two."""
+
+    def __init__(self, config: CausalDiTConfig, rngs: nnx.Rngs) -> None:
+        dim = config.dim
+        self.config = config
+        self.q = _linear(config, dim, dim, rngs)
+        self.k = _linear(config, dim, dim, rngs)
+        self.v = _linear(config, dim, dim, rngs)
+        self.o = _linear(config, dim, dim, rngs)
+        self.norm_q = RMSNorm(dim, config.eps, config.param_dtype)
+        self.norm_k = RMSNorm(dim, config.eps, config.param_dtype)
+        if config.image_len:
+            self.k_img = _linear(config, dim, dim, rngs)
+            self.v_img = _linear(config, dim, dim, rngs)
+            self.norm_k_img = RMSNorm(dim, config.eps, config.param_dtype)
+
+    def _heads(self, x: jax.Array) -> jax.Array:
+        return x.reshape(x.shape[0], self.config.num_heads, self.config.head_dim)
+
+    def project_text(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``context [N, dim]`` -> ``(k, v)`` each ``[N, H, D]``: what the text cache stores."""
+        return self._heads(self.norm_k(self.k(context))), self._heads(self.v(context))
+
+    def project_image(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``context [Ni, dim]`` -> ``(k, v)`` each ``[Ni, H, D]``: what the image cache stores."""
+        return self._heads(self.norm_k_img(self.k_img(context))), self._heads(self.v_img(context))
+
+    def __call__(self, x: jax.Array, text_kv: tuple[jax.Array, jax.Array],
+                 image_kv: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        q = self._heads(self.norm_q(self.q(x)))
+        out = dot_attention(q, *text_kv)
+        if image_kv is not None:
+            out = out + dot_attention(q, *image_kv)
+        return self.o(out.reshape(x.shape[0], self.config.dim))
+
+
+class DiTBlock(nnx.Module):
+    """One Wan attention block with adaLN modulation (shift/scale/gate for attention and FFN)."""
+
+    def __init__(self, config: CausalDiTConfig, rngs: nnx.Rngs) -> None:
+        self.config = config
+        scale = 1.0 / math.sqrt(config.dim)
+        self.modulation = nnx.Param(
+            (jax.random.normal(rngs.params(), (6, config.dim), _F32) * scale).astype(config.param_dtype))
+        self.self_attn = SelfAttention(config, rngs)
+        self.norm3 = AffineLayerNorm(config.dim, config.eps, config.param_dtype)
+        self.cross_attn = CrossAttention(config, rngs)
+        self.ffn_in = _linear(config, config.dim, config.ffn_dim, rngs)
+        self.ffn_out = _linear(config, config.ffn_dim, config.dim, rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,  # f32[V + E, dim]: the residual stream stays float32, as in Wan
+        e0: jax.Array,  # f32[6, dim]: projected timestep embedding
+        num_video: int,
+        angles: jax.Array,  # f32[V, D/2]
+        layer: jax.Array,  # i32[]
+        attention: SelfAttentionBackend,
+        text_kv: tuple[jax.Array, jax.Array],  # [N, H, D] each
+        image_kv: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        cfg = self.config
+        eps = cfg.eps
+        mod = self.modulation[...].astype(_F32) + e0
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[i] for i in range(6))
+        h = (_layer_norm(x, eps) * (1 + scale_msa) + shift_msa).astype(cfg.dtype)
+        y, block_kv = self.self_attn(h, num_video, angles, layer, attention)
+        x = x + y.astype(_F32) * gate_msa
+        x = x + self.cross_attn(self.norm3(x).astype(cfg.dtype), text_kv, image_kv).astype(_F32)
+        h = (_layer_norm(x, eps) * (1 + scale_mlp) + shift_mlp).astype(cfg.dtype)
+        y = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
+        x = x + y.astype(_F32) * gate_mlp
+        return x, block_kv
+
+
+class CausalDiT(nnx.Module):
+    """Wan-style block-causal video DiT (see the module docstring).
+
+    Example::
+
+        model = CausalDiT(dit_preset("tiny"), rngs=nnx.Rngs(0))
+        text_kv = model.text_cross_kv(text_features)                       # [L, N, H, D] x 2
+        out = model(latents, jnp.float32(500.0), jnp.int32(0), text_kv,
+                    attention=DenseAttention.empty(L, H, D))
+        out.video, out.k  # flow prediction [f, C, H, W]; block keys [L, f*T, H, D]
+    """
+
+    def __init__(self, config: CausalDiTConfig, *, rngs: nnx.Rngs) -> None:
+        if not isinstance(config, CausalDiTConfig):
+            raise TypeError(f"config must be a CausalDiTConfig, got {type(config).__name__}")
+        self.config = config
+        dim = config.dim
+        self.patch_embedding = _linear(config, config.patch_dim, dim, rngs)
+        self.text_in = _linear(config, config.text_dim, dim, rngs)
+        self.text_out = _linear(config, dim, dim, rngs)
+        self.time_in = _linear(config, config.freq_dim, dim, rngs)
+        self.time_out = _linear(config, dim, dim, rngs)
+        self.time_projection = _linear(config, dim, 6 * dim, rngs)
+        if config.image_len:
+            # Wan's MLPProj over CLIP features; here over the stand-in image features (patch features).
+            self.image_norm_in = AffineLayerNorm(config.patch_dim, config.eps, config.param_dtype)
+            self.image_in = _linear(config, config.patch_dim, dim, rngs)
+            self.image_out = _linear(config, dim, dim, rngs)
+            self.image_norm_out = AffineLayerNorm(dim, config.eps, config.param_dtype)
+        if config.num_register_tokens:
+            self.register_in = _linear(config, config.register_dim, dim, rngs)
+            self.register_pos = nnx.Param(
+                (jax.random.normal(rngs.params(), (config.num_register_tokens, dim), _F32) / math.sqrt(dim))
+                .astype(config.param_dtype))
+            self.register_head = _linear(config, dim, config.register_dim, rngs)
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> DiTBlock:
+            return DiTBlock(config, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.head_modulation = nnx.Param(
+            (jax.random.normal(rngs.params(), (2, dim), _F32) / math.sqrt(dim)).astype(config.param_dtype))
+        self.head = _linear(config, dim, config.patch_dim, rngs)
+
+    # -- context projections (run once per prompt / conditioning image) ----------------------
+    def embed_text(self, text_features: jax.Array) -> jax.Array:
+        """``[N, text_dim]`` -> ``[N, dim]`` (Wan's text_embedding MLP)."""
+        return self.text_out(jax.nn.gelu(self.text_in(text_features), approximate=True))
+
+    def embed_image(self, image_features: jax.Array) -> jax.Array:
+        """``[Ni, patch_dim]`` -> ``[Ni, dim]`` (Wan's img_emb MLPProj)."""
+        if not self.config.image_len:
+            raise ValueError("this CausalDiT has no image branch (config.image_len == 0)")
+        h = self.image_in(self.image_norm_in(image_features))
+        return self.image_norm_out(self.image_out(jax.nn.gelu(h, approximate=False)))
+
+    def _per_layer(self, fn: Any) -> tuple[jax.Array, jax.Array]:
+        graphdef, stacked = nnx.split(self.blocks)
+        return jax.vmap(lambda state: fn(nnx.merge(graphdef, state).cross_attn))(stacked)
+
+    def text_cross_kv(self, text_features: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Every layer's text cross-attention K/V: ``[N, text_dim]`` -> ``([L, N, H, D], [L, N, H, D])``."""
+        context = self.embed_text(text_features)
+        return self._per_layer(lambda attn: attn.project_text(context))
+
+    def image_cross_kv(self, image_features: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Every layer's image cross-attention K/V: ``[Ni, patch_dim]`` -> ``[L, Ni, H, D]`` x 2."""
+        context = self.embed_image(image_features)
+        return self._per_layer(lambda attn: attn.project_image(context))
+
+    # -- forward -------------------------------------------------------------------------------
+    def __call__(
+        self,
+        latents: jax.Array,  # [f, C, H, W]: noisy (or clean, t = 0) latent frames of the block
+        timestep: jax.Array,  # f32[]: diffusion time in [0, 1000]
+        frame_start: jax.Array,  # i32[]: absolute index of the block's first frame (RoPE)
+        text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
+        image_kv: tuple[jax.Array, jax.Array] | None = None,  # [L, Ni, H, D] each
+        registers: jax.Array | None = None,  # [E, register_dim]: action/state/control features
+        *,
+        attention: SelfAttentionBackend,
+    ) -> DiTOutput:
+        cfg = self.config
+        frames = latents.shape[0]
+        expected = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
+        if latents.ndim != 4 or tuple(latents.shape[1:]) != expected:
+            raise ValueError(f"latents must be [f, {expected[0]}, {expected[1]}, {expected[2]}], got {latents.shape}")
+        num_video = frames * cfg.tokens_per_frame
+        x = self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
+        num_registers = 0
+        if registers is not None:
+            if not cfg.num_register_tokens:
+                raise ValueError("this CausalDiT has no register tokens (config.num_register_tokens == 0)")
+            if registers.shape != (cfg.num_register_tokens, cfg.register_dim):
+                raise ValueError(
+                    f"registers must be [{cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
+            num_registers = registers.shape[0]
+            reg = self.register_in(registers.astype(cfg.dtype)).astype(_F32) + self.register_pos[...].astype(_F32)
+            x = jnp.concatenate([x, reg])
+
+        e = self.time_out(jax.nn.silu(self.time_in(timestep_embedding(cfg.freq_dim, timestep).astype(cfg.dtype))))
+        e = e.astype(_F32)
+        e0 = self.time_projection(jax.nn.silu(e).astype(cfg.dtype)).astype(_F32).reshape(6, cfg.dim)
+        angles = rope_angles(cfg, frame_start, frames)
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer_step(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            layer, state, layer_text, layer_image = xs
+            block = nnx.merge(graphdef, state)
+            return block(x, e0, num_video, angles, layer, attention, layer_text, layer_image)
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        x, (block_k, block_v) = jax.lax.scan(layer_step, x, (layers, stacked, text_kv, image_kv))
+
+        shift, scale = self.head_modulation[...].astype(_F32) + e[None]
+        h = (_layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(cfg.dtype)
+        video = unpatchify(self.head(h[:num_video]).astype(_F32), frames, *expected, cfg.patch_size)
+        reg_out = self.register_head(h[num_video:]).astype(_F32) if num_registers else None
+        return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v)
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(self, nnx.Param)))
+
+
+# -- the stand-in text encoder -----------------------------------------------------------------
+
+
+def tokenize_prompt(prompt: str, text_len: int) -> np.ndarray:
+    """``i32[text_len]``: UTF-8 bytes + 1, truncated, zero-padded (0 = padding)."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+    data = prompt.encode("utf-8")[:text_len]
+    ids = np.zeros((text_len,), np.int32)
+    ids[: len(data)] = np.frombuffer(data, np.uint8).astype(np.int32) + 1
+    return ids
+
+
+class ByteTextEncoder(nnx.Module):
+    """Deterministic stand-in for umT5: a byte embedding table, zeroed at padding positions.
+
+    Wan feeds the DiT umT5 features zero-padded to ``text_len``; this keeps that contract
+    (``[text_len, text_dim]``, padding rows zero) with a seeded random table, so different
+    prompts give different conditioning without any download.
+    """
+
+    def __init__(self, config: CausalDiTConfig, *, rngs: nnx.Rngs) -> None:
+        self.table = nnx.Param(
+            jax.random.normal(rngs.params(), (257, config.text_dim), _F32).astype(config.param_dtype))
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        """``i32[N]`` -> ``f32[N, text_dim]``."""
+        emb = jnp.take(self.table[...], token_ids, axis=0).astype(_F32)
+        return emb * (token_ids > 0)[:, None]

@@ -1,0 +1,371 @@
+"""``WorldPipeline``: the seed's single-KV-branch causal few-step (DMD-style) pipeline.
+
+One logical KV branch ``"main"``, one ``"text"`` cross-attention cache, register tokens
+computed each block from an action/control input (declared as
+``max_scratch_tokens_per_branch`` and passed to attention as ``extra_k/extra_v``), sink and
+window from the transformer config. Each block (LingBot-World / Self-Forcing inference):
+
+1. ``num_steps`` denoise forwards with ``commit_current=False`` (nothing is written; the
+   block's K/V reach attention as arguments), each ``x0 = x_t - sigma v`` then re-noise;
+2. one clean forward at ``t = 0`` with ``commit_current=True`` whose per-layer K/V the
+   pipeline hands to ``commit_paged_context``.
+
+All forwards of a block (denoise and commit) run the **same** compiled program: the
+paged view has the same shape whether or not it commits, and the commit forward is just
+``t = sigma = 0``.
+
+Model-owned per-session state (noise key, cached prompt, block counter, the last block's
+latents, an in-flight stepwise block) lives in ``self._sessions`` keyed by session id and
+is dropped by the reset/close hooks; its size is declared in the spec
+(``model_owned_state_bytes_per_session``). A prompt change clears the session's cross
+caches (``clear_cross_attention``) and repopulates ``"text"``; self-attention history is kept.
+
+Stepwise execution (``SupportsStepExecution``): ``step(request)`` runs one denoise step
+per call; the call that runs the last step also commits and returns
+``StepResult(finished=..., output=WorldBlock)``. ``request.inputs["num_blocks"]`` says how
+many blocks the streaming request wants. Tick mode (``forward``) runs the very same
+per-step code in a loop, so both modes produce bit-identical blocks.
+
+Request schema (``DiffusionRequest``):
+
+* ``prompt``: ``str``; required on a session's first request, ``None`` keeps the current one;
+* ``inputs["action"]``: ``f32[E, register_dim]`` control features of the block (default
+  zeros); stepwise: also ``f32[num_blocks, E, register_dim]`` (one per block);
+* ``inputs["seed"]``: noise seed of a new session (default: derived from the session id);
+* ``inputs["num_blocks"]`` (stepwise only): blocks to stream (default 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ardiff_jax.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+from ardiff_jax.models._common import (
+    DiTModules,
+    FewStepSchedule,
+    PipelineBase,
+    block_noise,
+    check_array,
+    check_positive_int,
+    nbytes,
+    new_session_key,
+    prompt_ids,
+    session_seed,
+    step_noise_key,
+    text_cross_kv,
+)
+from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.runtime._requests import DiffusionRequest, StepResult
+
+__all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step"]
+
+MAIN = "main"
+TEXT = "text"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldPipelineConfig:
+    """Pipeline policy around the transformer.
+
+    Attributes:
+      schedule: the few-step denoising schedule (default 1000/750/500/250).
+      session_capacity: requested upper bound of resident sessions (the memory plan may keep fewer).
+      weights_seed: seed of the random-init weights.
+      noise_seed: mixed into session ids to derive per-session noise seeds.
+    """
+
+    schedule: FewStepSchedule = FewStepSchedule()
+    session_capacity: int = 3
+    weights_seed: int = 0
+    noise_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, FewStepSchedule):
+            raise TypeError(f"schedule must be a FewStepSchedule, got {type(self.schedule).__name__}")
+        check_positive_int("WorldPipelineConfig session_capacity", self.session_capacity)
+
+
+class WorldBlock(NamedTuple):
+    """One generated AR block.
+
+    Attributes:
+      latents: ``f32[f, C, H, W]`` the clean latent frames.
+      first_frame: absolute index of the block's first frame in its session.
+      block_index: blocks this session generated before this one.
+    """
+
+    latents: jax.Array
+    first_frame: int
+    block_index: int
+
+
+def _world_step(
+    graphdef: Any,
+    params: Any,
+    attention: Any,  # SelfAttentionBackend pytree (PagedKVCaches or DenseAttention)
+    x_t: jax.Array,  # f32[f, C, H, W]
+    t: jax.Array,  # f32[]
+    sigma: jax.Array,  # f32[]
+    sigma_next: jax.Array,  # f32[]
+    session_key: jax.Array,  # key
+    block_index: jax.Array,  # i32[]
+    step_index: jax.Array,  # i32[]
+    frame_start: jax.Array,  # i32[]
+    text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
+    registers: jax.Array | None,  # f32[E, register_dim]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    modules = nnx.merge(graphdef, params)
+    out = modules.transformer(x_t, t, frame_start, text_kv, None, registers, attention=attention)
+    x0 = x_t - sigma * out.video
+    noise = jax.random.normal(step_noise_key(session_key, block_index, step_index), x_t.shape, jnp.float32)
+    x_next = (1.0 - sigma_next) * x0 + sigma_next * noise
+    return x_next, x0, out.k, out.v
+
+
+#: One forward of the world pipeline: ``(graphdef, params, attention, ...) -> (x_next, x0, k, v)``.
+#: ``x0 = x_t - sigma * v_pred``; ``x_next`` re-noises ``x0`` to ``sigma_next`` with the
+#: stream ``step_index + 1`` of the block's key; ``k, v`` are the block's per-layer
+#: ``[L, f*T, H, D]``. The commit forward is the same call with ``t = sigma = sigma_next = 0``.
+world_step = jax.jit(_world_step, static_argnums=0)
+
+
+@dataclasses.dataclass
+class _InFlightBlock:
+    x_t: jax.Array  # f32[f, C, H, W]
+    step: int
+    frame_start: int
+    block_index: int
+    registers: jax.Array | None  # f32[E, register_dim]
+
+
+@dataclasses.dataclass
+class _WorldSession:
+    key: jax.Array
+    prompt: str
+    block_index: int = 0
+    last_block: jax.Array | None = None
+    inflight: _InFlightBlock | None = None
+    blocks_emitted: int = 0  # stepwise: blocks of the streaming request
+
+
+class WorldPipeline(PipelineBase):
+    """Single-branch causal few-step world pipeline (the seed's ``WorldPipeline`` sketch), runnable.
+
+    Args:
+      config: a :class:`CausalDiTConfig` or a preset name (``"tiny"``, ``"medium"``, ``"wan_1_3b"``).
+      pipeline_config: :class:`WorldPipelineConfig`.
+      modules: weights to reuse (another pipeline's ``.modules`` of the same config); default:
+        random init from ``pipeline_config.weights_seed``.
+      device: where inputs and weights live (default: the first device, where the runtime
+        puts its pools).
+
+    Implements ``SupportsARDiffusionPipeline``, ``SupportsARDiffusionWarmup`` and
+    ``SupportsStepExecution``. Drive it through :class:`~ardiff_jax.ARDiffusionEngine`.
+    """
+
+    supports_step_execution = True
+
+    def __init__(self, config: CausalDiTConfig | str = "tiny", pipeline_config: WorldPipelineConfig | None = None,
+                 *, modules: DiTModules | None = None, device: jax.Device | None = None) -> None:
+        pipeline_config = WorldPipelineConfig() if pipeline_config is None else pipeline_config
+        if not isinstance(pipeline_config, WorldPipelineConfig):
+            raise TypeError(f"pipeline_config must be a WorldPipelineConfig, got {type(pipeline_config).__name__}")
+        self.pipeline_config = pipeline_config
+        super().__init__(config, pipeline_config.weights_seed, modules, device)
+        self._sessions: dict[str, _WorldSession] = {}
+
+    @property
+    def schedule(self) -> FewStepSchedule:
+        return self.pipeline_config.schedule
+
+    # -- capability ---------------------------------------------------------------------------
+    @staticmethod
+    def kv_spec_for(config: CausalDiTConfig, pipeline_config: WorldPipelineConfig | None = None
+                    ) -> ARDiffusionKVCacheSpec:
+        """The spec a pipeline of ``config`` reports (no weights needed: usable for any size)."""
+        pipeline_config = WorldPipelineConfig() if pipeline_config is None else pipeline_config
+        return ARDiffusionKVCacheSpec(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_heads,
+            head_size=config.head_dim,
+            tokens_per_frame=config.tokens_per_frame,
+            frames_per_block=config.frames_per_block,
+            window_frames=config.window_frames,
+            sink_frames=config.sink_frames,
+            kv_branches=(ARDiffusionKVBranchSpec(MAIN, 0),),
+            cross_attention=(ARDiffusionCrossAttentionKVSpec(TEXT, config.text_len),),
+            max_scratch_tokens_per_branch=config.num_register_tokens,
+            session_capacity=pipeline_config.session_capacity,
+            model_owned_state_bytes_per_session=WorldPipeline.model_owned_bytes_bound(config),
+        )
+
+    @staticmethod
+    def model_owned_bytes_bound(config: CausalDiTConfig) -> int:
+        """Upper bound of one session's device state: in-flight + last block, registers, key."""
+        block = nbytes(config.block_shape)
+        registers = nbytes((config.num_register_tokens, config.register_dim))
+        return 2 * block + registers + 16
+
+    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
+        return self.kv_spec_for(self.config, self.pipeline_config)
+
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
+        """One block with a fixed prompt: compiles the step program and the text projection."""
+        yield DiffusionRequest("world-warmup-0", prompt="warmup",
+                               extra_args={"session_id": session_id, "reset": True})
+
+    @property
+    def session_ids(self) -> tuple[str, ...]:
+        """Sessions with model-owned state."""
+        return tuple(self._sessions)
+
+    def model_owned_bytes(self, session_id: str) -> int:
+        """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return 0
+        arrays = [session.key, session.last_block]
+        if session.inflight is not None:
+            arrays += [session.inflight.x_t, session.inflight.registers]
+        return sum(_array_bytes(a) for a in arrays if a is not None)
+
+    # -- request parsing (host only: errors before any device work) ---------------------------
+    def _parse_prompt(self, session_id: str, prompt: Any) -> str | None:
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"WorldPipeline prompt must be a string or None, got {type(prompt).__name__}")
+        if prompt is None and session_id not in self._sessions:
+            raise ValueError(
+                f"WorldPipeline session {session_id!r} has no prompt yet: its first request needs one (the session "
+                "may have been evicted or reset)")
+        return prompt
+
+    def _parse_action(self, action: Any, block: int, num_blocks: int) -> np.ndarray | None:
+        cfg = self.config
+        if not cfg.num_register_tokens:
+            if action is not None:
+                raise ValueError("this WorldPipeline has no register tokens; inputs['action'] must be absent")
+            return None
+        shape = (cfg.num_register_tokens, cfg.register_dim)
+        if action is None:
+            return np.zeros(shape, np.float32)
+        array = np.asarray(action)
+        if array.ndim == 3:
+            array = check_array("inputs['action']", array, (num_blocks,) + shape)[block]
+        return check_array("inputs['action']", array, shape)
+
+    # -- device work ----------------------------------------------------------------------------
+    def _session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> _WorldSession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
+            assert prompt is not None  # _parse_prompt guarantees it
+            session = _WorldSession(key=new_session_key(seed, self.device), prompt=prompt)
+            self._sessions[session_id] = session
+        return session
+
+    def _sync_prompt(self, state: Any, session: _WorldSession, prompt: str | None) -> None:
+        if prompt is not None and prompt != session.prompt:
+            # New prompt: drop the old text K/V (self-attention history stays) and repopulate.
+            state.clear_cross_attention()
+            session.prompt = prompt
+        if not state.is_cross_attention_populated(MAIN, TEXT):
+            ids = self._to_device(prompt_ids(session.prompt, self.config.text_len))
+            k, v = text_cross_kv(self._graphdef, self._params, ids)
+            state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
+
+    def _start_block(self, state: Any, session: _WorldSession, action: np.ndarray | None) -> _InFlightBlock:
+        block_index = np.int32(session.block_index)
+        x_t = block_noise(session.key, block_index, self.config.block_shape)
+        registers = None if action is None else self._to_device(action)
+        inflight = _InFlightBlock(x_t=x_t, step=0, frame_start=state.adapter(MAIN).committed_frames,
+                                  block_index=session.block_index, registers=registers)
+        session.inflight = inflight
+        return inflight
+
+    def _forward(self, state: Any, session: _WorldSession, inflight: _InFlightBlock, x: jax.Array, step: int,
+                 commit: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        caches = state.get_kv_caches(MAIN, seq_len=self.config.frames_per_block * self.config.tokens_per_frame,
+                                     commit_current=commit)
+        t, sigma, sigma_next = self.schedule.step_args(step)
+        return world_step(
+            self._graphdef, self._params, caches, x, t, sigma, sigma_next, session.key,
+            np.int32(inflight.block_index), np.int32(step), np.int32(inflight.frame_start),
+            state.get_cross_attention_kv(MAIN, TEXT), inflight.registers,
+        )
+
+    def _advance(self, state: Any, session: _WorldSession) -> WorldBlock | None:
+        """Run the in-flight block's next denoise step; after the last one, commit and return the block."""
+        inflight = session.inflight
+        assert inflight is not None
+        x_next, x0, _, _ = self._forward(state, session, inflight, inflight.x_t, inflight.step, commit=False)
+        inflight.step += 1
+        if inflight.step < self.schedule.num_steps:
+            inflight.x_t = x_next
+            return None
+        # The block is clean: one forward at t = 0 computes the K/V the runtime commits.
+        _, _, k, v = self._forward(state, session, inflight, x0, self.schedule.num_steps, commit=True)
+        state.commit_paged_context(MAIN, kv=(k, v))
+        session.inflight = None
+        session.last_block = x0
+        session.block_index += 1
+        return WorldBlock(latents=x0, first_frame=inflight.frame_start, block_index=inflight.block_index)
+
+    # -- entry points ---------------------------------------------------------------------------
+    def forward(self, request: DiffusionRequest) -> WorldBlock:
+        """Generate one block on the bound session (tick mode)."""
+        state = self._bound_state()
+        session_id = state.session_id
+        prompt = self._parse_prompt(session_id, request.prompt)
+        action = self._parse_action(request.inputs.get("action"), 0, 1)
+        session = self._sessions.get(session_id)
+        if session is not None and session.inflight is not None:
+            raise RuntimeError(
+                f"WorldPipeline session {session_id!r} has an in-flight stepwise block; tick requests cannot "
+                "interleave with it")
+        session = self._session(session_id, request, prompt)
+        self._sync_prompt(state, session, prompt)
+        self._start_block(state, session, action)
+        while (block := self._advance(state, session)) is None:
+            pass
+        return block
+
+    def step(self, request: DiffusionRequest) -> StepResult:
+        """One denoise step of the streaming request (session id = request id)."""
+        state = self._bound_state()
+        session_id = state.session_id
+        num_blocks = check_positive_int("inputs['num_blocks']", request.inputs.get("num_blocks", 1))
+        session = self._sessions.get(session_id)
+        starting = session is None or session.inflight is None
+        action = None
+        if starting:
+            prompt = self._parse_prompt(session_id, request.prompt)
+            block = 0 if session is None else session.blocks_emitted
+            action = self._parse_action(request.inputs.get("action"), block, num_blocks)
+            session = self._session(session_id, request, prompt)
+            self._sync_prompt(state, session, prompt)
+            self._start_block(state, session, action)
+        assert session is not None
+        block_out = self._advance(state, session)
+        if block_out is None:
+            return StepResult(finished=False)
+        session.blocks_emitted += 1
+        return StepResult(finished=session.blocks_emitted >= num_blocks, output=block_out)
+
+
+def _array_bytes(x: Any) -> int:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return int(jax.random.key_data(x).nbytes)
+    return int(x.nbytes)

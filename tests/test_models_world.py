@@ -1,0 +1,233 @@
+"""WorldPipeline through the engine: equals a cache-free reference; isolation, lifecycle, stepwise, compiles."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+
+from ardiff_jax import (
+    ARDiffusionEngine,
+    DiffusionRequest,
+    EngineConfig,
+    StepSchedulerOutput,
+    SupportsARDiffusionPipeline,
+    SupportsARDiffusionWarmup,
+    SupportsStepExecution,
+)
+from ardiff_jax.models import WorldPipeline, dit_preset
+from models_reference import ReferenceLRU, ReferenceWorld, visible_history_frames
+
+#: float32 end to end. The paged path reads the ring in physical (not time) order and merges
+#: history and current block with a shared log-sum-exp; the reference concatenates in time
+#: order and runs one softmax. Only float summation order differs (~1e-7 relative per
+#: attention), carried through 2 layers x 5 forwards per block and fed back through the
+#: committed history of later blocks; 1e-5 absolute on O(1) latents leaves ~10x headroom
+#: over the largest difference measured (see the test's assertion message).
+TOLERANCE = 1e-5
+
+CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture(scope="module")
+def pipeline_factory():
+    base = WorldPipeline("tiny")
+
+    def make(**kwargs):
+        return WorldPipeline("tiny", modules=base.modules, **kwargs)
+
+    return make
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[str]]:
+    names: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE:
+            names.append(str(kwargs.get("fun_name", "?")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _action(rng: np.random.Generator, cfg) -> np.ndarray:
+    return rng.standard_normal((cfg.num_register_tokens, cfg.register_dim)).astype(np.float32)
+
+
+def _request(session: str, prompt: str | None = "a red car", action=None, seed: int | None = None,
+             **extra) -> DiffusionRequest:
+    inputs = {} if action is None else {"action": action}
+    if seed is not None:
+        inputs["seed"] = seed
+    return DiffusionRequest(f"r-{session}", prompt=prompt, extra_args={"session_id": session, **extra}, inputs=inputs)
+
+
+def test_visible_history_model_matches_the_contract_example():
+    # CONTRACTS.md 3.5 worked example: sink 1, window 5, 8 committed single frames, 1 current.
+    assert visible_history_frames(8, 1, sink=1, window=5) == [0, 4, 5, 6, 7]
+    assert visible_history_frames(0, 2, sink=1, window=5) == []
+    assert visible_history_frames(3, 2, sink=1, window=5) == [0, 1, 2]
+
+
+def test_rollout_matches_cache_free_reference(pipeline_factory):
+    """Interleaved sessions, LRU eviction, a prompt change and a reset, ring wrapping 3x+."""
+    pipeline = pipeline_factory()
+    cfg = pipeline.config
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    assert engine.session_capacity == 3
+    events = []
+    engine.runner.add_session_listener(events.append)
+    reference = ReferenceWorld(pipeline)
+    lru = ReferenceLRU(engine.session_capacity)
+    rng = np.random.default_rng(0)
+    prompts = {"A": "a red car", "B": "a blue boat", "C": "rain", "D": "snow", "E": "fog"}
+    churn = ["C", "D", "E"]
+    worst = 0.0
+    rounds = 10
+    for r in range(rounds):
+        # A and B run every round; the third slot churns through C, D, E, so each of them is
+        # evicted (LRU) before it comes back and restarts empty.
+        for sid in ("A", "B", churn[r % 3]):
+            if sid == "A" and r == 4:
+                prompts["A"] = "a green tram"  # prompt change: text cache repopulated, history kept
+            reset = sid == "B" and r == 6
+            action = _action(rng, cfg)
+            ref_session = lru.touch(sid, lambda s=sid: reference.new_session(s, prompts[s]), reset=reset)
+            expected = reference.generate(ref_session, prompts[sid], action)
+            extra = {"reset": True} if reset else {}
+            out = engine.generate(_request(sid, prompts[sid], action, **extra))
+            assert out.first_frame == ref_session.committed[-1].frame_start
+            assert engine.sessions == tuple(lru.order), (engine.sessions, tuple(lru.order))
+            diff = float(np.max(np.abs(np.asarray(out.latents) - expected)))
+            worst = max(worst, diff)
+            assert diff <= TOLERANCE, f"round {r} session {sid}: max |paged - reference| = {diff:.3g}"
+    # The long sessions wrapped their ring several times; evictions really happened.
+    a_frames = rounds * cfg.frames_per_block
+    assert a_frames >= 3 * cfg.window_frames + cfg.sink_frames
+    assert lru.evicted and [e.session_id for e in events if e.reason == "lru_eviction"] == lru.evicted
+    print(f"world rollout: worst |paged - reference| = {worst:.3g} (tolerance {TOLERANCE})")
+
+
+def _run(engine: ARDiffusionEngine, schedule: list[str], seed_of: dict[str, int]) -> dict[str, list[np.ndarray]]:
+    outs: dict[str, list[np.ndarray]] = {}
+    for sid in schedule:
+        request = DiffusionRequest(f"r-{sid}", prompt=f"prompt {sid}", extra_args={"session_id": sid},
+                                   inputs={"seed": seed_of[sid]})
+        outs.setdefault(sid, []).append(np.asarray(engine.generate(request).latents))
+    return outs
+
+
+def test_interleaved_sessions_equal_each_alone_bitwise(pipeline_factory):
+    seeds = {"X": 11, "Y": 12}
+    alone = {}
+    for sid in seeds:
+        alone.update(_run(ARDiffusionEngine(pipeline_factory(), CONFIG), [sid] * 4, seeds))
+    together = _run(ARDiffusionEngine(pipeline_factory(), CONFIG), ["X", "Y", "Y", "X", "X", "Y", "X", "Y"], seeds)
+    for sid in seeds:
+        for block, (a, b) in enumerate(zip(alone[sid], together[sid], strict=True)):
+            assert np.array_equal(a, b), f"session {sid} block {block} differs when interleaved"
+    assert not np.array_equal(alone["X"][0], alone["Y"][0])  # the sessions really differ
+
+
+def test_reset_equals_fresh_and_close_starts_empty(pipeline_factory):
+    pipeline = pipeline_factory()
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    fresh = [np.asarray(engine.generate(_request("F", seed=9)).latents) for _ in range(2)]
+    for _ in range(3):
+        engine.generate(_request("S", seed=9))
+    after_reset = engine.generate(_request("S", seed=9, reset=True))
+    assert after_reset.first_frame == 0
+    assert np.array_equal(np.asarray(after_reset.latents), fresh[0])
+    assert np.array_equal(np.asarray(engine.generate(_request("S")).latents), fresh[1])
+
+    engine.close_session("S")
+    assert "S" not in engine.sessions and "S" not in pipeline.session_ids
+    reopened = engine.generate(_request("S", seed=9))
+    assert reopened.first_frame == 0 and reopened.block_index == 0
+    assert np.array_equal(np.asarray(reopened.latents), fresh[0])
+
+
+def test_stepwise_equals_tick_bitwise(pipeline_factory):
+    cfg = dit_preset("tiny")
+    blocks = 3
+    actions = np.random.default_rng(5).standard_normal(
+        (blocks, cfg.num_register_tokens, cfg.register_dim)).astype(np.float32)
+    tick_engine = ARDiffusionEngine(pipeline_factory(), CONFIG)
+    tick = [np.asarray(tick_engine.generate(DiffusionRequest(
+        "t", prompt="a street", extra_args={"session_id": "stream"}, inputs={"action": actions[b], "seed": 3}
+    )).latents) for b in range(blocks)]
+
+    pipeline = pipeline_factory()
+    step_engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
+                                                           gpu_memory_fraction=1.0, step_execution=True))
+    request = DiffusionRequest("stream", prompt="a street", inputs={"action": actions, "seed": 3, "num_blocks": blocks})
+    emitted, calls = [], 0
+    while True:
+        result = step_engine.step(StepSchedulerOutput(scheduled=(request,)))
+        calls += 1
+        if result.output is not None:
+            emitted.append((calls, np.asarray(result.output.latents)))
+        if result.finished:
+            break
+        assert calls < 100
+    steps = pipeline.schedule.num_steps
+    assert [c for c, _ in emitted] == [steps * (b + 1) for b in range(blocks)]  # one denoise step per call
+    for b, (_, latents) in enumerate(emitted):
+        assert np.array_equal(latents, tick[b]), f"block {b}: stepwise differs from tick"
+    # The finished streaming request released its session and its model-owned state.
+    assert step_engine.sessions == () and pipeline.session_ids == ()
+
+
+def test_no_recompilation_across_sessions_fill_levels_resets(pipeline_factory):
+    pipeline = pipeline_factory()
+    engine = ARDiffusionEngine(pipeline, CONFIG)  # warmup compiles every program a block needs
+    engine.generate(_request("first"))
+    rng = np.random.default_rng(1)
+    with count_compiles() as compiled:
+        for r in range(8):  # fills and wraps the window, evicts (5 ids > capacity 3), resets, new prompts
+            for sid in ("first", "p", "q", "s", "t")[: 2 + r % 4]:
+                engine.generate(_request(sid, f"prompt {r % 3}", _action(rng, pipeline.config), reset=(r == 5)))
+    assert compiled == [], f"recompiled after the first block: {compiled}"
+
+
+def test_model_owned_state_within_declared_bound_and_dropped(pipeline_factory):
+    pipeline = pipeline_factory()
+    spec = pipeline.ar_diffusion_kv_cache_spec()
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    engine.generate(_request("m"))
+    assert 0 < pipeline.model_owned_bytes("m") <= spec.model_owned_state_bytes_per_session
+    engine.reset_session("m")
+    assert pipeline.model_owned_bytes("m") == 0
+
+
+def test_bad_inputs_fail_with_clear_errors(pipeline_factory):
+    pipeline = pipeline_factory()
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    with pytest.raises(ValueError, match="first request needs one"):
+        engine.generate(_request("n", prompt=None))
+    with pytest.raises(ValueError, match=r"inputs\['action'\] must have shape \(3, 16\)"):
+        engine.generate(_request("n", action=np.zeros((2, 16), np.float32)))
+    with pytest.raises(ValueError, match="finite"):
+        engine.generate(_request("n", action=np.full((3, 16), np.nan, np.float32)))
+    # Failed requests were released fail-closed; the id starts empty afterwards.
+    assert engine.generate(_request("n")).first_frame == 0
+
+
+def test_spec_matches_the_sketch_geometry(pipeline_factory):
+    pipeline = pipeline_factory()
+    assert isinstance(pipeline, SupportsARDiffusionPipeline)
+    assert isinstance(pipeline, SupportsARDiffusionWarmup)
+    assert isinstance(pipeline, SupportsStepExecution) and pipeline.supports_step_execution
+    pipeline_spec = WorldPipeline.kv_spec_for(dit_preset("tiny"))
+    assert pipeline_spec.kv_branch_names == ("main",)
+    assert pipeline_spec.cross_attention_lengths == {"text": 8}
+    assert pipeline_spec.max_scratch_tokens_per_branch == 3
+    assert (pipeline_spec.sink_frames, pipeline_spec.window_frames, pipeline_spec.frames_per_block) == (1, 5, 2)
