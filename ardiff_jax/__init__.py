@@ -19,6 +19,7 @@ from ardiff_jax.capability import (
     ARDiffusionKVBranchSpec,
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionPipeline,
+    SupportsARDiffusionRequestValidation,
     SupportsARDiffusionWarmup,
     SupportsStepExecution,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "MemoryPlan",
     "PagedKVCaches",
     "SupportsARDiffusionPipeline",
+    "SupportsARDiffusionRequestValidation",
     "SupportsARDiffusionWarmup",
     "SupportsStepExecution",
     "plan_memory",

@@ -29,6 +29,7 @@ __all__ = [
     "ARDiffusionKVCacheSpec",
     "SupportsARDiffusionPipeline",
     "SupportsARDiffusionWarmup",
+    "SupportsARDiffusionRequestValidation",
     "SupportsStepExecution",
 ]
 
@@ -272,6 +273,19 @@ class SupportsARDiffusionWarmup(Protocol):
     """
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterable[DiffusionRequest]: ...
+
+
+@runtime_checkable
+class SupportsARDiffusionRequestValidation(Protocol):
+    """Optional: reject a malformed request before the runner touches any session.
+
+    The runner calls ``validate_ar_diffusion_request(session_id, request)`` before the
+    reset, the session lookup and the bind. An exception raised here propagates with the
+    session, its KV and the pipeline's hooks untouched; the same error raised inside
+    ``forward`` would fail the session closed (its KV released).
+    """
+
+    def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None: ...
 
 
 @runtime_checkable

@@ -208,17 +208,22 @@ def test_model_owned_state_within_declared_bound_and_dropped(pipeline_factory):
     assert pipeline.model_owned_bytes("m") == 0
 
 
-def test_bad_inputs_fail_with_clear_errors(pipeline_factory):
+def test_bad_inputs_fail_with_clear_errors_and_change_nothing(pipeline_factory):
     pipeline = pipeline_factory()
     engine = ARDiffusionEngine(pipeline, CONFIG)
     with pytest.raises(ValueError, match="first request needs one"):
         engine.generate(_request("n", prompt=None))
+    assert engine.sessions == () and pipeline.session_ids == ()  # rejected before any session existed
+    first = engine.generate(_request("n"))
+    assert first.first_frame == 0
     with pytest.raises(ValueError, match=r"inputs\['action'\] must have shape \(3, 16\)"):
         engine.generate(_request("n", action=np.zeros((2, 16), np.float32)))
     with pytest.raises(ValueError, match="finite"):
         engine.generate(_request("n", action=np.full((3, 16), np.nan, np.float32)))
-    # Failed requests were released fail-closed; the id starts empty afterwards.
-    assert engine.generate(_request("n")).first_frame == 0
+    # The pipeline validates before the runner touches the session: the healthy session
+    # survives the bad requests and continues where it was.
+    assert engine.sessions == ("n",)
+    assert engine.generate(_request("n")).first_frame == first.latents.shape[0]
 
 
 def test_spec_matches_the_sketch_geometry(pipeline_factory):

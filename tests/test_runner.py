@@ -515,3 +515,22 @@ def test_non_committing_forward_writes_nothing():
     assert runner.kv_cache.pools is pools_before  # no write dispatched at all
     np.testing.assert_array_equal(np.asarray(runner.kv_cache.pools.k), before)
 
+
+
+def test_pipeline_validation_rejects_before_touching_the_session():
+    class Validating(RecordingPipeline):
+        def validate_ar_diffusion_request(self, session_id, request):
+            self.log.append(("validate", session_id))
+            if request.inputs.get("bad"):
+                raise ValueError("bad request")
+
+    pipeline = Validating()
+    runner = make_runner(pipeline)
+    runner.execute_model(request("s"))
+    before = run_pages(runner, "s")
+    del pipeline.log[:]
+    with pytest.raises(ValueError, match="bad request"):
+        runner.execute_model(request("s", bad=True, reset=True, close_session=True))
+    assert pipeline.log == [("validate", "s")]  # no reset, bind, forward or hook
+    assert runner.sessions == ("s",) and committed(runner, "s") == 3
+    np.testing.assert_array_equal(run_pages(runner, "s")[0], before[0])

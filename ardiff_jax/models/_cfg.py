@@ -503,6 +503,10 @@ class CFGWorldActionPipeline(PipelineBase):
                 f"window ({self.config.window_frames})")
         return views, robot_state, latent_frames, prompt
 
+    def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
+        """Host-side schema check the runner runs before touching the session (bad input changes nothing)."""
+        self._parse(session_id, request)
+
     def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
         """Commit the observation on both branches, then denoise the next block with CFG."""
         state = self._bound_state()

@@ -324,6 +324,15 @@ class WorldPipeline(PipelineBase):
         return WorldBlock(latents=x0, first_frame=inflight.frame_start, block_index=inflight.block_index)
 
     # -- entry points ---------------------------------------------------------------------------
+    def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
+        """Host-side schema check the runner runs before touching the session (bad input changes nothing)."""
+        num_blocks = check_positive_int("inputs['num_blocks']", request.inputs.get("num_blocks", 1))
+        session = self._sessions.get(session_id)
+        if session is None or session.inflight is None:
+            self._parse_prompt(session_id, request.prompt)
+            block = 0 if session is None else session.blocks_emitted
+            self._parse_action(request.inputs.get("action"), min(block, num_blocks - 1), num_blocks)
+
     def forward(self, request: DiffusionRequest) -> WorldBlock:
         """Generate one block on the bound session (tick mode)."""
         state = self._bound_state()

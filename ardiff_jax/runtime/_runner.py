@@ -31,6 +31,7 @@ import jax
 from ardiff_jax.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionPipeline,
+    SupportsARDiffusionRequestValidation,
     SupportsARDiffusionWarmup,
     SupportsStepExecution,
     spec_summary,
@@ -183,6 +184,7 @@ class ARDiffusionModelRunner:
         with self._lock:
             self._check_open()
             session_id, reset, close_after, _ = self._request_session(request)
+            self._validate_request(session_id, request)
             if reset:
                 self.reset_session(session_id)
             start = time.perf_counter()
@@ -234,6 +236,7 @@ class ARDiffusionModelRunner:
                 )
             request = scheduler_output.scheduled[0]
             session_id = request.request_id
+            self._validate_request(session_id, request)
             self._stepwise_started.setdefault(session_id, time.perf_counter())
             state = self._get_or_create_session(session_id)
             try:
@@ -287,6 +290,11 @@ class ARDiffusionModelRunner:
             raise RuntimeError("ARDiffusionModelRunner is closed")
 
     # -- internals -----------------------------------------------------------------------------
+    def _validate_request(self, session_id: str, request: DiffusionRequest) -> None:
+        """The pipeline's optional host-side check, before any session or KV changes."""
+        if isinstance(self._pipeline, SupportsARDiffusionRequestValidation):
+            self._pipeline.validate_ar_diffusion_request(session_id, request)
+
     def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
         state = self._sessions.get(session_id)
         if state is not None:
