@@ -449,3 +449,31 @@ def test_paged_attention_reads_only_its_own_run():
     ref = jax.jit(functools.partial(ref_paged_attention, layout))(pools, cursor, 0, q, k, v)
     np.testing.assert_allclose(np.asarray(fast), want, **F32_TOL)
     np.testing.assert_allclose(np.asarray(ref), want, **F32_TOL)
+
+
+def test_query_chunking_bounds_scores_and_keeps_results():
+    """Past max_score_bytes the queries run in chunks: same rows, bounded temporaries."""
+    from ardiff_jax.kv._attention import paged_attention as fast
+
+    layout = KVLayout(num_layers=2, num_pages=10, tokens_per_frame=8, num_kv_heads=2, head_size=8, sink_frames=1,
+                      window_frames=4, frames_per_block=2, scratch_pages=3)
+    rng = np.random.default_rng(3)
+    pools = allocate_pools(layout)
+    block = jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32)
+    pools = commit_block(layout, pools, block_pages(layout, 5, 0, 2), block, block)
+    cursor = make_cursor(5, 2, 0)
+    q = jnp.asarray(rng.standard_normal((300, 4, 8)), jnp.float32)
+    cur = jnp.asarray(rng.standard_normal((16, 2, 8)), jnp.float32)
+    attend = jax.jit(fast, static_argnums=0, static_argnames="max_score_bytes")
+    keys = layout.run_pages * layout.tokens_per_frame + 16
+    full_scores = 4 * 4 * keys * 300
+    whole = attend(layout, pools, cursor, 1, q, cur, cur)
+    budget = full_scores // 10
+    chunked = attend(layout, pools, cursor, 1, q, cur, cur, max_score_bytes=budget)
+    # Per-row arithmetic is unchanged; only XLA's fusion of the chunked loop may round differently.
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-6)
+    temp_whole = attend.lower(layout, pools, cursor, 1, q, cur, cur).compile().memory_analysis().temp_size_in_bytes
+    temp_chunked = attend.lower(layout, pools, cursor, 1, q, cur, cur, max_score_bytes=budget
+                                ).compile().memory_analysis().temp_size_in_bytes
+    assert temp_whole >= full_scores
+    assert temp_chunked < full_scores // 2, (temp_chunked, full_scores)

@@ -110,6 +110,12 @@ def _default_scale(layout: KVLayout, scale: Any) -> Any:
     return 1.0 / math.sqrt(layout.head_size) if scale is None else scale
 
 
+#: Largest float32 score block one attention call materialises before it processes the
+#: queries in chunks (bounded temporaries at Wan-1.3B scale: 4,680 queries x 32,760 keys x
+#: 12 heads would otherwise be 7.4 GB per layer).
+MAX_SCORE_BYTES = 256 * 2**20
+
+
 def paged_attention(
     layout: KVLayout,
     pools: KVPools,
@@ -122,10 +128,13 @@ def paged_attention(
     extra_v: jax.Array | None = None,
     *,
     scale: Any = None,  # float or f32[]; default 1/sqrt(D)
+    max_score_bytes: int = MAX_SCORE_BYTES,
 ) -> jax.Array:
     """Non-causal attention of ``q`` over the visible history, the current block and extras.
 
-    Returns an array of ``q``'s shape and dtype. Reads the pools, never writes them.
+    Returns an array of ``q``'s shape and dtype. Reads the pools, never writes them. When
+    the float32 score matrix would exceed ``max_score_bytes`` (static), queries are processed
+    in equal chunks with ``lax.map``; each query row's arithmetic is unchanged.
     """
     q3, had_batch, cur_k, cur_v, num_frames = _prepare(layout, q, k, v, extra_k, extra_v)
     seq_q, num_q_heads, head_size = q3.shape
@@ -142,17 +151,31 @@ def paged_attention(
     hist_v = jnp.where(token_visible[:, None, None], hist_v, jnp.zeros((), hist_v.dtype))
 
     f32 = jnp.float32
-    s_hist = jnp.einsum("shgd,nhd->hgsn", q4, hist_k, preferred_element_type=f32) * scale
-    s_hist = jnp.where(token_visible, s_hist, -jnp.inf)
-    s_cur = jnp.einsum("shgd,nhd->hgsn", q4, cur_k, preferred_element_type=f32) * scale
-    # The current block is never empty, so the running max is finite.
-    m = jnp.maximum(s_hist.max(axis=-1, keepdims=True), s_cur.max(axis=-1, keepdims=True))
-    e_hist = jnp.exp(s_hist - m)
-    e_cur = jnp.exp(s_cur - m)
-    denom = e_hist.sum(axis=-1, keepdims=True) + e_cur.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("hgsn,nhd->hgsd", e_hist.astype(hist_v.dtype), hist_v, preferred_element_type=f32)
-    out = out + jnp.einsum("hgsn,nhd->hgsd", e_cur.astype(cur_v.dtype), cur_v, preferred_element_type=f32)
-    out = out / denom
+
+    def attend_rows(q_rows: jax.Array) -> jax.Array:  # [s, H, G, D] -> f32[H, G, s, D]
+        s_hist = jnp.einsum("shgd,nhd->hgsn", q_rows, hist_k, preferred_element_type=f32) * scale
+        s_hist = jnp.where(token_visible, s_hist, -jnp.inf)
+        s_cur = jnp.einsum("shgd,nhd->hgsn", q_rows, cur_k, preferred_element_type=f32) * scale
+        # The current block is never empty, so the running max is finite.
+        m = jnp.maximum(s_hist.max(axis=-1, keepdims=True), s_cur.max(axis=-1, keepdims=True))
+        e_hist = jnp.exp(s_hist - m)
+        e_cur = jnp.exp(s_cur - m)
+        denom = e_hist.sum(axis=-1, keepdims=True) + e_cur.sum(axis=-1, keepdims=True)
+        out = jnp.einsum("hgsn,nhd->hgsd", e_hist.astype(hist_v.dtype), hist_v, preferred_element_type=f32)
+        out = out + jnp.einsum("hgsn,nhd->hgsd", e_cur.astype(cur_v.dtype), cur_v, preferred_element_type=f32)
+        return out / denom
+
+    num_keys = hist_k.shape[0] + cur_k.shape[0]
+    row_bytes = 4 * num_q_heads * num_keys
+    chunk = max(1, min(seq_q, max_score_bytes // row_bytes))
+    if chunk >= seq_q:
+        out = attend_rows(q4)
+    else:
+        num_chunks = -(-seq_q // chunk)
+        padded = jnp.pad(q4, ((0, num_chunks * chunk - seq_q), (0, 0), (0, 0), (0, 0)))
+        chunks = jax.lax.map(attend_rows, padded.reshape(num_chunks, chunk, *q4.shape[1:]))  # [c, H, G, s, D]
+        out = chunks.transpose(1, 2, 0, 3, 4).reshape(*chunks.shape[1:3], num_chunks * chunk, head_size)
+        out = out[:, :, :seq_q]
     out = out.transpose(2, 0, 1, 3).reshape(seq_q, num_q_heads, head_size).astype(q.dtype)
     return out[None] if had_batch else out
 
