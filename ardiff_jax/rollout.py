@@ -81,8 +81,7 @@ def rollout_blocks(
         pending = (pages, k.reshape(block_shape).astype(layout.dtype), v.reshape(block_shape).astype(layout.dtype))
         return (pools, cursors, pending), y
 
-    # Nothing pending before the first step: distinct out-of-range pages drop the write
-    # (distinct because write_block promises XLA unique indices).
+    # Nothing pending before the first step: out-of-range pages drop the write.
     nothing = (layout.null_page + jnp.arange(num_frames, dtype=jnp.int32), jnp.zeros(block_shape, layout.dtype),
                jnp.zeros(block_shape, layout.dtype))
     (pools, cursors, pending), ys = jax.lax.scan(step, (pools, cursors, nothing), (session_index, xs))

@@ -145,10 +145,11 @@ def paged_attention(
     run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
     # Python ints are normalised by PagedKVCaches; a traced negative index must not clamp to 0.
     layer = jnp.where(jnp.asarray(layer) < 0, jnp.asarray(layer) + layout.num_layers, layer)
-    hist_k, hist_v = read_run(layout, pools, layer, run_base)
     page_visible = run_visibility(layout, committed, visible_start, num_frames, jnp)
+    # Invisible pages read as zeros (so whatever they hold, even NaN, contributes nothing)
+    # and their scores are masked below.
+    hist_k, hist_v = read_run(layout, pools, layer, run_base, page_visible)
     token_visible = jnp.repeat(page_visible, layout.tokens_per_frame)  # bool[(K+W)*T]
-    hist_v = jnp.where(token_visible[:, None, None], hist_v, jnp.zeros((), hist_v.dtype))
 
     f32 = jnp.float32
 
