@@ -50,3 +50,17 @@ def test_api_reference_names_every_export():
     missing = [name for module in (ardiff_jax, ardiff_jax.kv, ardiff_jax.rollout, ardiff_jax.models)
                for name in module.__all__ if not re.search(rf"\b{name}\b", code_spans)]
     assert missing == []
+
+
+def test_quickstart_notebook_runs_and_has_no_outputs(capsys):
+    import json
+
+    notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text(encoding="utf-8"))
+    code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert code_cells and all(not cell["outputs"] and cell["execution_count"] is None for cell in code_cells)
+    namespace: dict = {}
+    for cell in code_cells:
+        exec(compile("".join(cell["source"]), "quickstart.ipynb", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "visible history frames: [ 0" in out
+    assert "(20, 8, 32) [20, 20]" in out
