@@ -328,7 +328,7 @@ def _shape_error_cases():
         ("q heads not a multiple", dict(ok, q=(3, 3, D)), "multiple"),
         ("k heads", dict(ok, k=(T, 1, D), v=(T, 1, D)), "KV heads"),
         ("k/v differ", dict(ok, v=(2 * T, H, D)), "differ"),
-        ("not frame aligned", dict(ok, k=(T + 1, H, D), v=(T + 1, H, D)), "multiple of tokens_per_frame"),
+        ("not frame aligned", dict(ok, k=(T + 1, H, D), v=(T + 1, H, D)), "frame-aligned"),
         ("more frames than window", dict(ok, k=(6 * T, H, D), v=(6 * T, H, D)), "exceeds window_frames"),
         ("batch 2", dict(ok, q=(2, 3, 4, D)), "batch size 1"),
         ("q 2-d", dict(ok, q=(3, 4 * D)), r"\[N, H, D\]"),

@@ -72,17 +72,7 @@ def _prepare(
     _check_kv(layout, "v", v3)
     if k3.shape != v3.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    seq_len = k3.shape[0]
-    if seq_len <= 0 or seq_len % layout.tokens_per_frame:
-        raise ValueError(
-            f"current k/v length {seq_len} must be a positive multiple of tokens_per_frame "
-            f"({layout.tokens_per_frame})"
-        )
-    num_frames = seq_len // layout.tokens_per_frame
-    if num_frames > layout.window_frames:
-        raise ValueError(
-            f"current block of {num_frames} frames exceeds window_frames ({layout.window_frames})"
-        )
+    num_frames = layout.frames_in(k3.shape[0])
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v must be given together")
     num_extra = 0

@@ -138,6 +138,20 @@ class KVLayout:
         """Bytes of both pools."""
         return self.num_pages * self.page_bytes
 
+    def frames_in(self, seq_len: int) -> int:
+        """Whole frames in ``seq_len`` current tokens; ValueError unless frame-aligned and within the window."""
+        if seq_len <= 0 or seq_len % self.tokens_per_frame:
+            raise ValueError(
+                f"AR-Diffusion expects frame-aligned seq_len: {seq_len} is not a positive multiple of "
+                f"tokens_per_frame ({self.tokens_per_frame})"
+            )
+        num_frames = seq_len // self.tokens_per_frame
+        if num_frames > self.window_frames:
+            raise ValueError(
+                f"AR-Diffusion current block of {num_frames} frames exceeds window_frames ({self.window_frames})"
+            )
+        return num_frames
+
     def run_base(self, run_index: int) -> int:
         if not 0 <= run_index < self.num_runs:
             raise IndexError(f"run index {run_index} out of range [0, {self.num_runs})")

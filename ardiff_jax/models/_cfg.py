@@ -405,15 +405,6 @@ class CFGWorldActionPipeline(PipelineBase):
         actions = nbytes((config.num_register_tokens - pipeline_config.num_state_tokens, pipeline_config.action_dim))
         return nbytes(config.block_shape) + actions + 16
 
-    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
-        return self.kv_spec_for(self.config, self.pipeline_config)
-
-    def reset_ar_diffusion_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
-    def close_ar_diffusion_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """DreamZero's warmup: ``1 + ceil(max(0, window - 1) / frames_per_block)`` requests.
 
@@ -429,10 +420,6 @@ class CFGWorldActionPipeline(PipelineBase):
                 extra_args={"reset": index == 0, "session_id": session_id},
                 inputs={"observation": self.schema.example(1 if index == 0 else TEMPORAL_STRIDE, seed=index)},
             )
-
-    @property
-    def session_ids(self) -> tuple[str, ...]:
-        return tuple(self._sessions)
 
     def model_owned_bytes(self, session_id: str) -> int:
         """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""

@@ -25,6 +25,7 @@ from ardiff_jax.models._config import CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, tokenize_prompt
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ardiff_jax.capability import ARDiffusionKVCacheSpec
     from ardiff_jax.runtime._state import ARDiffusionKVState
 
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
@@ -239,10 +240,27 @@ class PipelineBase(BoundStateMixin):
         self._graphdef = graphdef
         self._params = jax.device_put(params, self.device)
         self._ar_state = None
+        # Model-owned per-session state (noise key, prompt, latents), keyed by session id.
+        self._sessions: dict[str, Any] = {}
 
     @property
     def transformer(self) -> CausalDiT:
         return self.modules.transformer
+
+    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
+        return self.kv_spec_for(self.config, self.pipeline_config)
+
+    # The runtime released the session's KV already; drop what the pipeline owns for it.
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    @property
+    def session_ids(self) -> tuple[str, ...]:
+        """Sessions with model-owned state."""
+        return tuple(self._sessions)
 
     def _to_device(self, array: Any) -> jax.Array:
         return jax.device_put(np.asarray(array), self.device)

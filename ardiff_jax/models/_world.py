@@ -213,24 +213,10 @@ class WorldPipeline(PipelineBase):
         registers = nbytes((config.num_register_tokens, config.register_dim))
         return 2 * block + registers + 16
 
-    def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
-        return self.kv_spec_for(self.config, self.pipeline_config)
-
-    def reset_ar_diffusion_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
-    def close_ar_diffusion_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """One block with a fixed prompt: compiles the step program and the text projection."""
         yield DiffusionRequest("world-warmup-0", prompt="warmup",
                                extra_args={"session_id": session_id, "reset": True})
-
-    @property
-    def session_ids(self) -> tuple[str, ...]:
-        """Sessions with model-owned state."""
-        return tuple(self._sessions)
 
     def model_owned_bytes(self, session_id: str) -> int:
         """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""

@@ -203,16 +203,7 @@ class ARDiffusionKVState:
         if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
             raise ValueError(f"AR-Diffusion seq_len must be an integer, got {seq_len!r}")
         seq_len = int(seq_len)
-        if seq_len <= 0 or seq_len % layout.tokens_per_frame:
-            raise ValueError(
-                f"AR-Diffusion expects frame-aligned seq_len: {seq_len} is not a positive multiple of "
-                f"tokens_per_frame ({layout.tokens_per_frame})"
-            )
-        num_frames = seq_len // layout.tokens_per_frame
-        if num_frames > layout.window_frames:
-            raise ValueError(
-                f"AR-Diffusion current block of {num_frames} frames exceeds window_frames ({layout.window_frames})"
-            )
+        num_frames = layout.frames_in(seq_len)
         if num_frames > layout.scratch_pages:
             raise RuntimeError(
                 f"AR-Diffusion scratch blocks exhausted: {num_frames} frames exceed {layout.scratch_pages} scratch "
