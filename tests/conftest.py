@@ -6,12 +6,7 @@ lives here rather than in .ci/run).
 
 from __future__ import annotations
 
-import os
-
-# Eight host devices let sharding tests run on CPU; set before jax initialises its backend.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
