@@ -65,7 +65,7 @@ def rollout_blocks(
     block_shape = (layout.num_layers, seq_len, layout.num_kv_heads, layout.head_size)
 
     # Each step first writes the *previous* step's block, then runs its own forward. Writing
-    # before reading lets XLA scatter into the carried pools in place; a read followed by a
+    # before reading lets XLA update the carried pools in place; a read followed by a
     # write of the same carried buffer makes it copy a whole pool per step. The deferral is
     # exact: a committed block is written before any later forward runs, and its pages are
     # invisible to the forward that produced it.

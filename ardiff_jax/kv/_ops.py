@@ -1,4 +1,4 @@
-"""Pure pool operations: block write (scatter), ordered gather, contiguous run read.
+"""Pure pool operations: block write, ordered gather, contiguous run read.
 
 All functions are pure and jittable; ``layout`` is the static argument. The jitted
 writer :func:`commit_block` donates the pools, so a commit costs the bytes of the block,

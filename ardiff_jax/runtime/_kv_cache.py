@@ -180,7 +180,7 @@ class ARDiffusionKVCache:
             )
 
     def _write_block(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
-        """One donated scatter of a committed block; swaps the pool references after dispatch."""
+        """One donated write of a committed block; swaps the pool references after dispatch."""
         self.check_pools()
         self._pools = commit_block(self._layout, self._pools, pages, k, v)
 

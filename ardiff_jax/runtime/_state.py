@@ -228,7 +228,7 @@ class ARDiffusionKVState:
 
         A committing context needs ``kv=(k, v)``, each ``[num_layers, seq_len, H, D]`` (or
         ``[num_layers, 1, seq_len, H, D]``): they are written into the ring pages the commit
-        evicts with one donated scatter, then the cursor advances. A non-committing context
+        evicts with one donated in-place write, then the cursor advances. A non-committing context
         is simply cleared and must not pass ``kv``. Call only after the forward succeeded.
         """
         adapter = self.adapter(kv_branch)
