@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ardiff_jax import (
     SCRATCH_BLOCKS_ENV,
@@ -176,3 +178,33 @@ def test_cli_plan_every_example(name, capsys):
 def test_cli_plan_reports_unfit_budget(capsys):
     assert cli_main(["plan", "--geometry", "wan_1_3b", "--available-bytes", "1000"]) == 2
     assert "cannot fit one session" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 4), heads=st.integers(1, 4), tokens=st.integers(1, 8), block=st.integers(1, 3),
+    extra_window=st.integers(0, 4), sink=st.integers(0, 3), branches=st.integers(1, 2), cross=st.integers(0, 9),
+    owned=st.integers(0, 5000), requested=st.integers(1, 40), available=st.integers(0, 400_000),
+    fraction=st.sampled_from([0.05, 0.1, 0.5, 1.0]),
+)
+def test_capacity_is_the_largest_fitting_count(layers, heads, tokens, block, extra_window, sink, branches, cross,
+                                               owned, requested, available, fraction):
+    """The closed-form capacity equals the brute-force rule: largest c <= requested with required(c) <= budget."""
+    spec = ARDiffusionKVCacheSpec(
+        num_layers=layers, num_kv_heads=heads, head_size=4, tokens_per_frame=tokens, frames_per_block=block,
+        window_frames=block + extra_window, sink_frames=sink, kv_branches=CFG[:branches],
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("text", cross),) if cross else (),
+        model_owned_state_bytes_per_session=owned, session_capacity=requested)
+    try:
+        plan = plan_memory(spec, dtype=jnp.float32, available_memory_bytes=available, gpu_memory_fraction=fraction)
+    except ValueError:
+        assert plan_required_one(spec) > available
+        return
+    expected = max(c for c in range(1, requested + 1) if plan.required_bytes(c) <= plan.budget_bytes)
+    assert plan.session_capacity == expected
+    assert plan.budget_bytes == max(int(available * fraction), plan.required_bytes(1))
+
+
+def plan_required_one(spec):
+    big = plan_memory(spec, dtype=jnp.float32, available_memory_bytes=10**12, gpu_memory_fraction=1.0)
+    return big.required_bytes(1)

@@ -241,19 +241,16 @@ def plan_memory(
     run_pages = spec.sink_frames + spec.window_frames
 
     per_session = cross_per_session + model_owned
-
-    def required(sessions: int) -> int:
-        managed = _managed_pages(num_local, run_pages, spec.frames_per_block, sessions)
-        return scratch_bytes + sessions * per_session + managed * page_bytes
+    pages_one = _managed_pages(num_local, run_pages, spec.frames_per_block, 1)
+    required_one = scratch_bytes + per_session + pages_one * page_bytes
 
     configured = math.floor(available_memory_bytes * gpu_memory_fraction)
-    required_one = required(1)
     if required_one > available_memory_bytes:
         raise ValueError(
             "AR-Diffusion KV cache: available device memory cannot fit one session: "
             f"available={available_memory_bytes} bytes, required={required_one} bytes "
             f"(scratch {scratch_bytes}, cross-attention {cross_per_session}, model-owned {model_owned}, "
-            f"{_managed_pages(num_local, run_pages, spec.frames_per_block, 1)} pages of {page_bytes})"
+            f"{pages_one} pages of {page_bytes})"
         )
     budget = max(configured, required_one)
     if budget > configured:
