@@ -44,7 +44,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS_DIR, format_table, machine_info, machine_line, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    format_table,
+    machine_info,
+    machine_line,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 __all__ = ["main", "reference_module", "run"]
 
@@ -237,12 +245,8 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
 
 
 def _plot(record: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib is an optional bench extra
+    plt = pyplot()
+    if plt is None:  # matplotlib is the optional bench extra
         return
     config = record["config"]
     x = np.asarray(record["generated_frames"])
@@ -266,9 +270,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(machine_line(record["machine"]), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def main(argv: list[str] | None = None) -> int:

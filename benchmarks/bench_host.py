@@ -43,7 +43,16 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS_DIR, bench_spec, format_table, machine_info, machine_line, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    bench_spec,
+    format_table,
+    machine_info,
+    machine_line,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 __all__ = ["TrivialPipeline", "HostBench", "main", "run"]
 
@@ -321,12 +330,8 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
 
 
 def _plot(record: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib is an optional bench extra
+    plt = pyplot()
+    if plt is None:  # matplotlib is the optional bench extra
         return
     names = list(record["ticks"])
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -338,9 +343,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("host time per tick (us)")
     ax.legend(fontsize=8)
     fig.suptitle(f"execute_model host overhead, trivial pipeline; {machine_line(record['machine'])}", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def main(argv: list[str] | None = None) -> int:

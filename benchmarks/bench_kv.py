@@ -58,6 +58,8 @@ from benchmarks.common import (
     ratio,
     run_interleaved,
     write_json,
+    pyplot,
+    save_figure,
 )
 
 __all__ = ["KVBench", "history_read", "main", "measure_commit", "measure_read", "measure_attend", "run_geometry"]
@@ -458,12 +460,8 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
 
 
 def _plot(record: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib is an optional bench extra
+    plt = pyplot()
+    if plt is None:  # matplotlib is the optional bench extra
         return
     sections = [s for s in ("commit", "read", "attend") if record[s]]
     fig, axes = plt.subplots(1, len(sections), figsize=(4.5 * len(sections), 3.8))
@@ -480,9 +478,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
     config = record["config"]
     fig.suptitle(f"bench_kv {config['geometry']} ({config['layout']['dtype']}); "
                  f"{machine_line(record['machine'])}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,8 @@ from benchmarks.common import (
     machine_line,
     run_interleaved,
     write_json,
+    pyplot,
+    save_figure,
 )
 from benchmarks.peers import PeerCache, PeerGeometry, available_peers, make_peer
 
@@ -263,12 +265,8 @@ def _print_report(record: dict[str, Any], results: dict[int, dict[str, dict[str,
 
 
 def _plot(record: dict[str, Any], results: dict[int, dict[str, dict[str, Stats]]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib is an optional bench extra
+    plt = pyplot()
+    if plt is None:  # matplotlib is the optional bench extra
         return
     windows = sorted(results)
     names = list(results[windows[0]])
@@ -295,9 +293,7 @@ def _plot(record: dict[str, Any], results: dict[int, dict[str, dict[str, Stats]]
     config = record["config"]
     fig.suptitle(f"Per-block KV cache overhead, {config['geometry']} ({config['dtype']}, one branch); "
                  f"{machine_line(record['machine'])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, plt)
 
 
 def main(argv: list[str] | None = None) -> int:
