@@ -300,7 +300,7 @@ def test_attend_memory_is_bounded_by_window_not_pool(dtype, frames, extra):
     cache = make_cache(sink_frames=1, window_frames=5, frames_per_block=2, tokens_per_frame=4, num_kv_heads=2,
                        head_size=8, session_capacity=128, max_scratch_tokens_per_branch=4, dtype=dtype)
     layout = cache.layout
-    L, T, H, D = layout.num_layers, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size
+    T, H, D = layout.tokens_per_frame, layout.num_kv_heads, layout.head_size
     S, Hq = 8, 2 * H
     q = jnp.zeros((S, Hq, D), dtype)
     k = jnp.zeros((frames * T, H, D), dtype)
