@@ -67,6 +67,7 @@ from ardiff_jax.models._common import (
     FewStepSchedule,
     PipelineBase,
     check_positive_int,
+    dit_kv_spec,
     image_cross_kv,
     nbytes,
     new_session_key,
@@ -383,20 +384,12 @@ class CFGWorldActionPipeline(PipelineBase):
         cross = [ARDiffusionCrossAttentionKVSpec(TEXT, config.text_len)]
         if config.image_len:
             cross.append(ARDiffusionCrossAttentionKVSpec(IMAGE, config.image_len))
-        return ARDiffusionKVCacheSpec(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_heads,
-            head_size=config.head_dim,
-            tokens_per_frame=config.tokens_per_frame,
-            frames_per_block=config.frames_per_block,
-            window_frames=config.window_frames,
-            sink_frames=config.sink_frames,
+        return dit_kv_spec(
+            config,
             kv_branches=(ARDiffusionKVBranchSpec(POSITIVE, 0), ARDiffusionKVBranchSpec(NEGATIVE, negative_index)),
             cross_attention=tuple(cross),
-            max_scratch_tokens_per_branch=config.num_register_tokens,
             session_capacity=pipeline_config.session_capacity,
-            model_owned_state_bytes_per_session=CFGWorldActionPipeline.model_owned_bytes_bound(
-                config, pipeline_config),
+            model_owned_bytes=CFGWorldActionPipeline.model_owned_bytes_bound(config, pipeline_config),
         )
 
     @staticmethod

@@ -24,12 +24,13 @@ from flax import nnx
 from ardiff_jax.models._config import CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, tokenize_prompt
 
+from ardiff_jax.capability import ARDiffusionKVCacheSpec
+
 if TYPE_CHECKING:  # pragma: no cover
-    from ardiff_jax.capability import ARDiffusionKVCacheSpec
     from ardiff_jax.runtime._state import ARDiffusionKVState
 
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
-           "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase"]
+           "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "dit_kv_spec"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
 #: compiles about 4x faster than threefry on XLA:CPU (measured on the 2-core test machine:
@@ -214,6 +215,25 @@ def check_positive_int(name: str, value: Any) -> int:
 
 def nbytes(shape: tuple[int, ...], itemsize: int = 4) -> int:
     return int(np.prod(shape)) * itemsize
+
+
+def dit_kv_spec(config: CausalDiTConfig, *, kv_branches: Any, cross_attention: Any, session_capacity: int,
+                model_owned_bytes: int) -> ARDiffusionKVCacheSpec:
+    """The KV spec of a pipeline on ``config``: geometry from the transformer, policy from the pipeline."""
+    return ARDiffusionKVCacheSpec(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_heads,
+        head_size=config.head_dim,
+        tokens_per_frame=config.tokens_per_frame,
+        frames_per_block=config.frames_per_block,
+        window_frames=config.window_frames,
+        sink_frames=config.sink_frames,
+        kv_branches=kv_branches,
+        cross_attention=cross_attention,
+        max_scratch_tokens_per_branch=config.num_register_tokens,
+        session_capacity=session_capacity,
+        model_owned_state_bytes_per_session=model_owned_bytes,
+    )
 
 
 class PipelineBase(BoundStateMixin):

@@ -54,6 +54,7 @@ from ardiff_jax.models._common import (
     block_noise,
     check_array,
     check_positive_int,
+    dit_kv_spec,
     nbytes,
     new_session_key,
     prompt_ids,
@@ -191,19 +192,12 @@ class WorldPipeline(PipelineBase):
                     ) -> ARDiffusionKVCacheSpec:
         """The spec a pipeline of ``config`` reports (no weights needed: usable for any size)."""
         pipeline_config = WorldPipelineConfig() if pipeline_config is None else pipeline_config
-        return ARDiffusionKVCacheSpec(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_heads,
-            head_size=config.head_dim,
-            tokens_per_frame=config.tokens_per_frame,
-            frames_per_block=config.frames_per_block,
-            window_frames=config.window_frames,
-            sink_frames=config.sink_frames,
+        return dit_kv_spec(
+            config,
             kv_branches=(ARDiffusionKVBranchSpec(MAIN, 0),),
             cross_attention=(ARDiffusionCrossAttentionKVSpec(TEXT, config.text_len),),
-            max_scratch_tokens_per_branch=config.num_register_tokens,
             session_capacity=pipeline_config.session_capacity,
-            model_owned_state_bytes_per_session=WorldPipeline.model_owned_bytes_bound(config),
+            model_owned_bytes=WorldPipeline.model_owned_bytes_bound(config),
         )
 
     @staticmethod
