@@ -1,17 +1,21 @@
 """ardiff_jax: a JAX/XLA runtime for autoregressive video diffusion with KV kept across requests.
 
-Public API (import from here):
+What a user starts with (``ardiff_jax.__all__``):
 
-* capability: :class:`ARDiffusionKVBranchSpec`, :class:`ARDiffusionCrossAttentionKVSpec`,
-  :class:`ARDiffusionKVCacheSpec`, protocols :class:`SupportsARDiffusionPipeline`,
-  :class:`SupportsARDiffusionWarmup`, :class:`SupportsStepExecution`;
-* engine and runner: :class:`ARDiffusionEngine`, :class:`ARDiffusionModelRunner`,
-  :class:`EngineConfig`, :class:`DiffusionRequest`, :class:`StepResult`,
-  :class:`StepSchedulerOutput`, typed ticks :class:`ARDiffusionTickRequest`,
-  :class:`ARDiffusionControlInput`, :class:`ARDiffusionChunkMetadata`;
-* KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`, :class:`MemoryPlan`,
-  :class:`PagedKVCaches`, :class:`CrossAttentionKV`;
-* functional core: :mod:`ardiff_jax.kv`.
+* the capability a pipeline implements: :class:`ARDiffusionKVCacheSpec`,
+  :class:`ARDiffusionKVBranchSpec`, :class:`ARDiffusionCrossAttentionKVSpec` and the
+  protocols :class:`SupportsARDiffusionPipeline`, :class:`SupportsARDiffusionWarmup`,
+  :class:`SupportsStepExecution`;
+* serving it: :class:`ARDiffusionEngine`, :class:`EngineConfig`, :class:`DiffusionRequest`;
+* inside a pipeline: :class:`ARDiffusionKVState` (the bound session) and
+  :class:`PagedKVCaches` (what the model's jit receives);
+* planning memory: :class:`MemoryPlan`, :func:`plan_memory`.
+
+Everything else is documented under its subpackage: :mod:`ardiff_jax.kv` (the functional
+core), :mod:`ardiff_jax.runtime` (KV manager, session value, runner, session table),
+:mod:`ardiff_jax.types` (requests, results, ticks), :mod:`ardiff_jax.rollout` (device-side
+rollouts) and :mod:`ardiff_jax.models` (reference models). Names that earlier releases
+exported from here stay importable from here.
 """
 
 from ardiff_jax.capability import (
@@ -25,58 +29,51 @@ from ardiff_jax.capability import (
 )
 from ardiff_jax.kv import KVLayout, KVPools, LayerKVCache, PagedKVCaches
 from ardiff_jax.runtime import (
-    AR_DIFFUSION_TICK_KEY,
     SCRATCH_BLOCKS_ENV,
     WARMUP_SESSION_ID,
-    ARDiffusionChunkMetadata,
-    ARDiffusionControlInput,
     ARDiffusionEngine,
-    ARDiffusionModelRunner,
-    ARDiffusionTickRequest,
-    DiffusionRequest,
-    EngineConfig,
-    SessionEvent,
-    StepResult,
-    StepSchedulerOutput,
     ARDiffusionKVCache,
     ARDiffusionKVState,
+    ARDiffusionModelRunner,
     ARDiffusionRequestAdapter,
     CrossAttentionKV,
     MemoryPlan,
+    SessionEvent,
     plan_memory,
+)
+from ardiff_jax.types import (
+    AR_DIFFUSION_TICK_KEY,
+    ARDiffusionChunkMetadata,
+    ARDiffusionControlInput,
+    ARDiffusionTickRequest,
+    DiffusionRequest,
+    EngineConfig,
+    StepResult,
+    StepSchedulerOutput,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AR_DIFFUSION_TICK_KEY",
-    "SCRATCH_BLOCKS_ENV",
-    "WARMUP_SESSION_ID",
-    "ARDiffusionChunkMetadata",
-    "ARDiffusionControlInput",
-    "ARDiffusionEngine",
-    "ARDiffusionModelRunner",
-    "ARDiffusionTickRequest",
-    "DiffusionRequest",
-    "EngineConfig",
-    "SessionEvent",
-    "StepResult",
-    "StepSchedulerOutput",
     "ARDiffusionCrossAttentionKVSpec",
+    "ARDiffusionEngine",
     "ARDiffusionKVBranchSpec",
-    "ARDiffusionKVCache",
     "ARDiffusionKVCacheSpec",
     "ARDiffusionKVState",
-    "ARDiffusionRequestAdapter",
-    "CrossAttentionKV",
-    "KVLayout",
-    "KVPools",
-    "LayerKVCache",
+    "DiffusionRequest",
+    "EngineConfig",
     "MemoryPlan",
     "PagedKVCaches",
     "SupportsARDiffusionPipeline",
-    "SupportsARDiffusionRequestValidation",
     "SupportsARDiffusionWarmup",
     "SupportsStepExecution",
     "plan_memory",
 ]
+
+#: Names importable from ``ardiff_jax`` for compatibility, documented under their subpackages.
+COMPAT_NAMES = (
+    "AR_DIFFUSION_TICK_KEY", "SCRATCH_BLOCKS_ENV", "WARMUP_SESSION_ID", "ARDiffusionChunkMetadata",
+    "ARDiffusionControlInput", "ARDiffusionKVCache", "ARDiffusionModelRunner", "ARDiffusionRequestAdapter",
+    "ARDiffusionTickRequest", "CrossAttentionKV", "KVLayout", "KVPools", "LayerKVCache", "SessionEvent",
+    "StepResult", "StepSchedulerOutput", "SupportsARDiffusionRequestValidation",
+)

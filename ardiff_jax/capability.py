@@ -20,8 +20,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ardiff_jax.runtime._requests import DiffusionRequest, StepResult
-    from ardiff_jax.runtime._state import ARDiffusionKVState
+    from ardiff_jax.runtime import ARDiffusionKVState
+    from ardiff_jax.types import DiffusionRequest, StepResult
 
 __all__ = [
     "ARDiffusionKVBranchSpec",
@@ -35,7 +35,8 @@ __all__ = [
 
 
 def _require_int(owner: str, field: str, value: Any) -> None:
-    # bool is an int subclass; True layers or a 1.0 head size are bugs, not geometry.
+    # bool is an int subclass; True layers or a 1.0 head size are bugs, not geometry. numpy
+    # integers would leak into the static layout's hash, so the spec takes Python ints only.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{owner} {field} must be an integer, got {value!r}")
 

@@ -34,9 +34,9 @@ from ardiff_jax.kv import (
     PagedKVCaches,
     advance_cursor,
     block_pages,
-    make_cursor,
     write_block,
 )
+from ardiff_jax.runtime import ARDiffusionKVCache, ARDiffusionKVState, branch_cursor_array, commit_frames
 
 __all__ = ["BlockFn", "rollout_blocks", "rollout_sessions"]
 
@@ -90,54 +90,52 @@ def rollout_blocks(
 
 
 def rollout_sessions(
-    cache: Any,
-    states: Sequence[Any],
+    cache: ARDiffusionKVCache,
+    states: Sequence[ARDiffusionKVState],
     block_fn: BlockFn,
     xs: Any,
-    session_index: Sequence[int] | np.ndarray,
+    session_index: Sequence[int] | np.ndarray,  # i32[num_steps]: index into ``states`` per step
     *,
     branch: str,
     num_frames: int,
 ) -> Any:
     """Run a device-side rollout over sessions of an :class:`~ardiff_jax.ARDiffusionKVCache`.
 
-    Reads each state's cursor for ``branch``, runs :func:`rollout_blocks` on the cache's
-    pools (donated; the cache gets the new pools back) and advances the states' cursors
-    after the call returned, exactly as ``commit_paged_context`` would. Validation happens
-    on the host before anything is dispatched. Returns the stacked ``ys``.
+    Every step goes through the same commit rule as ``state.commit_paged_context``
+    (:func:`~ardiff_jax.runtime.commit_frames`): the whole schedule is planned on the host
+    first, so an unknown branch, a foreign or closed state, a pending context, a run owned
+    by another branch or an overlong session raises before anything is dispatched and
+    changes nothing. Then :func:`rollout_blocks` runs on the cache's pools (donated; the
+    cache gets the new pools back) and the planned session values are published. Returns
+    the stacked ``ys``.
     """
-    layout = cache.layout
-    session_index = np.asarray(session_index, dtype=np.int32)
-    if session_index.ndim != 1 or session_index.size == 0:
-        raise ValueError(f"session_index must be a non-empty 1-d sequence, got shape {session_index.shape}")
+    layout, spec = cache.layout, cache.spec
+    session_index = np.asarray(session_index)
+    if session_index.ndim != 1 or session_index.size == 0 or not np.issubdtype(session_index.dtype, np.integer):
+        raise ValueError(f"session_index must be a non-empty 1-d sequence of integers, got {session_index!r}")
     if session_index.min() < 0 or session_index.max() >= len(states):
         raise ValueError(f"session_index values must lie in [0, {len(states)}), got {session_index.tolist()}")
-    if not 0 < num_frames <= layout.window_frames:
-        raise ValueError(f"num_frames must be in [1, {layout.window_frames}], got {num_frames}")
-    adapters = [state.adapter(branch) for state in states]  # closed/unknown/unbound -> raises here
+    session_index = session_index.astype(np.int32)
+    if isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) or not (
+            0 < num_frames <= layout.window_frames):
+        raise ValueError(f"num_frames must be an integer in [1, {layout.window_frames}], got {num_frames!r}")
     for state in states:
-        if branch in state._pending:
-            raise RuntimeError(f"session {state.session_id!r} has a pending context on branch {branch!r}")
-    counts = np.bincount(session_index, minlength=len(states))
-    for adapter, count in zip(adapters, counts):
-        if (adapter.committed_frames + count * num_frames) * layout.tokens_per_frame > layout.max_model_len:
-            raise RuntimeError(f"{adapter.request_id} would exceed max_model_len ({layout.max_model_len} tokens)")
-    owners = {(state.slot, adapter.local_index) for state, adapter in zip(states, adapters)}
-    if len(owners) != len(states):
+        cache.check_owned(state)
+    if len({id(state) for state in states}) != len(states):
         raise ValueError("rollout_sessions needs distinct sessions (each state once)")
-    cursors = np.stack([
-        make_cursor(state._run_base(adapter.local_index), adapter.committed_frames, adapter.visible_start_frame)
-        for state, adapter in zip(states, adapters)
-    ])
+    for state in states:
+        if state.has_pending_context(branch):  # unknown branch / unbound state raise here too
+            raise RuntimeError(f"session {state.session_id!r} has a pending context on branch {branch!r}")
+    # Plan every step with the one commit rule; any refusal raises before dispatch.
+    before = [state.snapshot() for state in states]
+    planned = list(before)
+    for index in session_index:
+        planned[index] = commit_frames(spec, layout, planned[index], branch, int(num_frames))
+    cursors = np.stack([branch_cursor_array(spec, layout, value, branch) for value in before])
     cache.check_pools()
-    pools, new_cursors, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index,
-                                            num_frames=num_frames)
-    cache._pools = pools
-    # Bookkeeping after the device call returned; one host read of the final cursors.
-    final = np.asarray(new_cursors)
-    for state, adapter, cursor in zip(states, adapters, final):
-        adapter._committed = int(cursor[1])
-        adapter._visible_start = int(cursor[2])
-        if adapter.committed_frames:
-            state._run_owner[adapter.local_index] = branch
+    pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index, num_frames=num_frames)
+    cache._replace_pools(pools)
+    # Bookkeeping after the device call returned: the device advanced the cursors with the same arithmetic.
+    for state, value in zip(states, planned):
+        state._publish(value)
     return ys

@@ -157,7 +157,7 @@ def test_bad_observation_fails_before_device_work(pipeline_factory):
     engine = ARDiffusionEngine(pipeline, CONFIG)
     request, observation = _request(pipeline, "s", 1, seed=0)
     engine.generate(request)
-    committed = engine.runner._sessions["s"]._adapters["positive"].committed_frames
+    committed = engine.runner.session_table.get("s")._adapters["positive"].committed_frames
     broken = dict(observation)
     del broken["observation/joint_position"]
     with pytest.raises(ValueError, match="missing 'observation/joint_position'"):
@@ -171,7 +171,7 @@ def test_bad_observation_fails_before_device_work(pipeline_factory):
         engine.generate(DiffusionRequest("r", prompt="p", extra_args={"session_id": "s"}))
     # Rejected by the pipeline's validation hook before the runner touched the session.
     assert engine.sessions == ("s",)
-    assert engine.runner._sessions["s"]._adapters["positive"].committed_frames == committed
+    assert engine.runner.session_table.get("s")._adapters["positive"].committed_frames == committed
 
 
 def test_specs_equal_the_shipped_geometries():

@@ -39,7 +39,7 @@ def request(session_id=None, request_id="r", **inputs):
 
 def run_pages(runner, session_id, branch="main"):
     """Host copies of the K and V pages of one session branch's run."""
-    state = runner._sessions[session_id]
+    state = runner.session_table.get(session_id)
     layout = runner.kv_cache.layout
     base = state._run_base(state.adapter(branch).local_index) if state._bound else (
         (state.slot * runner.kv_cache.spec.num_local_kv_branches + runner.kv_cache.spec.branch(branch).local_index)
@@ -50,7 +50,7 @@ def run_pages(runner, session_id, branch="main"):
 
 
 def committed(runner, session_id, branch="main"):
-    state = runner._sessions[session_id]
+    state = runner.session_table.get(session_id)
     return state._adapters[branch].committed_frames
 
 
@@ -97,10 +97,10 @@ def test_geometry_state_identity_and_lifecycle_hooks():
     first = pipeline.states_seen[-1]
     runner.execute_model(request("world-a"))
     assert pipeline.states_seen[-1] is first  # same id -> same state
-    assert ("text", "main") in first._cross  # populated during the forward
+    assert ("text", "main") in first._value.cross_attention  # populated during the forward
     runner.reset_session("world-a")
     assert ("reset_hook", "world-a") in pipeline.log
-    assert runner.sessions == () and first.closed and first._cross == {}
+    assert runner.sessions == () and first.closed and first._value.cross_attention == {}
     runner.execute_model(request("world-a"))
     assert pipeline.states_seen[-1] is not first
     second = pipeline.states_seen[-1]
@@ -118,7 +118,10 @@ def test_default_session_id():
     pipeline = RecordingPipeline()
     runner = make_runner(pipeline)
     runner.execute_model(DiffusionRequest("r"))
-    runner.execute_model(DiffusionRequest("r", extra_args={"session_id": ""}))
+    assert runner.sessions == ("default",)
+    # A present but blank id is refused, never coerced to "default" (hardening issue).
+    with pytest.raises(ValueError, match="non-blank"):
+        runner.execute_model(DiffusionRequest("r", extra_args={"session_id": ""}))
     assert runner.sessions == ("default",)
 
 
@@ -159,15 +162,21 @@ def test_malformed_tick_rejected_before_binding():
 def test_hook_order_for_reset_and_close_in_one_request():
     pipeline = RecordingPipeline()
     runner = make_runner(pipeline)
-    runner.add_session_listener(lambda event: pipeline.log.append((event.kind, event.session_id, event.reason)))
+    events = []
+    runner.add_session_listener(lambda event: events.append((event.kind, event.session_id, event.reason)))
+    # KV first, then the hook: at each hook the session is no longer resident.
+    resident_at_hook = []
+    for name in ("reset_ar_diffusion_session", "close_ar_diffusion_session"):
+        hook = getattr(pipeline, name)
+        setattr(pipeline, name, lambda sid, hook=hook: (resident_at_hook.append(sid in runner.sessions), hook(sid)))
     runner.execute_model(request("s"))
-    del pipeline.log[:]
+    del pipeline.log[:], events[:]
     runner.execute_model(request("s", reset=True, close_session=True))
-    assert pipeline.log == [
-        ("released", "s", "reset"), ("reset_hook", "s"),
-        ("created", "s", None), ("bind", "s"), ("forward", "s"), ("unbind", "s"),
-        ("released", "s", "close"), ("close_hook", "s"),
-    ]
+    assert pipeline.log == [("reset_hook", "s"), ("bind", "s"), ("forward", "s"), ("unbind", "s"),
+                            ("close_hook", "s")]
+    assert resident_at_hook == [False, False]
+    # Listeners run after the runner's lock is released, in event order.
+    assert events == [("released", "s", "reset"), ("created", "s", None), ("released", "s", "close")]
 
 
 def test_reset_hook_called_for_never_resident_id():
@@ -189,7 +198,7 @@ def test_interleaved_sessions_and_lru_order():
         runner.execute_model(request(sid))
     assert committed(runner, "world-a") == 6 and committed(runner, "world-b") == 3
     assert runner.sessions == ("world-b", "world-a")
-    a, b = runner._sessions["world-a"], runner._sessions["world-b"]
+    a, b = runner.session_table.get("world-a"), runner.session_table.get("world-b")
     assert a._adapters["main"].request_id == "ar::world-a::main"
     assert b._adapters["main"].request_id == "ar::world-b::main"
     assert a.slot != b.slot  # disjoint page runs
@@ -200,7 +209,7 @@ def test_sink_survives_eviction():
     runner = make_runner(pipeline)
     for i in range(8):
         runner.execute_model(request("s", frames=1))
-    state = runner._sessions["s"]
+    state = runner.session_table.get("s")
     state._bound = True
     caches = state.get_kv_caches("main", seq_len=1, commit_current=False)
     state._bound = False
@@ -229,7 +238,7 @@ def test_lru_capacity_two_three_ids():
     assert runner.sessions == ("b", "c")
     assert ("close_hook", "a") in pipeline.log
     assert evicted_state.closed and evicted_state.cross_attention_bytes == 0  # cross caches gone
-    assert runner._sessions["c"].slot == slot_a  # slot reused
+    assert runner.session_table.get("c").slot == slot_a  # slot reused
     assert runner.kv_cache.num_free_slots == 0
 
 
@@ -447,11 +456,11 @@ def test_in_flight_chunk_survives_between_steps():
     pipeline, runner = step_runner()
     req = DiffusionRequest("req-1", inputs={"results": ("none", "none", "output")})
     runner.execute_stepwise(StepSchedulerOutput((req,)))
-    state = runner._sessions["req-1"]
+    state = runner.session_table.get("req-1")
     assert state.describe()["pending"]["main"]["commit_current"] is False  # pending probe kept
     runner.execute_stepwise(StepSchedulerOutput((req,)))
     runner.execute_stepwise(StepSchedulerOutput((req,)))
-    assert committed(runner, "req-1") == 3 and runner._sessions["req-1"] is state
+    assert committed(runner, "req-1") == 3 and runner.session_table.get("req-1") is state
 
 
 # -- warmup (scenario 70) --------------------------------------------------------------------------------

@@ -7,6 +7,13 @@ rollouts. Host bookkeeping (which session owns which run, cursors, LRU) lives in
 """
 
 from ardiff_jax.kv._attention import paged_attention, ref_attention, ref_paged_attention
+from ardiff_jax.kv._backends import (
+    AttentionBackend,
+    attention_backend,
+    attention_backends,
+    check_attention_backend,
+    register_attention_backend,
+)
 from ardiff_jax.kv._caches import LayerKVCache, PagedKVCaches
 from ardiff_jax.kv._layout import (
     KVLayout,
@@ -30,6 +37,11 @@ from ardiff_jax.kv._tables import (
 )
 
 __all__ = [
+    "AttentionBackend",
+    "attention_backend",
+    "attention_backends",
+    "check_attention_backend",
+    "register_attention_backend",
     "CURSOR_FIELDS",
     "KVLayout",
     "KVPools",

@@ -10,13 +10,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from ardiff_jax.kv._attention import paged_attention, ref_paged_attention
+from ardiff_jax.kv._attention import ref_paged_attention
+from ardiff_jax.kv._backends import attention_backend
 from ardiff_jax.kv._layout import KVLayout, KVPools
 from ardiff_jax.kv._tables import visible_table
 
 __all__ = ["PagedKVCaches", "LayerKVCache"]
 
-_paged_attention_jit = jax.jit(paged_attention, static_argnums=0)
 _ref_paged_attention_jit = jax.jit(ref_paged_attention, static_argnums=0)
 
 
@@ -27,8 +27,8 @@ class PagedKVCaches:
 
     ``len(caches) == num_layers``; ``caches[i]`` is a per-layer view. The pytree carries the
     pool arrays (read-only here: the runtime's donated commit is their only writer), the
-    branch cursor as ``i32[3]`` values and, as static metadata, the layout and the current
-    block length. Values change between forwards, sessions and fill levels; the treedef
+    branch cursor as ``i32[3]`` values and, as static metadata, the layout, the current
+    block length and the attention backend's name. Values change between forwards, sessions and fill levels; the treedef
     does not, so one compiled model serves all of them.
 
     Attributes:
@@ -37,12 +37,15 @@ class PagedKVCaches:
         first visible non-sink frame).
       layout: static pool geometry.
       seq_len: tokens of the current block this view was prepared for.
+      backend: the registered attention backend :meth:`attend` calls (``"xla"`` by default;
+        see :func:`~ardiff_jax.kv.register_attention_backend`).
     """
 
     pools: KVPools
     cursor: jax.Array
     layout: KVLayout = dataclasses.field(metadata=dict(static=True))
     seq_len: int = dataclasses.field(metadata=dict(static=True))
+    backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     # -- sequence protocol ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -99,7 +102,7 @@ class PagedKVCaches:
         Returns ``q``'s shape and dtype. Non-causal: every query sees every visible key.
         """
         layer = self._check_call(layer, k)
-        return _paged_attention_jit(
+        return attention_backend(self.backend)(
             self.layout, self.pools, self.cursor, layer, q, k, v, extra_k, extra_v, scale=scale
         )
 

@@ -79,7 +79,7 @@ from ardiff_jax.models._common import (
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import patchify
-from ardiff_jax.runtime._requests import DiffusionRequest
+from ardiff_jax.types import DiffusionRequest
 
 __all__ = ["CFGWorldActionPipeline", "CFGPipelineConfig", "ObservationSchema", "cfg_step", "cfg_commit"]
 

@@ -22,7 +22,7 @@ from ardiff_jax.models._cfg import CFGPipelineConfig, CFGWorldActionPipeline
 from ardiff_jax.models._config import DIT_PRESETS, dit_preset
 from ardiff_jax.models._world import WorldPipeline, WorldPipelineConfig
 from ardiff_jax.runtime._engine import ARDiffusionEngine
-from ardiff_jax.runtime._requests import DiffusionRequest, EngineConfig
+from ardiff_jax.types import DiffusionRequest, EngineConfig
 
 __all__ = ["RolloutOptions", "run_rollout"]
 

@@ -63,7 +63,7 @@ from ardiff_jax.models._common import (
     text_cross_kv,
 )
 from ardiff_jax.models._config import CausalDiTConfig
-from ardiff_jax.runtime._requests import DiffusionRequest, StepResult
+from ardiff_jax.types import DiffusionRequest, StepResult
 
 __all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step"]
 

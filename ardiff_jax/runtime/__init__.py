@@ -1,4 +1,14 @@
-"""Imperative shell: the KV manager, per-session state, memory plan, runner and engine."""
+"""Imperative shell: the KV manager, per-session state, memory plan, session table, runner and engine.
+
+Power-user names live here; :mod:`ardiff_jax` re-exports what most users start with.
+
+* session value: :class:`SessionKV`, :class:`BranchCursor`, :class:`CrossAttentionKV` and the
+  pure functions over it (:func:`commit_frames` is the one commit rule);
+* policy: :class:`SessionTable` (LRU order, capacity, eviction choice, pins; host only);
+* KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`,
+  :class:`ARDiffusionRequestAdapter`; memory plan: :class:`MemoryPlan`, :func:`plan_memory`;
+* execution: :class:`ARDiffusionModelRunner`, :class:`ARDiffusionEngine`, :class:`SessionEvent`.
+"""
 
 from ardiff_jax.runtime._engine import ARDiffusionEngine
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
@@ -9,36 +19,54 @@ from ardiff_jax.runtime._memory import (
     plan_memory,
     scratch_blocks_override,
 )
-from ardiff_jax.runtime._requests import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
 from ardiff_jax.runtime._runner import WARMUP_SESSION_ID, ARDiffusionModelRunner, SessionEvent
-from ardiff_jax.runtime._state import ARDiffusionKVState, ARDiffusionRequestAdapter, CrossAttentionKV
-from ardiff_jax.runtime._tick import (
+from ardiff_jax.runtime._session import (
+    BranchCursor,
+    CrossAttentionKV,
+    SessionKV,
+    branch_cursor_array,
+    clear_cross_attention,
+    commit_frames,
+    new_session_kv,
+    publish_cross_attention,
+    reset_session_kv,
+    run_base,
+)
+from ardiff_jax.runtime._session_table import SessionTable
+from ardiff_jax.runtime._state import ARDiffusionKVState, ARDiffusionRequestAdapter
+from ardiff_jax.types import (  # noqa: F401 - re-exported for code written before ardiff_jax.types
     AR_DIFFUSION_TICK_KEY,
     ARDiffusionChunkMetadata,
     ARDiffusionControlInput,
     ARDiffusionTickRequest,
+    DiffusionRequest,
+    EngineConfig,
+    StepResult,
+    StepSchedulerOutput,
 )
 
 __all__ = [
-    "AR_DIFFUSION_TICK_KEY",
     "SCRATCH_BLOCKS_ENV",
     "WARMUP_SESSION_ID",
-    "ARDiffusionChunkMetadata",
-    "ARDiffusionControlInput",
     "ARDiffusionEngine",
-    "ARDiffusionModelRunner",
-    "ARDiffusionTickRequest",
-    "DiffusionRequest",
-    "EngineConfig",
-    "SessionEvent",
-    "StepResult",
-    "StepSchedulerOutput",
     "ARDiffusionKVCache",
     "ARDiffusionKVState",
+    "ARDiffusionModelRunner",
     "ARDiffusionRequestAdapter",
+    "BranchCursor",
     "CrossAttentionKV",
     "MemoryPlan",
+    "SessionEvent",
+    "SessionKV",
+    "SessionTable",
+    "branch_cursor_array",
+    "clear_cross_attention",
+    "commit_frames",
     "free_memory_bytes",
+    "new_session_kv",
     "plan_memory",
+    "publish_cross_attention",
+    "reset_session_kv",
+    "run_base",
     "scratch_blocks_override",
 ]

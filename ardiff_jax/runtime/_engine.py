@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ardiff_jax.runtime._memory import MemoryPlan
-from ardiff_jax.runtime._requests import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
+from ardiff_jax.types import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
 from ardiff_jax.runtime._runner import ARDiffusionModelRunner
 
 __all__ = ["ARDiffusionEngine"]

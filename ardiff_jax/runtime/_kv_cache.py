@@ -17,9 +17,18 @@ import jax
 import numpy as np
 
 from ardiff_jax.capability import ARDiffusionKVCacheSpec
-from ardiff_jax.kv import KVLayout, KVPools, allocate_pools, commit_block, default_storage_dtype
+from ardiff_jax._checks import check_session_id
+from ardiff_jax.kv import (
+    KVLayout,
+    KVPools,
+    allocate_pools,
+    check_attention_backend,
+    commit_block,
+    default_storage_dtype,
+)
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.runtime._state import ARDiffusionKVState
+from ardiff_jax.types import check_kv_dtype
 
 __all__ = ["ARDiffusionKVCache"]
 
@@ -39,6 +48,7 @@ class ARDiffusionKVCache:
       device: where the pools live (default: the first device).
       storage_dtype: dtype of the pool arrays; default per backend (``uint16`` bit patterns
         for 16-bit floats on CPU, the logical dtype elsewhere).
+      attention_backend: the registered paged-attention backend the states' views call.
     """
 
     def __init__(
@@ -50,9 +60,13 @@ class ARDiffusionKVCache:
         gpu_memory_fraction: float = 0.1,
         device: jax.Device | None = None,
         storage_dtype: Any = None,
+        attention_backend: str = "xla",
     ) -> None:
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
+        dtype = check_kv_dtype(dtype)
+        self._attention_backend = check_attention_backend(attention_backend)
+        self._closed = False
         self._device = device if device is not None else jax.devices()[0]
         if available_memory_bytes is None:
             available, source = free_memory_bytes(self._device)
@@ -121,6 +135,15 @@ class ARDiffusionKVCache:
         return self._plan.session_capacity
 
     @property
+    def attention_backend(self) -> str:
+        """Name of the paged-attention backend (:func:`~ardiff_jax.kv.attention_backends`)."""
+        return self._attention_backend
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def pools(self) -> KVPools:
         """The current pools. Do not keep this reference across a commit: commits donate it."""
         return self._pools
@@ -137,11 +160,22 @@ class ARDiffusionKVCache:
     def get_state(self, session_id: str) -> ARDiffusionKVState | None:
         return self._states.get(session_id)
 
+    def check_owned(self, state: Any) -> None:
+        """ValueError unless ``state`` is an open state of *this* cache (not a closed or foreign one)."""
+        if not isinstance(state, ARDiffusionKVState):
+            raise TypeError(f"expected an ARDiffusionKVState, got {type(state).__name__}")
+        if state._cache is not self:
+            raise ValueError(
+                f"ARDiffusionKVState of session {state.session_id!r} belongs to another ARDiffusionKVCache; its slot "
+                "numbers mean nothing in this one")
+        if self._states.get(state.session_id) is not state:
+            raise RuntimeError(f"AR-Diffusion session {state.session_id!r} is closed")
+
     # -- sessions ------------------------------------------------------------------------------
     def create_state(self, session_id: str) -> ARDiffusionKVState:
         """Open a new session in a free slot. RuntimeError when every slot is taken."""
-        if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"AR-Diffusion session ids must be non-empty strings, got {session_id!r}")
+        check_session_id(session_id)
+        self._check_open()
         self.check_pools()
         slot = self._take_slot(session_id)
         state = ARDiffusionKVState(self, session_id, slot)
@@ -164,15 +198,22 @@ class ARDiffusionKVCache:
         self._states[state.session_id] = state
         return slot
 
-    def _release_slot(self, state: ARDiffusionKVState, slot: int | None) -> None:
-        if self._states.get(state.session_id) is state:
-            del self._states[state.session_id]
-        if slot is not None:
-            heapq.heappush(self._free_slots, slot)
+    def _release_slot(self, state: ARDiffusionKVState, slot: int) -> None:
+        if self._states.get(state.session_id) is not state:
+            raise RuntimeError(f"AR-Diffusion slot {slot} of session {state.session_id!r} was already released")
+        if slot in self._free_slots:  # pragma: no cover - guarded above; a second release would share a slot
+            raise RuntimeError(f"AR-Diffusion slot {slot} released twice")
+        del self._states[state.session_id]
+        heapq.heappush(self._free_slots, slot)
 
     # -- device ---------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ARDiffusionKVCache is closed: its pools were freed")
+
     def check_pools(self) -> None:
-        """RuntimeError if the pool buffers were donated or deleted behind the manager's back."""
+        """RuntimeError if the cache is closed or the pools were donated or deleted behind the manager's back."""
+        self._check_open()
         if self._pools.is_deleted():
             raise RuntimeError(
                 "AR-Diffusion KV pools were deleted or donated outside the KV manager (a model must not donate "
@@ -184,6 +225,10 @@ class ARDiffusionKVCache:
         self.check_pools()
         self._pools = commit_block(self._layout, self._pools, pages, k, v)
 
+    def _replace_pools(self, pools: KVPools) -> None:
+        """Take back the pools a donated device program returned (device-side rollouts)."""
+        self._pools = pools
+
     def block_until_ready(self) -> None:
         """Wait for every dispatched pool write (surfaces asynchronous device errors)."""
         self.check_pools()
@@ -191,6 +236,7 @@ class ARDiffusionKVCache:
 
     def reallocate_pools(self) -> None:
         """Replace lost pools with fresh zeroed ones. Every open session must be closed first."""
+        self._check_open()
         if self._states:
             raise RuntimeError(
                 f"AR-Diffusion reallocate_pools needs every session closed; open: {list(self._states)}"
@@ -199,17 +245,21 @@ class ARDiffusionKVCache:
         self._pools = allocate_pools(self._layout, self._device)
 
     def close(self) -> None:
-        """Close every session and free the pools now (notebooks: release device memory)."""
+        """Close every session and free the pools now (notebooks: release device memory). Idempotent."""
+        if self._closed:
+            return
         for state in list(self._states.values()):
-            state.close()
+            state._release()
         self._pools.delete()
+        self._closed = True
 
     def memory_report(self) -> dict[str, int]:
         """Live device bytes owned by the manager: pools and published cross-attention arrays."""
-        cross = sum(state.cross_attention_bytes for state in self._states.values())
+        states = list(self._states.values())  # one read: another thread may open or close sessions meanwhile
+        cross = sum(state.cross_attention_bytes for state in states)
         return {
-            "pool_bytes": 0 if self._pools.is_deleted() else self._layout.pool_bytes,
+            "pool_bytes": 0 if self._closed or self._pools.is_deleted() else self._layout.pool_bytes,
             "cross_attention_bytes": cross,
-            "open_sessions": len(self._states),
+            "open_sessions": len(states),
             "free_slots": len(self._free_slots),
         }

@@ -1,6 +1,6 @@
 """``ARDiffusionModelRunner``: sessions, LRU, lifecycle hooks, fail-closed cleanup, stepwise path, warmup.
 
-Behaviour follows the reference runner (CONTRACTS.md sections 6.1-6.5 and 8):
+Behaviour follows the reference runner (``docs/reference_behaviour.md``, "Runner"):
 
 * load: capability checks in the reference order, memory plan, pool allocation, warmup;
 * ``execute_model``: session from the request (a typed tick is authoritative), ``reset``
@@ -12,7 +12,13 @@ Behaviour follows the reference runner (CONTRACTS.md sections 6.1-6.5 and 8):
   errors are raised, failure/stepwise/warmup cleanup errors are logged and suppressed.
 
 The runner serialises its entry points with a lock, so a serving layer may call it from
-several threads; one request executes at a time (``max_num_seqs == 1``).
+several threads; one request executes at a time (``max_num_seqs == 1``). Listeners are
+called after the lock is released, so a slow or re-entrant listener cannot stall or
+deadlock the runner.
+
+Policy and execution are apart: :class:`~ardiff_jax.runtime.SessionTable` decides (LRU
+order, capacity, which session an admission evicts, pins); this shell executes (binds,
+runs, releases KV, calls hooks, waits for the device).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 
+from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
 from ardiff_jax.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionPipeline,
@@ -38,9 +46,10 @@ from ardiff_jax.capability import (
 )
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
-from ardiff_jax.runtime._requests import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
+from ardiff_jax.types import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
+from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
-from ardiff_jax.runtime._tick import ARDiffusionTickRequest
+from ardiff_jax.types import AR_DIFFUSION_TICK_KEY, ARDiffusionTickRequest
 
 __all__ = ["ARDiffusionModelRunner", "SessionEvent", "WARMUP_SESSION_ID"]
 
@@ -56,6 +65,9 @@ _PIPELINE_METHODS = (
     "close_ar_diffusion_session",
     "forward",
 )
+
+#: Pipelines bound to an open runner (by id; the runner keeps its pipeline alive, so ids stay unique).
+_BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +88,9 @@ class ARDiffusionModelRunner:
     """Owns the KV pools and the resident sessions of one pipeline.
 
     Args:
-      pipeline: implements :class:`~ardiff_jax.SupportsARDiffusionPipeline`.
+      pipeline: implements :class:`~ardiff_jax.SupportsARDiffusionPipeline`. One pipeline
+        instance serves one open runner: its per-session model state is keyed by session
+        id, so a second runner would share (and corrupt) it.
       config: :class:`~ardiff_jax.EngineConfig`.
     """
 
@@ -84,7 +98,7 @@ class ARDiffusionModelRunner:
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        # Load-time checks, in the reference order (CONTRACTS.md section 8).
+        # Load-time checks, in the reference order.
         if config.step_execution and not _step_capable(pipeline):
             raise ValueError(
                 "step_execution=True requires a pipeline that implements SupportsStepExecution "
@@ -102,6 +116,12 @@ class ARDiffusionModelRunner:
             )
         if getattr(pipeline, "supports_request_batch", False):
             raise ValueError("ARDiffusionModelRunner does not support request-batch execution pipelines")
+        other = _BOUND_PIPELINES.get(id(pipeline))
+        if other is not None and not other._closed:
+            raise ValueError(
+                f"this {type(pipeline).__name__} instance is already loaded by another open engine; its per-session "
+                "model state would be shared between the two. Close that engine first, or build a second pipeline "
+                "(share weights with modules=first.modules)")
         spec = pipeline.ar_diffusion_kv_cache_spec()
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(
@@ -113,7 +133,9 @@ class ARDiffusionModelRunner:
         self._request_validator = (pipeline.validate_ar_diffusion_request
                                    if isinstance(pipeline, SupportsARDiffusionRequestValidation) else None)
         self._lock = threading.RLock()
-        self._sessions: collections.OrderedDict[str, ARDiffusionKVState] = collections.OrderedDict()
+        self._lock_depth = 0
+        self._queued_events: list[SessionEvent] = []
+        self._executing: str | None = None  # the session whose forward/step is running
         self._listeners: list[Callable[[SessionEvent], None]] = []
         self._perf_e2e_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._stepwise_started: dict[str, float] = {}
@@ -121,9 +143,11 @@ class ARDiffusionModelRunner:
         logger.info("AR-Diffusion geometry: %s", spec_summary(spec))
         self._kv_cache = ARDiffusionKVCache(
             spec, dtype=config.dtype, available_memory_bytes=config.available_memory_bytes,
-            gpu_memory_fraction=config.gpu_memory_fraction,
+            gpu_memory_fraction=config.gpu_memory_fraction, attention_backend=config.attention_backend,
         )
+        self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
         logger.info("%s", self._kv_cache.plan)
+        _BOUND_PIPELINES[id(pipeline)] = self
         self._warmup()
 
     # -- read-only views ---------------------------------------------------------------------
@@ -148,9 +172,18 @@ class ARDiffusionModelRunner:
         return self._kv_cache.session_capacity
 
     @property
+    def session_table(self) -> SessionTable[ARDiffusionKVState]:
+        """The policy object: LRU order, capacity, pins (read it; the runner changes it)."""
+        return self._table
+
+    @property
     def sessions(self) -> tuple[str, ...]:
         """Resident session ids, least recently used first."""
-        return tuple(self._sessions)
+        return self._table.lru_order
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def e2e_times(self) -> tuple[float, ...]:
@@ -158,42 +191,82 @@ class ARDiffusionModelRunner:
         return tuple(self._perf_e2e_times)
 
     def add_session_listener(self, listener: Callable[[SessionEvent], None]) -> None:
-        """Call ``listener(SessionEvent)`` on every session creation and release."""
+        """Call ``listener(SessionEvent)`` on every session creation and release.
+
+        Listeners run after the runner released its lock, in event order; one that raises is
+        logged and does not affect the runtime or the other listeners.
+        """
+        if not callable(listener):
+            raise TypeError(f"session listeners must be callable, got {type(listener).__name__}")
         self._listeners.append(listener)
 
-    def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
-        event = SessionEvent(kind, session_id, reason)
-        for listener in list(self._listeners):
+    # -- locking and events ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The runner lock; events queued inside are delivered once the outermost holder let go."""
+        with self._lock:
+            self._lock_depth += 1
             try:
-                listener(event)
-            except Exception:  # a metrics hook must never break the runtime
-                logger.exception("AR-Diffusion session listener failed on %s", event)
+                yield
+            finally:
+                self._lock_depth -= 1
+                events: list[SessionEvent] = []
+                if self._lock_depth == 0:
+                    events, self._queued_events = self._queued_events, []
+        self._deliver(events)
+
+    def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
+        self._queued_events.append(SessionEvent(kind, session_id, reason))
+
+    def _deliver(self, events: list[SessionEvent]) -> None:
+        for event in events:
+            for listener in list(self._listeners):
+                try:
+                    listener(event)
+                except Exception:  # a metrics hook must never break the runtime
+                    logger.exception("AR-Diffusion session listener failed on %s", event)
+
+    def _check_not_reentrant(self, entry_point: str) -> None:
+        if self._executing is not None:
+            raise RuntimeError(
+                f"{entry_point} was called from inside the forward of session {self._executing!r}; the runner runs "
+                "one request at a time and a nested call could release the session that is running. Return from "
+                "forward first")
 
     # -- request / tick mode -------------------------------------------------------------------
     @staticmethod
     def _request_session(request: DiffusionRequest) -> tuple[str, bool, bool, ARDiffusionTickRequest | None]:
-        """``(session_id, reset, close_session, tick)``; a typed tick is authoritative."""
-        extra_args = request.extra_args or {}
-        tick = ARDiffusionTickRequest.from_extra_args(extra_args)
+        """``(session_id, reset, close_session, tick)``; a typed tick is authoritative.
+
+        A missing ``session_id`` means ``"default"``; a present one must be a non-blank
+        ``str`` and the flags real bools (``"false"`` is refused, never coerced).
+        """
+        extra_args = request.extra_args
+        tick = ARDiffusionTickRequest.from_extra_args(extra_args) if AR_DIFFUSION_TICK_KEY in extra_args else None
         if tick is not None:
             return tick.session_id, tick.reset, tick.close_session, tick
-        session_id = str(extra_args.get("session_id") or "default")
-        return session_id, bool(extra_args.get("reset", False)), bool(extra_args.get("close_session", False)), None
+        session_id = check_session_id(extra_args["session_id"], "extra_args['session_id']") \
+            if "session_id" in extra_args else "default"
+        reset = check_flag("extra_args['reset']", extra_args.get("reset", False))
+        close_session = check_flag("extra_args['close_session']", extra_args.get("close_session", False))
+        return session_id, reset, close_session, None
 
     def execute_model(self, request: DiffusionRequest) -> Any:
         """Run one request on its session; returns what ``pipeline.forward`` returned."""
         if not isinstance(request, DiffusionRequest):
             raise TypeError(f"execute_model expects a DiffusionRequest, got {type(request).__name__}")
-        with self._lock:
+        check_not_traced("engine.generate / execute_model", _request_leaves(request))
+        with self._locked():
             self._check_open()
+            self._check_not_reentrant("execute_model")
             session_id, reset, close_after, _ = self._request_session(request)
             self._validate_request(session_id, request)
             if reset:
-                self.reset_session(session_id)
+                self._release_session(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
             state = self._get_or_create_session(session_id)
             try:
-                with self._bound(session_id, state):
+                with self._bound(session_id, state, stepwise=False):
                     output = self._pipeline.forward(request)
                 self._synchronize(output)
             except BaseException as error:
@@ -201,7 +274,7 @@ class ARDiffusionModelRunner:
                 raise
             self._perf_e2e_times.append(time.perf_counter() - start)
             if close_after:
-                self.close_session(session_id)
+                self._release_session(session_id, reset_model=False, reason="close")
             return output
 
     def execute_model_batch(self, *args: Any, **kwargs: Any) -> Any:
@@ -219,31 +292,34 @@ class ARDiffusionModelRunner:
             raise TypeError(
                 f"execute_stepwise expects a StepSchedulerOutput, got {type(scheduler_output).__name__}"
             )
-        with self._lock:
+        with self._locked():
             self._check_open()
+            self._check_not_reentrant("execute_stepwise")
             if not self._config.step_execution:
                 raise RuntimeError(
                     "ARDiffusionModelRunner does not support step execution here: load with "
                     "EngineConfig(step_execution=True) and a SupportsStepExecution pipeline"
                 )
-            for request_id in sorted(scheduler_output.finished_req_ids):
-                self._stepwise_started.pop(request_id, None)
-                if request_id in self._sessions:
-                    self._release_session(request_id, reset_model=False, reason="close", suppress_errors=True)
-            if not scheduler_output.scheduled:
-                return None
             if len(scheduler_output.scheduled) > 1:
                 raise RuntimeError(
                     "ARDiffusionModelRunner stepwise execution supports one request at a time, got "
                     f"{len(scheduler_output.scheduled)}"
                 )
+            for request in scheduler_output.scheduled:
+                check_not_traced("engine.step / execute_stepwise", _request_leaves(request))
+            for request_id in sorted(scheduler_output.finished_req_ids):
+                self._stepwise_started.pop(request_id, None)
+                if request_id in self._table:
+                    self._release_session(request_id, reset_model=False, reason="close", suppress_errors=True)
+            if not scheduler_output.scheduled:
+                return None
             request = scheduler_output.scheduled[0]
             session_id = request.request_id
             self._validate_request(session_id, request)
             self._stepwise_started.setdefault(session_id, time.perf_counter())
             state = self._get_or_create_session(session_id)
             try:
-                with self._bound(session_id, state):
+                with self._bound(session_id, state, stepwise=True):
                     result = self._pipeline.step(request)
                 if not isinstance(result, StepResult):
                     raise TypeError(f"pipeline.step must return a StepResult, got {type(result).__name__}")
@@ -268,25 +344,32 @@ class ARDiffusionModelRunner:
     # -- serving-layer lifecycle -------------------------------------------------------------
     def reset_session(self, session_id: str) -> None:
         """Release the session's KV (if resident), then call the pipeline's reset hook. Errors raise."""
-        _check_session_id(session_id)
-        with self._lock:
+        check_session_id(session_id)
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("reset_session")
             self._release_session(session_id, reset_model=True, reason="reset")
 
     def close_session(self, session_id: str) -> None:
         """Release the session's KV (if resident), then call the pipeline's close hook. Errors raise."""
-        _check_session_id(session_id)
-        with self._lock:
+        check_session_id(session_id)
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("close_session")
             self._release_session(session_id, reset_model=False, reason="close")
 
     def close(self) -> None:
         """Release every session (close hooks; errors logged) and free the pools. Idempotent."""
-        with self._lock:
+        with self._locked():
             if self._closed:
                 return
-            for session_id in list(self._sessions):
+            self._check_not_reentrant("close")
+            for session_id in self._table.lru_order:
                 self._release_session(session_id, reset_model=False, reason="close", suppress_errors=True)
             self._kv_cache.close()
             self._closed = True
+            if _BOUND_PIPELINES.get(id(self._pipeline)) is self:
+                del _BOUND_PIPELINES[id(self._pipeline)]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -299,18 +382,16 @@ class ARDiffusionModelRunner:
             self._request_validator(session_id, request)
 
     def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
-        state = self._sessions.get(session_id)
+        state = self._table.get(session_id)
         if state is not None:
-            self._sessions.move_to_end(session_id)
-            return state
-        while len(self._sessions) >= self.session_capacity:
-            oldest = next(iter(self._sessions))
-            self._release_session(oldest, reset_model=False, reason="lru_eviction")
+            return self._table.touch(session_id)
+        for victim in self._table.eviction_victims():
+            self._release_session(victim, reset_model=False, reason="lru_eviction")
         state = self._kv_cache.create_state(session_id)
         state._runner_managed = True
-        self._sessions[session_id] = state
+        self._table.add(session_id, state)
         logger.info("AR-Diffusion session %r created (slot %s; %d resident)", session_id, state.slot,
-                    len(self._sessions))
+                    len(self._table))
         self._emit("created", session_id)
         return state
 
@@ -318,11 +399,11 @@ class ARDiffusionModelRunner:
                          suppress_errors: bool = False) -> None:
         """KV first, then the pipeline hook (even when nothing was resident)."""
         errors: list[BaseException] = []
-        state = self._sessions.pop(session_id, None)
+        state = self._table.remove(session_id)
         if state is not None:
             try:
-                state.close()
-            except Exception as error:  # pragma: no cover - close only touches host bookkeeping
+                state._release()
+            except Exception as error:  # pragma: no cover - release only touches host bookkeeping
                 errors.append(error)
             self._emit("released", session_id, reason)
         hook = self._pipeline.reset_ar_diffusion_session if reset_model else self._pipeline.close_ar_diffusion_session
@@ -340,21 +421,32 @@ class ARDiffusionModelRunner:
                 raise errors[0]
 
     @contextlib.contextmanager
-    def _bound(self, session_id: str, state: ARDiffusionKVState) -> Iterator[None]:
+    def _bound(self, session_id: str, state: ARDiffusionKVState, *, stepwise: bool = False) -> Iterator[None]:
         """Bind ``state`` to the pipeline for exactly one invocation, then check what the pipeline left."""
         state._bound = True
+        self._executing = session_id
+        self._table.pin(session_id)
         try:
             with self._pipeline.bind_ar_diffusion_state(session_id, state):
                 yield
         finally:
             state._bound = False
-        for name, value in vars(self._pipeline).items() if hasattr(self._pipeline, "__dict__") else ():
-            if value is state:
-                raise RuntimeError(
-                    f"pipeline {type(self._pipeline).__name__} retained the bound ARDiffusionKVState of session "
-                    f"{session_id!r} in attribute {name!r} past its invocation; clear it when the bind context exits"
-                )
+            self._executing = None
+            self._table.unpin(session_id)
+        where = _find_retained(self._pipeline, state)
+        if where is not None:
+            raise RuntimeError(
+                f"pipeline {type(self._pipeline).__name__} retained the bound ARDiffusionKVState of session "
+                f"{session_id!r} in {where} past its invocation; clear it when the bind context exits"
+            )
         self._kv_cache.check_pools()
+        if not stepwise:
+            forgotten = [name for name, pending in state._pending.items() if pending.commit_current]
+            if forgotten:
+                raise RuntimeError(
+                    f"forward of session {session_id!r} requested committing contexts on {forgotten} "
+                    "(get_kv_caches(..., commit_current=True)) and returned without commit_paged_context; the block "
+                    "was not committed")
 
     def _synchronize(self, output: Any) -> None:
         """Wait for the pool writes and the output, so device errors surface inside the fail-closed scope."""
@@ -369,7 +461,7 @@ class ARDiffusionModelRunner:
         if self._kv_cache.pools.is_deleted():
             # A model donated or deleted the pools: every resident session's KV is gone.
             # Release them all (close hooks) and start from fresh zeroed pools.
-            for other in list(self._sessions):
+            for other in self._table.lru_order:
                 self._release_session(other, reset_model=False, reason="pools_lost", suppress_errors=True)
             self._kv_cache.reallocate_pools()
             logger.error("AR-Diffusion KV pools were lost during session %r; all sessions were released",
@@ -390,7 +482,12 @@ class ARDiffusionModelRunner:
                 if not isinstance(request, DiffusionRequest):
                     logger.warning("AR-Diffusion warmup yielded %r, not a DiffusionRequest; skipped", request)
                     continue
-                session_id = self._request_session(request)[0]
+                try:
+                    session_id = self._request_session(request)[0]
+                except ValueError as error:
+                    logger.warning("AR-Diffusion warmup request %r is malformed (%s); skipped", request.request_id,
+                                   error)
+                    continue
                 if session_id != WARMUP_SESSION_ID:
                     logger.warning("AR-Diffusion warmup request %r targets session %r instead of %r; skipped",
                                    request.request_id, session_id, WARMUP_SESSION_ID)
@@ -403,8 +500,9 @@ class ARDiffusionModelRunner:
         except Exception as error:
             logger.warning("AR-Diffusion warmup provider failed: %r", error)
         finally:
-            self._release_session(WARMUP_SESSION_ID, reset_model=False, reason="warmup_complete",
-                                  suppress_errors=True)
+            with self._locked():
+                self._release_session(WARMUP_SESSION_ID, reset_model=False, reason="warmup_complete",
+                                      suppress_errors=True)
             self._perf_e2e_times.clear()
         logger.info("AR-Diffusion warmup ran %d request(s)", executed)
         if self._kv_cache.num_free_slots != free_before:  # pragma: no cover - defensive
@@ -412,10 +510,24 @@ class ARDiffusionModelRunner:
                            free_before - self._kv_cache.num_free_slots)
 
 
+def _request_leaves(request: DiffusionRequest) -> tuple[Any, ...]:
+    # MappingProxyType is not a pytree node: hand jax plain dicts.
+    return dict(request.inputs), dict(request.extra_args), request.prompt
+
+
+def _find_retained(pipeline: Any, state: ARDiffusionKVState) -> str | None:
+    """The pipeline attribute that still refers to ``state``, if any.
+
+    Only direct attributes are checked (cheap, every tick). A state kept anywhere else is
+    harmless all the same: outside its invocation every use of it raises, and only the
+    runner can release it.
+    """
+    attributes = vars(pipeline) if hasattr(pipeline, "__dict__") else {}
+    for name, value in attributes.items():
+        if value is state:
+            return f"attribute {name!r}"
+    return None
+
+
 def _step_capable(pipeline: Any) -> bool:
     return isinstance(pipeline, SupportsStepExecution) and bool(getattr(pipeline, "supports_step_execution", False))
-
-
-def _check_session_id(session_id: Any) -> None:
-    if not isinstance(session_id, str) or not session_id.strip():
-        raise ValueError(f"AR-Diffusion session ids must be non-blank strings, got {session_id!r}")

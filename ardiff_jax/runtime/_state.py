@@ -13,13 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor
+from ardiff_jax._checks import check_int, check_not_traced
+from ardiff_jax.kv import PagedKVCaches, block_pages
+from ardiff_jax.runtime._session import (
+    BranchCursor,
+    CrossAttentionKV,
+    SessionKV,
+    branch_cursor_array,
+    clear_cross_attention,
+    commit_frames,
+    new_session_kv,
+    publish_cross_attention,
+    reset_session_kv,
+    run_base,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
@@ -27,60 +40,52 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV"]
 
 
-class CrossAttentionKV(NamedTuple):
-    """A published cross-attention cache: per-layer K and V stacked on axis 0.
-
-    Attributes:
-      k: ``dtype[L, N, Hc, D]``
-      v: ``dtype[L, N, Hc, D]``
-
-    A pytree (NamedTuple), so it passes into ``jax.jit`` as is; ``kv.k[i]`` is layer ``i``.
-    """
-
-    k: jax.Array
-    v: jax.Array
-
-
 class ARDiffusionRequestAdapter:
-    """The live cursor of one (session, logical branch).
+    """The live cursor of one (session, logical branch): a read-only view.
 
     ``request_id == f"ar::{session_id}::{branch}"``. Identity is stable until the session is
-    released or ``state.reset`` installs a fresh adapter with the same request id. Models
-    read ``num_computed_tokens`` / ``committed_frames`` (e.g. for RoPE frame offsets).
+    released or ``state.reset`` installs a fresh adapter with the same request id; a retired
+    adapter keeps reporting the cursor it had. Models read ``num_computed_tokens`` /
+    ``committed_frames`` (e.g. for RoPE frame offsets). Only the state's commit path moves
+    the cursor (:func:`~ardiff_jax.runtime.commit_frames`).
     """
 
-    __slots__ = ("request_id", "kv_branch", "local_index", "tokens_per_frame", "_committed", "_visible_start")
+    __slots__ = ("request_id", "kv_branch", "local_index", "tokens_per_frame", "_cursor")
 
-    def __init__(self, session_id: str, kv_branch: str, local_index: int, tokens_per_frame: int) -> None:
+    def __init__(self, session_id: str, kv_branch: str, local_index: int, tokens_per_frame: int,
+                 cursor: BranchCursor) -> None:
         self.request_id = f"ar::{session_id}::{kv_branch}"
         self.kv_branch = kv_branch
         self.local_index = local_index
         self.tokens_per_frame = tokens_per_frame
-        self._committed = 0
-        self._visible_start = 0
+        self._cursor = cursor
+
+    @property
+    def cursor(self) -> BranchCursor:
+        return self._cursor
 
     @property
     def committed_frames(self) -> int:
         """Frames committed since the session (or its last reset) began: the absolute frame index of the next block."""
-        return self._committed
+        return self._cursor.committed_frames
 
     @property
     def completed_chunks(self) -> int:
-        """Committed chunks (one chunk = one frame = one page)."""
-        return self._committed
+        """The reference runtime's name for :attr:`committed_frames` (one chunk = one frame = one page)."""
+        return self._cursor.committed_frames
 
     @property
     def num_computed_tokens(self) -> int:
         """Committed tokens: ``committed_frames * tokens_per_frame``."""
-        return self._committed * self.tokens_per_frame
+        return self._cursor.committed_frames * self.tokens_per_frame
 
     @property
     def visible_start_frame(self) -> int:
         """First non-sink frame still visible (moves only under ``reset_at_boundary``)."""
-        return self._visible_start
+        return self._cursor.visible_start_frame
 
     def __repr__(self) -> str:
-        return f"ARDiffusionRequestAdapter({self.request_id!r}, committed_frames={self._committed})"
+        return f"ARDiffusionRequestAdapter({self.request_id!r}, committed_frames={self.committed_frames})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,22 +108,26 @@ def _shape_of(name: str, x: Any) -> tuple[int, ...]:
 class ARDiffusionKVState:
     """Per-session KV handle: paged self-attention contexts and named cross-attention caches.
 
+    The imperative shell around one :class:`~ardiff_jax.runtime.SessionKV` value (as the
+    gemma sampler keeps ``last_state``): every method validates on the host, dispatches at
+    most one device call, and only then publishes the new value. :meth:`snapshot` returns
+    that value; :meth:`restore` installs one.
+
     Created by :meth:`ARDiffusionKVCache.create_state` (the runner does it for you). Inside a
     runner the state is bound to the pipeline for exactly one invocation; using it after
-    that raises.
+    that raises. A state is a handle to one slot: it refuses ``copy``, ``deepcopy`` and
+    pickling (two handles would release one slot twice).
     """
 
     def __init__(self, cache: ARDiffusionKVCache, session_id: str, slot: int) -> None:
         self._cache = cache
         self._session_id = session_id
-        self._slot: int | None = slot
+        self._value: SessionKV = new_session_kv(cache.spec, session_id, slot)
         self._closed = False
         self._adapters = self._fresh_adapters()
         self._pending: dict[str, _PendingContext] = {}
-        self._cross: dict[tuple[str, str], CrossAttentionKV] = {}
-        # Which logical branch holds committed KV in a shared local run (local index -> name).
-        self._run_owner: dict[int, str] = {}
-        # Runner guard: when set, the state is usable only while bound to an invocation.
+        # Runner guard: when set, the state is usable only while bound to an invocation, and only the
+        # runner may release it.
         self._runner_managed = False
         self._bound = False
 
@@ -126,9 +135,26 @@ class ARDiffusionKVState:
         spec = self._cache.spec
         return {
             branch.name: ARDiffusionRequestAdapter(self._session_id, branch.name, branch.local_index,
-                                                   spec.tokens_per_frame)
+                                                   spec.tokens_per_frame, self._value.cursors[branch.name])
             for branch in spec.kv_branches
         }
+
+    def _publish(self, value: SessionKV) -> None:
+        """Install a new session value (after any device call returned); adapters follow it."""
+        self._value = value
+        for name, adapter in self._adapters.items():
+            adapter._cursor = value.cursors[name]
+
+    # -- a handle, not a value -------------------------------------------------------------------
+    def _refuse_copy(self, *args: Any) -> NoReturn:
+        raise TypeError(
+            f"ARDiffusionKVState of session {self._session_id!r} cannot be copied or pickled: it is the one handle "
+            "to a slot of the KV pools. Use state.snapshot() for a value of its bookkeeping")
+
+    __copy__ = _refuse_copy
+    __deepcopy__ = _refuse_copy
+    __reduce_ex__ = _refuse_copy
+    __getstate__ = _refuse_copy
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -146,11 +172,60 @@ class ARDiffusionKVState:
     @property
     def slot(self) -> int | None:
         """Session slot in the pools (``None`` once closed)."""
-        return self._slot
+        return None if self._closed else self._value.slot
 
     def __repr__(self) -> str:
-        status = "closed" if self._closed else f"slot {self._slot}"
+        status = "closed" if self._closed else f"slot {self._value.slot}"
         return f"ARDiffusionKVState({self._session_id!r}, {status})"
+
+    # -- the value -------------------------------------------------------------------------------
+    def snapshot(self) -> SessionKV:
+        """The session's KV bookkeeping as an immutable value (cursors, run owners, cross caches).
+
+        Page contents are not part of the value: they stay in the pools, in this slot's runs.
+        RuntimeError when closed or while a forward context is pending.
+        """
+        self._check_usable()
+        if self._pending:
+            raise RuntimeError(
+                f"AR-Diffusion session {self._session_id!r} has pending forward contexts on {sorted(self._pending)}; "
+                "commit or discard them before taking a snapshot")
+        return self._value
+
+    def restore(self, value: SessionKV) -> None:
+        """Install ``value`` as this session's bookkeeping (rebased onto this state's slot).
+
+        Only bookkeeping moves: the pages of this state's slot must already hold the KV that
+        ``value`` describes (the same slot with no commit since the snapshot, or pages copied
+        in by the caller). Validated before anything changes: same session id, the same
+        logical branches, known cross-attention names with ``[L, N, Hc, D]`` arrays.
+        """
+        self._check_usable()
+        if not isinstance(value, SessionKV):
+            raise TypeError(f"restore expects a SessionKV (from state.snapshot()), got {type(value).__name__}")
+        if value.session_id != self._session_id:
+            raise ValueError(f"snapshot of session {value.session_id!r} cannot restore session {self._session_id!r}")
+        if tuple(value.cursors) != self.kv_branch_names:
+            raise ValueError(f"snapshot branches {list(value.cursors)} differ from this cache's "
+                             f"{list(self.kv_branch_names)}")
+        if self._pending:
+            raise RuntimeError(f"AR-Diffusion session {self._session_id!r} has pending forward contexts on "
+                               f"{sorted(self._pending)}; commit or discard them before restoring")
+        spec = self._cache.spec
+        for (cache_name, branch), kv in value.cross_attention.items():
+            self._check_cross_name(cache_name)
+            expected = (spec.num_layers, spec.cross_attention_lengths[cache_name],
+                        spec.cross_attention_heads(cache_name), spec.head_size)
+            if branch not in value.cursors or tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected:
+                raise ValueError(f"snapshot cross-attention cache {cache_name!r} of branch {branch!r} must be "
+                                 f"[L, N, Hc, D] = {expected}")
+        for name, cursor in value.cursors.items():
+            committed = check_int(f"snapshot cursor {name!r} committed_frames", cursor.committed_frames)
+            start = check_int(f"snapshot cursor {name!r} visible_start_frame", cursor.visible_start_frame)
+            if committed < 0 or not 0 <= start <= committed:
+                raise ValueError(f"snapshot cursor {name!r} is inconsistent: committed {committed}, visible start "
+                                 f"{start}")
+        self._publish(dataclasses.replace(value, slot=self._value.slot))
 
     # -- guards --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -170,22 +245,25 @@ class ARDiffusionKVState:
         self._check_usable()
         try:
             return self._adapters[kv_branch]
-        except KeyError:
+        except (KeyError, TypeError):
             raise KeyError(
                 f"Unknown AR-Diffusion KV branch {kv_branch!r}; configured: {list(self.kv_branch_names)}"
             ) from None
 
     def _check_cross_name(self, cache_name: str) -> None:
-        if cache_name not in self._cache.spec.cross_attention_lengths:
+        if not isinstance(cache_name, str) or cache_name not in self._cache.spec.cross_attention_lengths:
             raise KeyError(
                 f"Unknown AR-Diffusion cross-attention cache {cache_name!r}; configured: "
                 f"{list(self._cache.spec.cross_attention_lengths)}"
             )
 
     def _run_base(self, local_index: int) -> int:
-        assert self._slot is not None
-        run_index = self._slot * self._cache.spec.num_local_kv_branches + local_index
-        return run_index * self._cache.layout.run_pages
+        return run_base(self._cache.spec, self._cache.layout, self._value.slot, local_index)
+
+    def has_pending_context(self, kv_branch: str) -> bool:
+        """Whether ``kv_branch`` has a forward context from ``get_kv_caches`` not yet committed or discarded."""
+        self.adapter(kv_branch)
+        return kv_branch in self._pending
 
     # -- paged self-attention -----------------------------------------------------------------
     def get_kv_caches(self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False) -> PagedKVCaches:
@@ -200,9 +278,10 @@ class ARDiffusionKVState:
         layout = self._cache.layout
         if seq_len is None:
             raise ValueError("AR-Diffusion get_kv_caches requires seq_len (tokens of the current block)")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
-            raise ValueError(f"AR-Diffusion seq_len must be an integer, got {seq_len!r}")
-        seq_len = int(seq_len)
+        check_not_traced("ARDiffusionKVState.get_kv_caches", seq_len)
+        seq_len = check_int("AR-Diffusion seq_len", seq_len)
+        if not isinstance(commit_current, (bool, np.bool_)):
+            raise ValueError(f"AR-Diffusion commit_current must be a bool, got {commit_current!r}")
         num_frames = layout.frames_in(seq_len)
         if num_frames > layout.scratch_pages:
             raise RuntimeError(
@@ -217,9 +296,9 @@ class ARDiffusionKVState:
                 "discard_paged_context(branch) first"
             )
         self._cache.check_pools()
-        cursor = make_cursor(self._run_base(adapter.local_index), adapter.committed_frames,
-                             adapter.visible_start_frame)
-        caches = PagedKVCaches(pools=self._cache.pools, cursor=cursor, layout=layout, seq_len=seq_len)
+        cursor = branch_cursor_array(self._cache.spec, layout, self._value, adapter.kv_branch)
+        caches = PagedKVCaches(pools=self._cache.pools, cursor=cursor, layout=layout, seq_len=seq_len,
+                               backend=self._cache.attention_backend)
         self._pending[kv_branch] = _PendingContext(seq_len, num_frames, bool(commit_current))
         return caches
 
@@ -228,10 +307,12 @@ class ARDiffusionKVState:
 
         A committing context needs ``kv=(k, v)``, each ``[num_layers, seq_len, H, D]`` (or
         ``[num_layers, 1, seq_len, H, D]``): they are written into the ring pages the commit
-        evicts with one donated in-place write, then the cursor advances. A non-committing context
-        is simply cleared and must not pass ``kv``. Call only after the forward succeeded.
+        evicts with one donated in-place write, then the cursor advances
+        (:func:`~ardiff_jax.runtime.commit_frames`). A non-committing context is simply
+        cleared and must not pass ``kv``. Call only after the forward succeeded.
         """
         adapter = self.adapter(kv_branch)
+        check_not_traced("ARDiffusionKVState.commit_paged_context", kv)
         pending = self._pending.get(kv_branch)
         if pending is None:
             if kv is not None:
@@ -255,27 +336,12 @@ class ARDiffusionKVState:
             )
         k, v = self._validate_block_kv(kv, pending.seq_len)
         layout = self._cache.layout
-        new_committed = adapter.committed_frames + pending.num_frames
-        if new_committed * layout.tokens_per_frame > layout.max_model_len:
-            raise RuntimeError(
-                f"AR-Diffusion branch {kv_branch!r} of session {self._session_id!r} would exceed max_model_len "
-                f"({layout.max_model_len} tokens); reset the session"
-            )
-        owner = self._run_owner.get(adapter.local_index)
-        if owner is not None and owner != kv_branch and self._adapters[owner].committed_frames > 0:
-            raise RuntimeError(
-                f"AR-Diffusion branches {owner!r} and {kv_branch!r} share local_index {adapter.local_index}: only one "
-                "of them may hold committed KV on one worker (give them distinct local indices, or run each on its "
-                "own worker)"
-            )
+        committed = commit_frames(self._cache.spec, layout, self._value, kv_branch, pending.num_frames)
         pages = block_pages(layout, self._run_base(adapter.local_index), adapter.committed_frames,
                             pending.num_frames, np)
         self._cache._write_block(pages, k, v)
         # Bookkeeping only after the device call returned.
-        adapter._committed = new_committed
-        if layout.reset_at_boundary:
-            adapter._visible_start = new_committed
-        self._run_owner[adapter.local_index] = kv_branch
+        self._publish(committed)
         del self._pending[kv_branch]
 
     def discard_paged_context(self, kv_branch: str) -> None:
@@ -332,6 +398,7 @@ class ARDiffusionKVState:
                 raise ValueError(
                     f"AR-Diffusion cross-attention {cache_name!r} layer {index}: expected a (k, v) pair"
                 ) from None
+            check_not_traced("ARDiffusionKVState.populate_cross_attention", k, v)
             for name, x, bucket in (("k", k, keys), ("v", v, values)):
                 shape = _shape_of(f"AR-Diffusion cross-attention {cache_name!r} layer {index} {name}", x)
                 if shape == (1,) + expected:
@@ -353,14 +420,14 @@ class ARDiffusionKVState:
             k=jax.device_put(jnp.stack(keys).astype(dtype), device),
             v=jax.device_put(jnp.stack(values).astype(dtype), device),
         )
-        self._cross[(cache_name, kv_branch)] = published  # the one swap
+        self._publish(publish_cross_attention(self._value, kv_branch, cache_name, published))  # the one swap
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> CrossAttentionKV:
         """The published cache: ``CrossAttentionKV(k, v)``, each ``[L, N, Hc, D]``. RuntimeError if absent."""
         self.adapter(kv_branch)
         self._check_cross_name(cache_name)
         try:
-            return self._cross[(cache_name, kv_branch)]
+            return self._value.cross_attention[(cache_name, kv_branch)]
         except KeyError:
             raise RuntimeError(
                 f"AR-Diffusion cross-attention cache {cache_name!r} of branch {kv_branch!r} (session "
@@ -370,17 +437,17 @@ class ARDiffusionKVState:
     def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
         self.adapter(kv_branch)
         self._check_cross_name(cache_name)
-        return (cache_name, kv_branch) in self._cross
+        return (cache_name, kv_branch) in self._value.cross_attention
 
     def clear_cross_attention(self) -> None:
         """Drop every cross-attention cache of the session (e.g. on a prompt change); keeps self-attention KV."""
         self._check_usable()
-        self._cross = {}
+        self._publish(clear_cross_attention(self._value))
 
     @property
     def cross_attention_bytes(self) -> int:
         """Bytes of the published cross-attention arrays of this session."""
-        return sum(kv.k.nbytes + kv.v.nbytes for kv in self._cross.values())
+        return 0 if self._closed else self._value.cross_attention_bytes
 
     # -- lifecycle -----------------------------------------------------------------------------
     def reset(self, keep_cross_attention: Iterable[str] = ()) -> None:
@@ -397,35 +464,49 @@ class ARDiffusionKVState:
             self._check_cross_name(name)
         self._check_binding()
         if self._closed:
-            self._slot = self._cache._reopen(self)
+            slot = self._cache._reopen(self)
+            self._value = new_session_kv(self._cache.spec, self._session_id, slot)
             self._closed = False
+        self._value = reset_session_kv(self._cache.spec, self._value, keep)
         self._adapters = self._fresh_adapters()
         self._pending = {}
-        self._run_owner = {}
-        self._cross = {key: kv for key, kv in self._cross.items() if key[0] in keep}
 
     def close(self) -> None:
-        """Release the slot and every cross-attention cache. Idempotent."""
+        """Release the slot and every cross-attention cache. Idempotent.
+
+        A state the runner manages is released by the runner only (``engine.close_session``):
+        closing it from a pipeline would free the slot under a session the runner still lists.
+        """
+        if self._closed:
+            return
+        if self._runner_managed:
+            raise RuntimeError(
+                f"AR-Diffusion state of session {self._session_id!r} is managed by the runner; release it with "
+                "engine.close_session / reset_session, not state.close()")
+        self._release()
+
+    def _release(self) -> None:
+        """Free the slot (the runner's and the cache's release path)."""
         if self._closed:
             return
         self._closed = True
         self._pending = {}
-        self._cross = {}
-        self._run_owner = {}
-        slot, self._slot = self._slot, None
+        slot = self._value.slot
+        self._value = dataclasses.replace(self._value, cross_attention={})
         self._cache._release_slot(self, slot)
 
     # -- introspection -----------------------------------------------------------------------
     def describe(self) -> Mapping[str, Any]:
         """Host-side summary: slot, per-branch cursors, pending contexts, populated caches."""
+        value, pending = self._value, dict(self._pending)  # read one consistent value
         return {
             "session_id": self._session_id,
-            "slot": self._slot,
+            "slot": None if self._closed else value.slot,
             "closed": self._closed,
             "branches": {
-                name: {"committed_frames": a.committed_frames, "visible_start_frame": a.visible_start_frame}
-                for name, a in self._adapters.items()
+                name: {"committed_frames": c.committed_frames, "visible_start_frame": c.visible_start_frame}
+                for name, c in value.cursors.items()
             },
-            "pending": {name: dataclasses.asdict(p) for name, p in self._pending.items()},
-            "cross_attention": sorted(self._cross),
+            "pending": {name: dataclasses.asdict(p) for name, p in pending.items()},
+            "cross_attention": sorted(value.cross_attention),
         }

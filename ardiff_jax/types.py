@@ -1,8 +1,13 @@
-"""Typed realtime ticks (CONTRACTS.md section 6.7): transport-safe control messages.
+"""Requests, results, engine configuration and typed realtime ticks: the bottom layer.
 
-A tick travels in ``DiffusionRequest.extra_args["ar_diffusion_tick"]`` and is
-authoritative over the top-level ``session_id`` / ``reset`` / ``close_session`` keys. Its
-``request_id`` is the realtime correlation id, independent of the engine request id.
+Everything that crosses the engine boundary is defined here, as frozen dataclasses that
+validate their fields on construction. This module imports nothing of ours except the
+argument checks in :mod:`ardiff_jax._checks`, so the capability protocols, the models and
+the runtime can all depend on it without depending on each other.
+
+Typed ticks (:class:`ARDiffusionTickRequest`) travel in
+``DiffusionRequest.extra_args["ar_diffusion_tick"]`` and are authoritative over the
+top-level ``session_id`` / ``reset`` / ``close_session`` keys (``docs/reference_behaviour.md``).
 """
 
 from __future__ import annotations
@@ -12,12 +17,170 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from ardiff_jax._checks import check_flag, check_non_negative_int, check_session_id, is_integer
+
 __all__ = [
     "AR_DIFFUSION_TICK_KEY",
+    "ARDiffusionChunkMetadata",
     "ARDiffusionControlInput",
     "ARDiffusionTickRequest",
-    "ARDiffusionChunkMetadata",
+    "DiffusionRequest",
+    "EngineConfig",
+    "StepResult",
+    "StepSchedulerOutput",
+    "check_kv_dtype",
 ]
+
+
+def _frozen_mapping(name: str, value: Any) -> Mapping[str, Any]:
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping, got {type(value).__name__}")
+    # A read-only copy: the caller mutating its dict later cannot change a submitted request.
+    return types.MappingProxyType(dict(value))
+
+
+#: Logical KV dtypes a pool can store: floating types the backend keeps at that width.
+_KV_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def check_kv_dtype(dtype: Any) -> str:
+    """The canonical name of a KV dtype, or ValueError naming what was given and why it is refused.
+
+    Only floating dtypes store K/V faithfully (an integer or bool pool silently truncates,
+    a complex one doubles the bytes for nothing). ``float64`` needs jax's 64-bit mode:
+    without it jax stores float32, and a plan charging 8 bytes per element would be wrong.
+    """
+    if dtype is None or isinstance(dtype, bool):
+        raise ValueError(f"KV dtype must be one of {', '.join(_KV_DTYPES)}, got {dtype!r}")
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        raise ValueError(f"KV dtype {dtype!r} is not a dtype; use one of {', '.join(_KV_DTYPES)}") from None
+    if name not in _KV_DTYPES:
+        raise ValueError(f"KV dtype {name} is not supported for KV storage; use one of {', '.join(_KV_DTYPES)}")
+    if name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "KV dtype float64 needs jax 64-bit mode (jax.config.update('jax_enable_x64', True)); without it jax "
+            "stores float32")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Runtime configuration of an :class:`~ardiff_jax.ARDiffusionEngine`.
+
+    Attributes:
+      dtype: logical KV dtype: ``bfloat16`` (default), ``float16``, ``float32``, or
+        ``float64`` with jax's 64-bit mode on. Stored as its canonical name.
+      gpu_memory_fraction: share of free device memory for KV, in ``(0, 1]`` (a soft floor:
+        one session that fits the free memory is always admitted).
+      available_memory_bytes: free memory to plan against; ``None`` measures it.
+      max_num_seqs: must be 1 (one request executes at a time).
+      step_execution: enable :meth:`~ardiff_jax.ARDiffusionModelRunner.execute_stepwise`;
+        the pipeline must implement :class:`~ardiff_jax.SupportsStepExecution`.
+      warmup: run the pipeline's warmup provider at load, when it has one.
+      attention_backend: the paged-attention implementation (``"xla"``, or a name
+        registered with :func:`ardiff_jax.kv.register_attention_backend`).
+    """
+
+    dtype: str = "bfloat16"
+    gpu_memory_fraction: float = 0.1
+    available_memory_bytes: int | None = None
+    max_num_seqs: int = 1
+    step_execution: bool = False
+    warmup: bool = True
+    attention_backend: str = "xla"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", check_kv_dtype(self.dtype))
+        check_flag("EngineConfig step_execution", self.step_execution)
+        check_flag("EngineConfig warmup", self.warmup)
+        if not is_integer(self.max_num_seqs):
+            raise ValueError(f"EngineConfig max_num_seqs must be an integer, got {self.max_num_seqs!r}")
+        if self.available_memory_bytes is not None:
+            check_non_negative_int("EngineConfig available_memory_bytes", self.available_memory_bytes)
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError(f"EngineConfig attention_backend must be a backend name, got {self.attention_backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionRequest:
+    """One engine request.
+
+    ``extra_args`` selects the session (``"session_id"``, default ``"default"``) and the
+    lifecycle flags ``"reset"`` / ``"close_session"``, or carries a typed tick under
+    ``"ar_diffusion_tick"`` that is authoritative over those keys. ``inputs`` holds model
+    inputs (arrays, observations); ``prompt`` the text prompt. Both mappings are stored as
+    read-only copies.
+    """
+
+    request_id: str
+    prompt: Any = None
+    extra_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id.strip():
+            raise ValueError(f"DiffusionRequest request_id must be a non-empty string, got {self.request_id!r}")
+        object.__setattr__(self, "extra_args", _frozen_mapping("extra_args", self.extra_args))
+        object.__setattr__(self, "inputs", _frozen_mapping("inputs", self.inputs))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one ``pipeline.step`` call produced.
+
+    ``output`` is set when a chunk (AR block) was emitted; ``finished`` ends the request;
+    ``error`` (a message) fails it. The runner releases the session when the request
+    finishes or errors.
+    """
+
+    finished: bool
+    output: Any = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.finished, bool):
+            raise TypeError(f"StepResult finished must be a bool, got {self.finished!r}")
+        if self.error is not None and not isinstance(self.error, str):
+            raise TypeError(f"StepResult error must be a string or None, got {self.error!r}")
+
+    @property
+    def chunk_emitted(self) -> bool:
+        return self.output is not None or self.finished or bool(self.error)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSchedulerOutput:
+    """One scheduler tick of the stepwise path.
+
+    ``scheduled`` holds at most one request (the runner executes one at a time);
+    ``finished_req_ids`` names requests that finished or were aborted since the last tick:
+    their sessions are released before anything runs.
+    """
+
+    scheduled: Sequence[DiffusionRequest] = ()
+    finished_req_ids: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        # A str is iterable: finished_req_ids="abc" would otherwise close sessions "a", "b" and "c".
+        for field in ("scheduled", "finished_req_ids"):
+            value = getattr(self, field)
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, set, frozenset)):
+                raise TypeError(f"StepSchedulerOutput {field} must be a sequence or set, got {value!r}")
+        object.__setattr__(self, "scheduled", tuple(self.scheduled))
+        object.__setattr__(self, "finished_req_ids", frozenset(self.finished_req_ids))
+        for request in self.scheduled:
+            if not isinstance(request, DiffusionRequest):
+                raise TypeError(f"StepSchedulerOutput.scheduled must hold DiffusionRequest, got {request!r}")
+        for request_id in self.finished_req_ids:
+            check_session_id(request_id, "finished request id")
+
 
 #: The ``extra_args`` key that carries a typed tick.
 AR_DIFFUSION_TICK_KEY = "ar_diffusion_tick"

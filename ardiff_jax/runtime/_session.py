@@ -1,0 +1,192 @@
+"""One session's KV bookkeeping as a value, and the pure functions that change it.
+
+:class:`SessionKV` is everything the runtime knows about a session's KV besides the page
+contents: its slot (hence its runs of pages), a :class:`BranchCursor` per logical branch,
+which branch holds committed KV in each worker-local run, and the published
+cross-attention arrays. It is an immutable pytree: a change produces a new value.
+
+Every cursor change goes through :func:`commit_frames` (validate, then advance with the
+cursor arithmetic of :mod:`ardiff_jax.kv`, written once for numpy and jnp). The
+imperative :class:`~ardiff_jax.ARDiffusionKVState`, the device-side rollout
+(:mod:`ardiff_jax.rollout`) and any later path (offload, snapshots) call it; nothing
+else constructs an advanced cursor. Because the value is validated before any device work
+and published only after the device call returned, a refused or failed commit leaves the
+previous value in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ardiff_jax._checks import check_positive_int
+from ardiff_jax.capability import ARDiffusionKVCacheSpec
+from ardiff_jax.kv import KVLayout, advance_cursor, make_cursor
+
+__all__ = [
+    "BranchCursor",
+    "CrossAttentionKV",
+    "SessionKV",
+    "branch_cursor_array",
+    "clear_cross_attention",
+    "commit_frames",
+    "new_session_kv",
+    "publish_cross_attention",
+    "reset_session_kv",
+    "run_base",
+]
+
+
+class CrossAttentionKV(NamedTuple):
+    """A published cross-attention cache: per-layer K and V stacked on axis 0.
+
+    Attributes:
+      k: ``dtype[L, N, Hc, D]``
+      v: ``dtype[L, N, Hc, D]``
+
+    A pytree (NamedTuple), so it passes into ``jax.jit`` as is; ``kv.k[i]`` is layer ``i``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BranchCursor:
+    """Where one logical KV branch of a session stands.
+
+    Attributes:
+      committed_frames: frames committed since the session (or its last reset) began; the
+        absolute index of the next block's first frame.
+      visible_start_frame: first non-sink frame still visible (moves only under
+        ``reset_at_boundary``, where it jumps to ``committed_frames`` after every commit).
+
+    Host values are Python ints; inside ``jit`` the fields may be ``i32[]`` arrays.
+    """
+
+    committed_frames: Any
+    visible_start_frame: Any
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["cursors", "cross_attention"],
+    meta_fields=["session_id", "slot", "run_owners"],
+)
+@dataclasses.dataclass(frozen=True)
+class SessionKV:
+    """The KV bookkeeping of one session: an immutable pytree.
+
+    Attributes:
+      session_id: the session.
+      slot: the session slot; the runs of its local branches start at :func:`run_base`.
+      cursors: ``{branch name: BranchCursor}`` for every logical branch of the spec.
+      cross_attention: ``{(cache name, branch name): CrossAttentionKV}``, the published
+        cross-attention caches.
+      run_owners: ``((local_index, branch name), ...)`` sorted by local index: which logical
+        branch holds committed KV in each worker-local run. Branches may share a local
+        index (CFG-parallel layouts); only the owner may commit into a shared run.
+
+    The mappings are never mutated: the functions below build new ones.
+    """
+
+    session_id: str
+    slot: int
+    cursors: Mapping[str, BranchCursor]
+    cross_attention: Mapping[tuple[str, str], CrossAttentionKV]
+    run_owners: tuple[tuple[int, str], ...] = ()
+
+    def cursor(self, branch: str) -> BranchCursor:
+        try:
+            return self.cursors[branch]
+        except KeyError:
+            raise KeyError(f"Unknown AR-Diffusion KV branch {branch!r}; configured: {list(self.cursors)}") from None
+
+    def run_owner(self, local_index: int) -> str | None:
+        return dict(self.run_owners).get(local_index)
+
+    @property
+    def cross_attention_bytes(self) -> int:
+        return sum(kv.k.nbytes + kv.v.nbytes for kv in self.cross_attention.values())
+
+
+_EMPTY = BranchCursor(committed_frames=0, visible_start_frame=0)
+
+
+def new_session_kv(spec: ARDiffusionKVCacheSpec, session_id: str, slot: int,
+                   cross_attention: Mapping[tuple[str, str], CrossAttentionKV] | None = None) -> SessionKV:
+    """A session with every branch empty (optionally keeping some published cross caches)."""
+    return SessionKV(session_id=session_id, slot=slot, cursors={name: _EMPTY for name in spec.kv_branch_names},
+                     cross_attention=dict(cross_attention or {}), run_owners=())
+
+
+def reset_session_kv(spec: ARDiffusionKVCacheSpec, session: SessionKV, keep_cross_attention: Iterable[str] = ()
+                     ) -> SessionKV:
+    """Every branch emptied; only the cross caches named in ``keep_cross_attention`` survive."""
+    keep = frozenset(keep_cross_attention)
+    kept = {key: kv for key, kv in session.cross_attention.items() if key[0] in keep}
+    return new_session_kv(spec, session.session_id, session.slot, kept)
+
+
+def run_base(spec: ARDiffusionKVCacheSpec, layout: KVLayout, slot: int, local_index: int) -> int:
+    """First page of the run of (``slot``, ``local_index``)."""
+    return (slot * spec.num_local_kv_branches + local_index) * layout.run_pages
+
+
+def branch_cursor_array(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, branch: str
+                        ) -> np.ndarray:
+    """The ``i32[3]`` cursor (run base, committed, visible start) that jitted code reads."""
+    cursor = session.cursor(branch)
+    base = run_base(spec, layout, session.slot, spec.branch(branch).local_index)
+    return make_cursor(base, cursor.committed_frames, cursor.visible_start_frame)
+
+
+def commit_frames(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, branch: str,
+                  num_frames: int) -> SessionKV:
+    """The session after ``branch`` commits ``num_frames`` frames: validate, then advance.
+
+    Raises (and changes nothing, there being nothing to change) when the branch is
+    unknown, the frame count is out of range, the commit would exceed ``max_model_len``,
+    or another branch sharing the worker-local run already holds committed KV there.
+    """
+    cursor = session.cursor(branch)
+    num_frames = check_positive_int("AR-Diffusion committed frames", num_frames)
+    if num_frames > layout.window_frames:
+        raise ValueError(
+            f"AR-Diffusion commit of {num_frames} frames exceeds the window ({layout.window_frames} frames)")
+    new_committed = cursor.committed_frames + num_frames
+    if layout.max_model_len is not None and new_committed * layout.tokens_per_frame > layout.max_model_len:
+        raise RuntimeError(
+            f"AR-Diffusion branch {branch!r} of session {session.session_id!r} would exceed max_model_len "
+            f"({layout.max_model_len} tokens); reset the session")
+    local_index = spec.branch(branch).local_index
+    owner = session.run_owner(local_index)
+    if owner is not None and owner != branch and session.cursors[owner].committed_frames > 0:
+        raise RuntimeError(
+            f"AR-Diffusion branches {owner!r} and {branch!r} of session {session.session_id!r} share local_index "
+            f"{local_index}: only one of them may hold committed KV on one worker (give them distinct local "
+            "indices, or run each on its own worker)")
+    advanced = advance_cursor(layout, np.array([0, cursor.committed_frames, cursor.visible_start_frame], np.int64),
+                              num_frames, np)
+    new_cursor = BranchCursor(committed_frames=int(advanced[1]), visible_start_frame=int(advanced[2]))
+    owners = dict(session.run_owners)
+    owners[local_index] = branch
+    return dataclasses.replace(session, cursors={**session.cursors, branch: new_cursor},
+                               run_owners=tuple(sorted(owners.items())))
+
+
+def publish_cross_attention(session: SessionKV, branch: str, cache_name: str, kv: CrossAttentionKV) -> SessionKV:
+    """The session with ``kv`` published as cache ``cache_name`` of ``branch`` (the one swap)."""
+    session.cursor(branch)
+    return dataclasses.replace(session, cross_attention={**session.cross_attention, (cache_name, branch): kv})
+
+
+def clear_cross_attention(session: SessionKV) -> SessionKV:
+    """The session without any cross-attention cache (self-attention KV kept)."""
+    return dataclasses.replace(session, cross_attention={})
