@@ -1,0 +1,304 @@
+"""Architecture guarantees: one session value, one commit rule, layers that hold, policy apart from execution."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ardiff_jax import ARDiffusionEngine, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec, DiffusionRequest, EngineConfig
+from ardiff_jax.rollout import rollout_blocks, rollout_sessions
+from ardiff_jax.runtime import (
+    ARDiffusionKVCache,
+    BranchCursor,
+    SessionKV,
+    SessionTable,
+    branch_cursor_array,
+    commit_frames,
+    new_session_kv,
+)
+
+from runner_pipelines import RecordingPipeline
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ardiff_jax"
+SHARED = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 0))
+MAIN = (ARDiffusionKVBranchSpec("main", 0),)
+L, H, D, T = 2, 2, 4, 2
+
+
+def make_cache(branches=MAIN, capacity=2, **overrides):
+    fields = dict(num_layers=L, num_kv_heads=H, head_size=D, tokens_per_frame=T, frames_per_block=2,
+                  window_frames=4, sink_frames=1, kv_branches=branches, session_capacity=capacity)
+    fields.update(overrides)
+    return ARDiffusionKVCache(ARDiffusionKVCacheSpec(**fields), dtype=jnp.float32, available_memory_bytes=10**7,
+                              gpu_memory_fraction=1.0)
+
+
+def block(seed, frames=2):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(L, frames * T, H, D)), jnp.float32)
+
+
+def commit(state, branch, seed):
+    state.get_kv_caches(branch, seq_len=2 * T, commit_current=True)
+    state.commit_paged_context(branch, kv=(block(seed), block(seed + 100)))
+
+
+def block_fn(caches, x):
+    k = jnp.broadcast_to(x[:, None, None], (L, 2 * T, H, D)) if x.ndim == 1 else x
+    return x, k, k
+
+
+def pool_bytes(cache):
+    return np.asarray(cache.pools.k).copy(), np.asarray(cache.pools.v).copy()
+
+
+# -- 1. the bug that showed two copies of the commit rule had drifted ----------------------------
+
+
+def test_rollout_refuses_a_branch_whose_shared_run_another_branch_owns():
+    cache = make_cache(SHARED)
+    state = cache.create_state("s")
+    commit(state, "positive", seed=1)
+    before_pools, before_value = pool_bytes(cache), state.snapshot()
+    xs = jnp.ones((2, L, 2 * T, H, D), jnp.float32)
+    with pytest.raises(RuntimeError, match="share local_index 0"):
+        rollout_sessions(cache, [state], jax.tree_util.Partial(block_fn), xs, [0, 0], branch="negative",
+                         num_frames=2)
+    # Nothing changed: positive's page 0 still holds its block, both cursors as before.
+    np.testing.assert_array_equal(pool_bytes(cache)[0], before_pools[0])
+    np.testing.assert_array_equal(pool_bytes(cache)[1], before_pools[1])
+    assert state.snapshot() == before_value
+    assert state.adapter("positive").committed_frames == 2 and state.adapter("negative").committed_frames == 0
+
+
+def test_rollout_refuses_states_of_another_cache():
+    cache, other = make_cache(), make_cache()
+    mine = cache.create_state("a")
+    foreign = other.create_state("b")
+    before = pool_bytes(cache)
+    xs = jnp.ones((1, L, 2 * T, H, D), jnp.float32)
+    with pytest.raises(ValueError, match="belongs to another ARDiffusionKVCache"):
+        rollout_sessions(cache, [foreign], jax.tree_util.Partial(block_fn), xs, [0], branch="main", num_frames=2)
+    np.testing.assert_array_equal(pool_bytes(cache)[0], before[0])
+    assert mine.adapter("main").committed_frames == 0 and foreign.adapter("main").committed_frames == 0
+    mine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        rollout_sessions(cache, [mine], jax.tree_util.Partial(block_fn), xs, [0], branch="main", num_frames=2)
+
+
+def test_rollout_plan_refusal_in_a_later_step_changes_nothing():
+    # The second session would exceed max_model_len on its third step: the whole schedule is refused.
+    cache = make_cache(capacity=2, max_model_len=4 * T)
+    a, b = cache.create_state("a"), cache.create_state("b")
+    before = pool_bytes(cache)
+    xs = jnp.ones((4, L, 2 * T, H, D), jnp.float32)
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        rollout_sessions(cache, [a, b], jax.tree_util.Partial(block_fn), xs, [0, 1, 1, 1], branch="main",
+                         num_frames=2)
+    np.testing.assert_array_equal(pool_bytes(cache)[0], before[0])
+    assert a.adapter("main").committed_frames == 0 and b.adapter("main").committed_frames == 0
+
+
+# -- 2. one session value, one commit path --------------------------------------------------------
+
+
+def test_session_value_is_an_immutable_pytree():
+    cache = make_cache(SHARED)
+    state = cache.create_state("s")
+    commit(state, "positive", seed=3)
+    value = state.snapshot()
+    assert isinstance(value, SessionKV) and isinstance(value.cursors["positive"], BranchCursor)
+    assert value.cursors["positive"] == BranchCursor(committed_frames=2, visible_start_frame=0)
+    assert value.run_owners == ((0, "positive"),)
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    assert jax.tree_util.tree_unflatten(treedef, leaves) == value
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        value.cursors["positive"].committed_frames = 5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        value.slot = 3  # type: ignore[misc]
+
+
+def test_commit_frames_is_pure_and_is_what_the_state_does():
+    cache = make_cache(SHARED)
+    state = cache.create_state("s")
+    spec, layout = cache.spec, cache.layout
+    before = state.snapshot()
+    predicted = commit_frames(spec, layout, before, "negative", 2)
+    assert before.cursors["negative"].committed_frames == 0  # the input is untouched
+    commit(state, "negative", seed=4)
+    assert state.snapshot() == predicted
+    # The shared run is now negative's: positive may not commit into it.
+    with pytest.raises(RuntimeError, match="share local_index"):
+        commit_frames(spec, layout, predicted, "positive", 2)
+    with pytest.raises(KeyError, match="Unknown AR-Diffusion KV branch"):
+        commit_frames(spec, layout, predicted, "nope", 2)
+    with pytest.raises(ValueError, match="exceeds the window"):
+        commit_frames(spec, layout, predicted, "negative", 5)
+
+
+def test_only_the_session_module_constructs_cursors():
+    """Nothing outside ``runtime/_session.py`` builds a BranchCursor (so nothing else can move one)."""
+    offenders = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                 if "BranchCursor(" in path.read_text(encoding="utf-8") and path.name != "_session.py"]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("reset_at_boundary", [False, True])
+def test_device_rollout_advances_cursors_exactly_as_the_commit_rule(reset_at_boundary):
+    cache = make_cache(capacity=2, reset_at_boundary=reset_at_boundary)
+    spec, layout = cache.spec, cache.layout
+    values = [new_session_kv(spec, "a", 0), new_session_kv(spec, "b", 1)]
+    order = np.array([0, 1, 1, 0, 1, 0, 0], np.int32)
+    cursors = np.stack([branch_cursor_array(spec, layout, value, "main") for value in values])
+    xs = jnp.ones((len(order), L, 2 * T, H, D), jnp.float32)
+    _, device_cursors, _ = rollout_blocks(layout, cache.pools, cursors, jax.tree_util.Partial(block_fn), xs, order,
+                                          num_frames=2)
+    cache._replace_pools(_)  # the pools were donated; keep the cache consistent for its finaliser
+    for index in order:
+        values[index] = commit_frames(spec, layout, values[index], "main", 2)
+    expected = np.stack([branch_cursor_array(spec, layout, value, "main") for value in values])
+    np.testing.assert_array_equal(np.asarray(device_cursors), expected)
+
+
+def test_snapshot_restore_round_trip_and_validation():
+    cache = make_cache(SHARED)
+    state = cache.create_state("s")
+    commit(state, "positive", seed=5)
+    snap = state.snapshot()
+    commit(state, "positive", seed=6)
+    assert state.adapter("positive").committed_frames == 4
+    state.restore(snap)
+    assert state.snapshot() == snap and state.adapter("positive").committed_frames == 2
+    other = cache.create_state("t")
+    with pytest.raises(ValueError, match="cannot restore session 't'"):
+        other.restore(snap)
+    bad = dataclasses.replace(snap, cursors={**snap.cursors,
+                                             "positive": BranchCursor(committed_frames=1, visible_start_frame=2)})
+    with pytest.raises(ValueError, match="inconsistent"):
+        state.restore(bad)
+    assert state.snapshot() == snap
+    state.get_kv_caches("positive", seq_len=2 * T, commit_current=False)
+    with pytest.raises(RuntimeError, match="pending"):
+        state.snapshot()
+
+
+# -- 3. layers that hold ---------------------------------------------------------------------------
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+    return [name for name in names if name.split(".")[0] == "ardiff_jax"]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _private_of_other_subpackage(importer: str, imported: str) -> bool:
+    parts = imported.split(".")
+    for i, part in enumerate(parts[1:], start=1):
+        if part.startswith("_") and not part.startswith("__"):
+            owner = ".".join(parts[:i])  # the package the private module belongs to
+            if owner == "ardiff_jax":
+                return False  # top-level private modules (_checks, ...) are the shared bottom layer
+            return not (importer == owner or importer.startswith(owner + "."))
+    return False
+
+
+def test_no_module_imports_a_private_module_of_another_subpackage():
+    violations = [(module, imported) for path in PACKAGE.rglob("*.py")
+                  for module in [_module_name(path)] for imported in _imports(path)
+                  if _private_of_other_subpackage(module, imported)]
+    assert violations == []
+
+
+def test_dependencies_point_down():
+    def deps(module_prefix):
+        found = set()
+        for path in PACKAGE.rglob("*.py"):
+            module = _module_name(path)
+            if module == module_prefix or module.startswith(module_prefix + "."):
+                found.update(".".join(name.split(".")[:2]) for name in _imports(path))
+        found.discard(module_prefix)
+        return found
+
+    assert deps("ardiff_jax._checks") == set()
+    assert deps("ardiff_jax.types") <= {"ardiff_jax._checks"}
+    assert deps("ardiff_jax.kv") <= {"ardiff_jax._checks", "ardiff_jax.types"}
+    assert "ardiff_jax.models" not in deps("ardiff_jax.runtime")
+    assert "ardiff_jax.runtime" not in deps("ardiff_jax.kv")
+    # capability needs the state only for type annotations (under TYPE_CHECKING).
+    assert deps("ardiff_jax.capability") <= {"ardiff_jax._checks", "ardiff_jax.types", "ardiff_jax.runtime"}
+
+
+# -- policy apart from execution --------------------------------------------------------------------
+
+
+def test_session_table_policy_without_a_device():
+    table: SessionTable[str] = SessionTable(capacity=2)
+    assert table.eviction_victims() == []
+    table.add("a", "A")
+    table.add("b", "B")
+    assert table.lru_order == ("a", "b") and table.eviction_victims() == ["a"]
+    assert table.touch("a") == "A" and table.lru_order == ("b", "a") and table.eviction_victims() == ["b"]
+    table.pin("b")
+    assert table.eviction_victims() == ["a"]  # the pinned LRU session is skipped
+    table.pin("a")
+    with pytest.raises(RuntimeError, match="pinned"):
+        table.eviction_victims()
+    table.unpin("a")
+    table.unpin("b")
+    with pytest.raises(RuntimeError, match="full"):
+        table.add("c", "C")
+    with pytest.raises(ValueError, match="already resident"):
+        table.add("a", "A2")
+    assert table.remove("b") == "B" and table.remove("ghost") is None
+    with pytest.raises(KeyError):
+        table.pin("ghost")
+    with pytest.raises(ValueError, match="positive integer"):
+        SessionTable(capacity=0)
+
+
+def test_runner_lru_order_is_the_tables():
+    engine = ARDiffusionEngine(RecordingPipeline(), EngineConfig(dtype="float32", available_memory_bytes=10**7,
+                                                                 gpu_memory_fraction=1.0))
+    for sid in ("a", "b", "a", "c"):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": sid}, inputs={"commit": False}))
+    assert engine.sessions == engine.runner.session_table.lru_order == ("a", "c")
+
+
+def test_listeners_run_outside_the_runner_lock():
+    engine = ARDiffusionEngine(RecordingPipeline(), EngineConfig(dtype="float32", available_memory_bytes=10**7,
+                                                                 gpu_memory_fraction=1.0))
+    seen = []
+
+    def listener(event):
+        # Another thread must be able to use the runner while a listener runs: a listener called under the
+        # lock would block it (and the join below would time out).
+        worker = threading.Thread(target=lambda: seen.append((event.kind, engine.runner.kv_cache.memory_report()
+                                                              ["open_sessions"], engine.sessions)))
+        worker.start()
+        worker.join(timeout=5)
+        assert not worker.is_alive()
+
+    engine.runner.add_session_listener(listener)
+    engine.generate(DiffusionRequest("r", extra_args={"session_id": "s"}, inputs={"commit": False}))
+    engine.close_session("s")
+    assert [kind for kind, _, _ in seen] == ["created", "released"]
