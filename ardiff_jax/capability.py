@@ -7,9 +7,10 @@ head size, tokens per latent frame), the block/window/sink policy, the logical K
 branches and the worker-local slots they map to, named fixed-length cross-attention
 caches, scratch geometry and a requested session-capacity upper bound.
 
-Validation follows the reference runtime (CONTRACTS.md section 2.1) check for check and
-in the same order, plus one cross-field check the reference lacks: a block longer than the
-window would push its own oldest frames out of the visible context.
+Validation follows the reference runtime (``docs/reference_behaviour.md``, "Capability
+spec") check for check and in the same order, plus cross-field checks the reference lacks:
+a block longer than the window would push its own oldest frames out of the visible
+context, and a ``max_model_len`` below one block could never commit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ardiff_jax._checks import is_integer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ardiff_jax.runtime import ARDiffusionKVState
@@ -34,11 +37,18 @@ __all__ = [
 ]
 
 
-def _require_int(owner: str, field: str, value: Any) -> None:
+def _require_int(owner: str, field: str, value: Any) -> int:
     # bool is an int subclass; True layers or a 1.0 head size are bugs, not geometry. numpy
-    # integers would leak into the static layout's hash, so the spec takes Python ints only.
-    if isinstance(value, bool) or not isinstance(value, int):
+    # integers are integers (returned as Python ints, so the spec hashes and prints plainly).
+    if not is_integer(value):
         raise ValueError(f"{owner} {field} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_tuple(owner: str, field: str, value: Any) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{owner} {field} must be a sequence, got {value!r}")
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +64,10 @@ class ARDiffusionKVBranchSpec:
     local_index: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"AR-Diffusion KV branch names must be non-empty strings, got {self.name!r}")
-        _require_int("AR-Diffusion KV branch", "local_index", self.local_index)
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"AR-Diffusion KV branch names must be non-blank strings, got {self.name!r}")
+        object.__setattr__(self, "local_index", _require_int("AR-Diffusion KV branch", "local_index",
+                                                             self.local_index))
         if self.local_index < 0:
             raise ValueError(
                 f"AR-Diffusion KV branch {self.name!r} local_index must be non-negative, got {self.local_index}"
@@ -76,18 +87,20 @@ class ARDiffusionCrossAttentionKVSpec:
     num_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(
-                f"AR-Diffusion cross-attention cache names must be non-empty strings, got {self.name!r}"
+                f"AR-Diffusion cross-attention cache names must be non-blank strings, got {self.name!r}"
             )
-        _require_int(f"AR-Diffusion cross-attention cache {self.name!r}", "num_tokens", self.num_tokens)
+        object.__setattr__(self, "num_tokens", _require_int(f"AR-Diffusion cross-attention cache {self.name!r}",
+                                                            "num_tokens", self.num_tokens))
         if self.num_tokens <= 0:
             raise ValueError(
                 f"AR-Diffusion cross-attention cache {self.name!r} num_tokens must be positive, "
                 f"got {self.num_tokens}"
             )
         if self.num_kv_heads is not None:
-            _require_int(f"AR-Diffusion cross-attention cache {self.name!r}", "num_kv_heads", self.num_kv_heads)
+            object.__setattr__(self, "num_kv_heads", _require_int(
+                f"AR-Diffusion cross-attention cache {self.name!r}", "num_kv_heads", self.num_kv_heads))
             if self.num_kv_heads <= 0:
                 raise ValueError(
                     f"AR-Diffusion cross-attention cache {self.name!r} num_kv_heads must be positive, "
@@ -103,7 +116,6 @@ _POSITIVE_FIELDS = (
     "frames_per_block",
     "window_frames",
     "session_capacity",
-    "max_model_len",
 )
 _NON_NEGATIVE_FIELDS = ("sink_frames", "max_scratch_tokens_per_branch", "model_owned_state_bytes_per_session")
 
@@ -139,16 +151,17 @@ class ARDiffusionKVCacheSpec:
     sink_frames: int = 0
     reset_at_boundary: bool = False
     cross_attention: tuple[ARDiffusionCrossAttentionKVSpec, ...] = ()
-    max_model_len: int = 2**20
+    max_model_len: int | None = None
     max_scratch_tokens_per_branch: int = 0
     model_owned_state_bytes_per_session: int = 0
 
     def __post_init__(self) -> None:
         # Normalise sequences to tuples before validating (hashability, stable equality).
-        object.__setattr__(self, "kv_branches", tuple(self.kv_branches))
-        object.__setattr__(self, "cross_attention", tuple(self.cross_attention))
+        object.__setattr__(self, "kv_branches", _as_tuple("AR-Diffusion", "kv_branches", self.kv_branches))
+        object.__setattr__(self, "cross_attention", _as_tuple("AR-Diffusion", "cross_attention",
+                                                              self.cross_attention))
         for field in _POSITIVE_FIELDS + _NON_NEGATIVE_FIELDS:
-            _require_int("AR-Diffusion", field, getattr(self, field))
+            object.__setattr__(self, field, _require_int("AR-Diffusion", field, getattr(self, field)))
         # 1. positive fields
         for field in _POSITIVE_FIELDS:
             value = getattr(self, field)
@@ -159,6 +172,17 @@ class ARDiffusionKVCacheSpec:
             value = getattr(self, field)
             if value < 0:
                 raise ValueError(f"AR-Diffusion {field} must be non-negative, got {value}")
+        if self.max_model_len is not None:
+            # Optional cap on a branch's committed length. The ring stores a bounded window, so
+            # sessions are unbounded by default; a cap below one block could never commit.
+            object.__setattr__(self, "max_model_len", _require_int("AR-Diffusion", "max_model_len",
+                                                                   self.max_model_len))
+            block_tokens = self.frames_per_block * self.tokens_per_frame
+            if self.max_model_len < block_tokens:
+                raise ValueError(
+                    f"AR-Diffusion max_model_len ({self.max_model_len} tokens) must hold at least one block "
+                    f"({self.frames_per_block} frames x {self.tokens_per_frame} tokens = {block_tokens}), or be None "
+                    "(unbounded)")
         if not isinstance(self.reset_at_boundary, bool):
             raise ValueError(f"AR-Diffusion reset_at_boundary must be a bool, got {self.reset_at_boundary!r}")
         # 5. at least one branch

@@ -1,4 +1,4 @@
-"""Shipped example geometries (PERFORMANCE_ANCHORS.md sections 1 and 6, CONTRACTS.md section 7).
+"""Shipped example geometries: real model sizes (``docs/models.md``) and the reference's memory-plan examples.
 
 Each entry is a function returning the :class:`ARDiffusionKVCacheSpec` a pipeline of that
 model would report. Window semantics follow the runtime: ``sink_frames + window_frames``
@@ -69,7 +69,7 @@ def dreamzero_droid() -> ARDiffusionKVCacheSpec:
 
 
 def lingbot_world() -> ARDiffusionKVCacheSpec:
-    """The reference's shipped LingBot-World geometry (CONTRACTS.md section 7)."""
+    """The reference's shipped LingBot-World geometry (``docs/reference_behaviour.md``, "Memory plan")."""
     return ARDiffusionKVCacheSpec(
         num_layers=40, num_kv_heads=40, head_size=128, tokens_per_frame=1560, frames_per_block=3,
         window_frames=9, sink_frames=9, kv_branches=_MAIN,

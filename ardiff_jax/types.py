@@ -179,6 +179,8 @@ class StepSchedulerOutput:
             if not isinstance(request, DiffusionRequest):
                 raise TypeError(f"StepSchedulerOutput.scheduled must hold DiffusionRequest, got {request!r}")
         for request_id in self.finished_req_ids:
+            if not isinstance(request_id, str):
+                raise TypeError(f"StepSchedulerOutput finished_req_ids must hold request id strings, got {request_id!r}")
             check_session_id(request_id, "finished request id")
 
 

@@ -26,14 +26,16 @@ def make_spec(**overrides):
 
 
 def test_branch_spec_errors():
-    with pytest.raises(ValueError, match="non-empty"):
-        ARDiffusionKVBranchSpec("", 0)
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="non-blank"):
+            ARDiffusionKVBranchSpec(blank, 0)
     with pytest.raises(ValueError, match="non-negative"):
         ARDiffusionKVBranchSpec("main", -1)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(name="", num_tokens=4), "non-empty"),
+    (dict(name="", num_tokens=4), "non-blank"),
+    (dict(name=" ", num_tokens=4), "non-blank"),
     (dict(name="text", num_tokens=0), "num_tokens must be positive"),
     (dict(name="text", num_tokens=-3), "num_tokens must be positive"),
     (dict(name="text", num_tokens=4, num_kv_heads=0), "num_kv_heads must be positive"),
@@ -48,7 +50,7 @@ def test_defaults_and_frozen():
     assert spec.sink_frames == 0
     assert spec.reset_at_boundary is False
     assert spec.cross_attention == ()
-    assert spec.max_model_len == 2**20
+    assert spec.max_model_len is None  # sessions are unbounded by default; the field is an optional cap
     assert spec.max_scratch_tokens_per_branch == 0
     assert spec.model_owned_state_bytes_per_session == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -58,7 +60,7 @@ def test_defaults_and_frozen():
 
 @pytest.mark.parametrize("field", [
     "num_layers", "num_kv_heads", "head_size", "tokens_per_frame", "frames_per_block", "window_frames",
-    "session_capacity", "max_model_len",
+    "session_capacity",
 ])
 def test_positive_fields(field):
     with pytest.raises(ValueError, match=f"AR-Diffusion {field} must be positive, got 0"):

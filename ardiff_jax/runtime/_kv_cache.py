@@ -91,7 +91,6 @@ class ARDiffusionKVCache:
             frames_per_block=spec.frames_per_block,
             scratch_pages=plan.scratch_blocks_per_branch,
             reset_at_boundary=spec.reset_at_boundary,
-            max_model_len=spec.max_model_len,
             dtype=dtype,
             storage_dtype=storage_dtype,
         )

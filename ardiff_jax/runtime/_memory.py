@@ -1,6 +1,6 @@
 """The memory plan: session capacity from free memory, with the reference arithmetic.
 
-Terms (CONTRACTS.md section 7), all in bytes unless named otherwise:
+Terms (``docs/reference_behaviour.md``, "Memory plan"), all in bytes unless named otherwise:
 
 * ``P`` page bytes: one frame of K and V across all layers;
 * ``S`` scratch pages per local branch: ``max(F + ceil(scratch_tokens / T), env override)``;
@@ -32,7 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ardiff_jax._checks import check_non_negative_int
 from ardiff_jax.capability import ARDiffusionKVCacheSpec
+from ardiff_jax.types import check_kv_dtype
 
 __all__ = [
     "SCRATCH_BLOCKS_ENV",
@@ -212,18 +214,14 @@ def plan_memory(
     """Compute the plan for ``spec`` given free memory; ValueError if one session cannot fit."""
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
-    if isinstance(available_memory_bytes, bool) or not isinstance(available_memory_bytes, int):
-        raise ValueError(f"available_memory_bytes must be an integer, got {available_memory_bytes!r}")
-    if available_memory_bytes < 0:
-        raise ValueError(f"available_memory_bytes must be non-negative, got {available_memory_bytes}")
+    available_memory_bytes = check_non_negative_int("available_memory_bytes", available_memory_bytes)
     if isinstance(gpu_memory_fraction, bool) or not isinstance(gpu_memory_fraction, (int, float)) or not (
         0 < gpu_memory_fraction <= 1
     ):
         raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
-    itemsize = jnp.dtype(dtype).itemsize
+    itemsize = jnp.dtype(check_kv_dtype(dtype)).itemsize
     override = scratch_blocks_override() if scratch_override is None else scratch_override
-    if isinstance(override, bool) or not isinstance(override, int) or override < 0:
-        raise ValueError(f"scratch override must be a non-negative integer, got {override!r}")
+    override = check_non_negative_int("scratch override", override)
 
     num_local = spec.num_local_kv_branches
     tokens = spec.tokens_per_frame

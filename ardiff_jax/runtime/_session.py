@@ -161,10 +161,10 @@ def commit_frames(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: Sessi
         raise ValueError(
             f"AR-Diffusion commit of {num_frames} frames exceeds the window ({layout.window_frames} frames)")
     new_committed = cursor.committed_frames + num_frames
-    if layout.max_model_len is not None and new_committed * layout.tokens_per_frame > layout.max_model_len:
+    if spec.max_model_len is not None and new_committed * spec.tokens_per_frame > spec.max_model_len:
         raise RuntimeError(
             f"AR-Diffusion branch {branch!r} of session {session.session_id!r} would exceed max_model_len "
-            f"({layout.max_model_len} tokens); reset the session")
+            f"({spec.max_model_len} tokens); reset the session")
     local_index = spec.branch(branch).local_index
     owner = session.run_owner(local_index)
     if owner is not None and owner != branch and session.cursors[owner].committed_frames > 0:

@@ -1,0 +1,281 @@
+"""What a hostile or careless user broke, one test each (the hardening issue; ``docs/guarantees.md``).
+
+Every refusal is checked twice: the error names the problem, and nothing changed (resident
+sessions, hook calls, cursors, pool bytes).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
+from ardiff_jax.runtime import ARDiffusionKVCache
+from ardiff_jax.types import StepSchedulerOutput
+
+from runner_pipelines import RecordingPipeline, block_values, small_spec
+
+F32 = dict(dtype="float32", available_memory_bytes=10**7, gpu_memory_fraction=1.0)
+
+
+def make_engine(pipeline=None, **config):
+    return ARDiffusionEngine(RecordingPipeline() if pipeline is None else pipeline, EngineConfig(**{**F32, **config}))
+
+
+def request(session_id="s", **extra):
+    return DiffusionRequest("r", extra_args={"session_id": session_id, **extra})
+
+
+def fingerprint(engine):
+    """Everything a refused call must leave untouched."""
+    cache = engine.runner.kv_cache
+    states = {sid: engine.runner.session_table.get(sid) for sid in engine.sessions}
+    return (engine.sessions, list(engine.runner.pipeline.log),
+            {sid: state.describe() for sid, state in states.items()},
+            np.asarray(cache.pools.k).tobytes(), np.asarray(cache.pools.v).tobytes())
+
+
+@pytest.fixture
+def primed():
+    engine = make_engine()
+    engine.generate(request("a"))
+    engine.generate(request("b"))  # capacity 2: full
+    return engine
+
+
+# -- sessions lost or mixed -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["reset", "close_session"])
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None, np.int64(1)])
+def test_lifecycle_flags_must_be_real_bools(primed, flag, value):
+    before = fingerprint(primed)
+    with pytest.raises(ValueError, match=rf"extra_args\['{flag}'\] must be a bool"):
+        primed.generate(request("a", **{flag: value}))
+    assert fingerprint(primed) == before
+
+
+@pytest.mark.parametrize("session_id", [0, False, None, "", " ", 5, b"a", ("a",)])
+def test_present_session_ids_must_be_non_blank_strings(primed, session_id):
+    before = fingerprint(primed)
+    with pytest.raises(ValueError, match="non-blank string"):
+        primed.generate(DiffusionRequest("r", extra_args={"session_id": session_id}))
+    for call in (primed.close_session, primed.reset_session):
+        with pytest.raises(ValueError, match="non-blank string"):
+            call(session_id)
+    assert fingerprint(primed) == before
+    # A missing key still means "default", as the reference does.
+    primed.generate(DiffusionRequest("r"))
+    assert "default" in primed.sessions
+
+
+def test_states_refuse_copy_deepcopy_and_pickle():
+    cache = ARDiffusionKVCache(small_spec(), **{k: v for k, v in F32.items()})
+    state = cache.create_state("s")
+    for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            duplicate(state)
+    state.close()
+    state.close()  # idempotent on the one handle
+    assert cache.num_free_slots == cache.session_capacity
+    a, b = cache.create_state("a"), cache.create_state("b")
+    assert a.slot != b.slot
+
+
+def test_runtime_calls_refuse_tracers_and_keep_working(primed):
+    before = fingerprint(primed)
+
+    @jax.jit
+    def generate_inside_jit(x):
+        primed.generate(DiffusionRequest("r", extra_args={"session_id": "a"}, inputs={"x": x}))
+        return x
+
+    with pytest.raises(TypeError, match="traced value"):
+        generate_inside_jit(jnp.ones(3))
+    assert fingerprint(primed) == before
+
+    cache = ARDiffusionKVCache(small_spec(), **F32)
+    state = cache.create_state("s")
+    spec = cache.spec
+    state.get_kv_caches("main", seq_len=spec.frames_per_block * spec.tokens_per_frame, commit_current=True)
+
+    @jax.jit
+    def commit_inside_jit(kv):
+        state.commit_paged_context("main", kv=(kv, kv))
+        return kv
+
+    with pytest.raises(TypeError, match="traced value"):
+        commit_inside_jit(block_values(spec, spec.frames_per_block, seed=0))
+    kv = block_values(spec, spec.frames_per_block, seed=0)
+    state.commit_paged_context("main", kv=(kv, kv))  # the pending context survived; the manager is clean
+    assert state.adapter("main").committed_frames == spec.frames_per_block
+    primed.generate(request("a"))  # every later request still works
+
+
+@pytest.mark.parametrize("finished", ["abc", b"ab", {"a": 1}, [3], None])
+def test_scheduler_output_types_are_validated(finished):
+    with pytest.raises(TypeError):
+        StepSchedulerOutput(finished_req_ids=finished)
+    with pytest.raises(TypeError):
+        StepSchedulerOutput(scheduled="abc")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "bool", "complex64", None, "nope", "float64", True])
+def test_engine_config_accepts_only_floating_kv_dtypes(dtype):
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype=dtype)
+
+
+def test_engine_config_normalises_good_dtypes():
+    assert EngineConfig(dtype=jnp.bfloat16).dtype == "bfloat16"
+    assert EngineConfig(dtype=np.float16).dtype == "float16"
+    assert EngineConfig(dtype="float32").dtype == "float32"
+
+
+class ForgetfulPipeline(RecordingPipeline):
+    """A tick-mode forward that asks for a committing context and returns without committing."""
+
+    def forward(self, request):
+        if request.inputs.get("forget"):
+            state = self.current_state
+            self.log.append(("forward", state.session_id))
+            state.get_kv_caches("main", seq_len=self.spec.frames_per_block * self.spec.tokens_per_frame,
+                                commit_current=True)
+            return None
+        return super().forward(request)
+
+
+def test_forward_that_forgets_to_commit_fails_that_request():
+    engine = make_engine(ForgetfulPipeline())
+    engine.generate(request("s"))
+    with pytest.raises(RuntimeError, match="returned without commit_paged_context"):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": "s"}, inputs={"forget": True}))
+    assert engine.sessions == ()  # failed closed: the session was released with the close hook
+    assert engine.runner.pipeline.log[-1] == ("close_hook", "s")
+    engine.generate(request("s"))  # the next correct request on that id works
+    assert engine.runner.session_table.get("s").describe()["branches"]["main"]["committed_frames"] == 3
+
+
+# -- inconsistent state and unclear errors ------------------------------------------------------------
+
+
+def test_reports_are_safe_while_another_thread_drives_the_engine():
+    engine = make_engine(RecordingPipeline(spec=small_spec(session_capacity=3)))
+    stop = threading.Event()
+    errors = []
+
+    def drive():
+        i = 0
+        while not stop.is_set():
+            engine.generate(DiffusionRequest("r", extra_args={"session_id": f"s{i % 5}"}, inputs={"commit": False}))
+            i += 1
+
+    worker = threading.Thread(target=drive)
+    worker.start()
+    try:
+        for _ in range(300):
+            try:
+                engine.runner.kv_cache.memory_report()
+                for sid in engine.sessions:
+                    state = engine.runner.session_table.get(sid)
+                    if state is not None:
+                        state.describe()
+            except Exception as error:  # noqa: BLE001 - any exception is the failure we look for
+                errors.append(error)
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+    assert errors == []
+
+
+class ClosingPipeline(RecordingPipeline):
+    def forward(self, request):
+        if request.inputs.get("close_state"):
+            self.current_state.close()
+        if request.inputs.get("reenter"):
+            self.engine.generate(DiffusionRequest("inner", extra_args={"session_id": "other"}))
+        return super().forward(request)
+
+
+def test_pipelines_cannot_release_runner_managed_states():
+    engine = make_engine(ClosingPipeline())
+    engine.generate(request("s"))
+    with pytest.raises(RuntimeError, match="managed by the runner"):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": "s"}, inputs={"close_state": True}))
+    cache = engine.runner.kv_cache
+    assert engine.sessions == () and cache.num_free_slots == cache.session_capacity  # failed closed, consistent
+    assert engine.runner.pipeline.log.count(("close_hook", "s")) == 1
+
+
+def test_reentering_the_engine_from_forward_is_refused():
+    pipeline = ClosingPipeline(spec=small_spec(session_capacity=1))
+    engine = make_engine(pipeline)
+    pipeline.engine = engine
+    with pytest.raises(RuntimeError, match="inside the forward of session 's'"):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": "s"}, inputs={"reenter": True}))
+    assert pipeline.log.count(("close_hook", "s")) == 1  # released once, by the fail-closed path
+    assert ("close_hook", "other") not in pipeline.log and engine.sessions == ()
+
+
+def test_one_pipeline_instance_serves_one_open_engine():
+    pipeline = RecordingPipeline()
+    first = make_engine(pipeline)
+    with pytest.raises(ValueError, match="already loaded by another open engine"):
+        make_engine(pipeline)
+    first.close()
+    second = make_engine(pipeline)  # free again once the first engine closed
+    second.generate(request("s"))
+
+
+def test_closed_engine_and_cache_refuse_everything():
+    engine = make_engine()
+    engine.generate(request("s"))
+    engine.close()
+    log = list(engine.runner.pipeline.log)
+    for call in (lambda: engine.close_session("s"), lambda: engine.reset_session("s"),
+                 lambda: engine.generate(request("s"))):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    assert engine.runner.pipeline.log == log  # no hook ran after close
+    cache = engine.runner.kv_cache
+    with pytest.raises(RuntimeError, match="ARDiffusionKVCache is closed"):
+        cache.create_state("t")
+    with pytest.raises(RuntimeError, match="ARDiffusionKVCache is closed"):
+        cache.reallocate_pools()
+    assert cache.memory_report()["pool_bytes"] == 0
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("step_execution", "false", "step_execution must be a bool"),
+    ("warmup", "no", "warmup must be a bool"),
+    ("max_num_seqs", 1.0, "max_num_seqs must be an integer"),
+    ("max_num_seqs", True, "max_num_seqs must be an integer"),
+    ("available_memory_bytes", -1, "available_memory_bytes must be a non-negative integer"),
+    ("available_memory_bytes", 1.5, "available_memory_bytes must be a non-negative integer"),
+    ("attention_backend", "", "attention_backend"),
+])
+def test_engine_config_field_types(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{field: value})
+
+
+def test_numpy_integers_are_integers():
+    spec = small_spec(num_layers=np.int64(2), session_capacity=np.int32(2))
+    assert spec.num_layers == 2 and type(spec.num_layers) is int and spec == small_spec()
+    EngineConfig(max_num_seqs=np.int64(1), available_memory_bytes=np.int64(10**7))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(kv_branches=None), "kv_branches must be a sequence"),
+    (dict(cross_attention=None), "cross_attention must be a sequence"),
+    (dict(max_model_len=2), "must hold at least one block"),
+])
+def test_spec_refuses_none_and_impossible_values_clearly(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        small_spec(**overrides)
