@@ -381,6 +381,9 @@ class ARDiffusionKVState:
         """
         self.adapter(kv_branch)
         self._check_cross_name(cache_name)
+        if isinstance(layer_kv, (str, bytes)) or not isinstance(layer_kv, Iterable):
+            raise TypeError(f"AR-Diffusion populate_cross_attention layer_kv must be an iterable of (k, v) pairs, "
+                            f"got {type(layer_kv).__name__}")
         spec = self._cache.spec
         num_layers = spec.num_layers
         expected = (spec.cross_attention_lengths[cache_name], spec.cross_attention_heads(cache_name), spec.head_size)
@@ -459,6 +462,9 @@ class ARDiffusionKVState:
         """
         if isinstance(keep_cross_attention, str):
             keep_cross_attention = (keep_cross_attention,)
+        if not isinstance(keep_cross_attention, Iterable):
+            raise TypeError(f"AR-Diffusion reset keep_cross_attention must be an iterable of cache names, got "
+                            f"{keep_cross_attention!r}")
         keep = tuple(keep_cross_attention)
         for name in keep:
             self._check_cross_name(name)
