@@ -26,6 +26,7 @@ from ardiff_jax.kv import (
     commit_block,
     default_storage_dtype,
 )
+from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import check_kv_dtype
@@ -49,11 +50,15 @@ class ARDiffusionKVCache:
       storage_dtype: dtype of the pool arrays; default per backend (``uint16`` bit patterns
         for 16-bit floats on CPU, the logical dtype elsewhere).
       attention_backend: the registered paged-attention backend the states' views call.
+      **spec_fields: instead of ``spec``, its fields as keywords (the reference manager's
+        form); the former experimental names (``num_frame_per_block``, ``local_branches``,
+        ``cross_attn_length``, ``cross_attn_img_length``, ``frame_seqlen``) still work with a
+        ``DeprecationWarning``.
     """
 
     def __init__(
         self,
-        spec: ARDiffusionKVCacheSpec,
+        spec: ARDiffusionKVCacheSpec | None = None,
         *,
         dtype: Any,
         available_memory_bytes: int | None = None,
@@ -61,7 +66,12 @@ class ARDiffusionKVCache:
         device: jax.Device | None = None,
         storage_dtype: Any = None,
         attention_backend: str = "xla",
+        **spec_fields: Any,
     ) -> None:
+        if spec is None and spec_fields:
+            spec = spec_from_kwargs(spec_fields)  # the reference's keyword form (legacy names warn)
+        elif spec_fields:
+            raise TypeError(f"ARDiffusionKVCache got a spec and spec keywords {sorted(spec_fields)}; pass one")
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
         dtype = check_kv_dtype(dtype)

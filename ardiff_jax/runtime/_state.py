@@ -21,6 +21,7 @@ import numpy as np
 
 from ardiff_jax._checks import check_int, check_not_traced
 from ardiff_jax.kv import PagedKVCaches, block_pages
+from ardiff_jax.runtime._legacy import LegacyStateAPI, branch_of, deprecated
 from ardiff_jax.runtime._session import (
     BranchCursor,
     CrossAttentionKV,
@@ -105,7 +106,7 @@ def _shape_of(name: str, x: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class ARDiffusionKVState:
+class ARDiffusionKVState(LegacyStateAPI):
     """Per-session KV handle: paged self-attention contexts and named cross-attention caches.
 
     The imperative shell around one :class:`~ardiff_jax.runtime.SessionKV` value (as the
@@ -274,6 +275,7 @@ class ARDiffusionKVState:
         :meth:`commit_paged_context` ``(kv_branch, kv=(k, v))``; a non-committing forward
         (denoise probe) needs no write at all.
         """
+        kv_branch = branch_of(kv_branch, "get_kv_caches")
         adapter = self.adapter(kv_branch)
         layout = self._cache.layout
         if seq_len is None:
@@ -311,6 +313,7 @@ class ARDiffusionKVState:
         (:func:`~ardiff_jax.runtime.commit_frames`). A non-committing context is simply
         cleared and must not pass ``kv``. Call only after the forward succeeded.
         """
+        kv_branch = branch_of(kv_branch, "commit_paged_context")
         adapter = self.adapter(kv_branch)
         check_not_traced("ARDiffusionKVState.commit_paged_context", kv)
         pending = self._pending.get(kv_branch)
@@ -453,13 +456,16 @@ class ARDiffusionKVState:
         return 0 if self._closed else self._value.cross_attention_bytes
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def reset(self, keep_cross_attention: Iterable[str] = ()) -> None:
+    def reset(self, keep_cross_attention: Iterable[str] = (), *, keep_cross_text: bool | None = None) -> None:
         """Model-internal window reset: empty every branch, keep only the named cross caches.
 
         Installs fresh adapters (same request ids) and reopens a closed state (acquiring a
         slot; RuntimeError if none is free). KeyError for an unknown cache name, before any
-        change.
+        change. ``keep_cross_text`` is the deprecated spelling of ``keep_cross_attention=("text",)``.
         """
+        if keep_cross_text is not None:
+            deprecated("state.reset(keep_cross_text=...)", 'state.reset(keep_cross_attention=("text",))')
+            keep_cross_attention = ("text",) if keep_cross_text else ()
         if isinstance(keep_cross_attention, str):
             keep_cross_attention = (keep_cross_attention,)
         if not isinstance(keep_cross_attention, Iterable):
