@@ -18,7 +18,8 @@ rollouts) and :mod:`ardiff_jax.models` (reference models). Names that earlier re
 exported from here stay importable from here.
 """
 
-from ardiff_jax.capability import (
+# Compatibility names (COMPAT_NAMES below) are imported here on purpose, outside __all__.
+from ardiff_jax.capability import (  # noqa: F401
     ARDiffusionCrossAttentionKVSpec,
     ARDiffusionKVBranchSpec,
     ARDiffusionKVCacheSpec,
@@ -27,8 +28,8 @@ from ardiff_jax.capability import (
     SupportsARDiffusionWarmup,
     SupportsStepExecution,
 )
-from ardiff_jax.kv import KVLayout, KVPools, LayerKVCache, PagedKVCaches
-from ardiff_jax.runtime import (
+from ardiff_jax.kv import KVLayout  # noqa: F401, KVPools, LayerKVCache, PagedKVCaches
+from ardiff_jax.runtime import (  # noqa: F401
     SCRATCH_BLOCKS_ENV,
     WARMUP_SESSION_ID,
     ARDiffusionEngine,
@@ -41,7 +42,7 @@ from ardiff_jax.runtime import (
     SessionEvent,
     plan_memory,
 )
-from ardiff_jax.types import (
+from ardiff_jax.types import (  # noqa: F401
     AR_DIFFUSION_TICK_KEY,
     ARDiffusionChunkMetadata,
     ARDiffusionControlInput,

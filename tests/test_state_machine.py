@@ -19,7 +19,6 @@ import collections
 import contextlib
 import logging
 import os
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
