@@ -25,6 +25,37 @@ ranking, the micro-timings for the microseconds).
 
 Target from the issue: median tick < 100 us.
 
+**Engine commit** (``--commit-geometry``, default ``medium``; ``tiny`` with ``--quick``): what
+committing one block costs through the engine, against the memory floor of the write. One
+engine (bf16, one branch, two session slots with an idle session in slot 0, so the measured
+run is a real sub-slice of the pools) around :class:`CommitPipeline`, three cases
+interleaved in one process:
+
+* ``engine_commit_tick``: ``engine.generate`` whose ``forward`` calls
+  ``state.get_kv_caches(branch, seq_len=F*T, commit_current=True)`` then
+  ``state.commit_paged_context(branch, kv=(k, v))`` with K/V prepared once up front: the
+  runtime's host work, the donated write and the runner's device wait, nothing else;
+* ``engine_empty_tick``: the same engine and session, a ``forward`` that does nothing;
+* ``write_floor``: one donated jitted ``dynamic_update_slice`` of the same bytes (K and V,
+  all layers, ``F`` frames) into a pool pair of the runtime's shape and storage dtype.
+
+``commit_cost = engine_commit_tick - engine_empty_tick`` (medians) is the engine's commit;
+the issue's target is ``commit_cost / write_floor <= 1.2`` for a block that does not wrap the
+ring. Every timed commit lands on adjacent pages: the session stays in steady state (window
+full, evicting) rather than being reset, because a reset tick would add session creation to
+the commit and start over in the sink pages; instead, before each timed commit, any block
+whose frames would straddle the ring's end is committed untimed and skipped (at ``medium``,
+window 9 = 3 blocks of 3 after a 3-frame sink, no block ever wraps, so nothing is skipped;
+at ``tiny``, window 5 and 2-frame blocks, every fifth block is). The record counts the
+timed commits that wrapped (0 by construction) and checks at the end that the runtime's
+cursor agrees with the pipeline's count of committed frames, so the wrap rule is the
+runtime's own.
+
+The commit part uses the public engine API (``ARDiffusionEngine``, ``EngineConfig``,
+``DiffusionRequest``), the bound state's methods and the runner's pools (for the floor's
+shape and storage dtype) only, so the same script measures an older tree of the package
+too (``python -m benchmarks.compare_revisions``).
+
 Run: ``python -m benchmarks.bench_host``; results go to ``benchmarks/results/host.json`` and
 ``.png``.
 """
@@ -34,32 +65,53 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import io
+import math
 import pstats
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (
     RESULTS_DIR,
+    Case,
     bench_spec,
     format_table,
     machine_info,
     machine_line,
     pyplot,
+    ratio,
+    run_interleaved,
     save_figure,
     write_json,
 )
 
-__all__ = ["TrivialPipeline", "HostBench", "main", "run"]
+__all__ = ["TrivialPipeline", "HostBench", "CommitPipeline", "CommitBench", "block_wraps_ring", "measure_commit",
+           "main", "run"]
 
 #: Target from the performance issue: median host overhead per tick, microseconds.
 TICK_TARGET_US = 100.0
 
 VARIANTS = ("no_kv/hot", "no_kv/churn", "get_kv/hot", "get_kv/churn")
+
+#: Target from the architecture issue: the engine's commit (commit tick - empty tick) within
+#: this factor of one donated write of the same bytes, for a block that does not wrap the ring,
+#: at this geometry.
+COMMIT_TARGET = 1.2
+COMMIT_TARGET_GEOMETRY = "medium"
+
+COMMIT_CASES = ("engine_commit_tick", "engine_empty_tick", "write_floor")
+
+# (warmup, rounds, reps_per_round) of the commit part. A medium commit tick writes ~10 MiB
+# (a few ms); smaller geometries are dispatch-bound and cheap.
+_COMMIT_REPS = {"medium": (5, 30, 5)}
+_COMMIT_REPS_DEFAULT = (3, 10, 3)
 
 
 class TrivialPipeline:
@@ -270,12 +322,190 @@ def _short(path: str) -> str:
     return path
 
 
+# -- engine commit ---------------------------------------------------------------------------------
+def block_wraps_ring(spec: Any, committed_frames: int) -> bool:
+    """Whether the next block (``spec.frames_per_block`` frames from ``committed_frames``) lands on
+    pages that are not adjacent: the ring's wraparound.
+
+    The page rule of the runtime (``docs/reference_behaviour.md``, "KV state"): frame ``f`` of
+    a run sits on page ``f`` while ``f < sink``, else on ``sink + (f - sink) % window``.
+    """
+    sink, window = spec.sink_frames, spec.window_frames
+    pages = [f if f < sink else sink + (f - sink) % window
+             for f in range(committed_frames, committed_frames + spec.frames_per_block)]
+    return any(b != a + 1 for a, b in zip(pages, pages[1:]))
+
+
+class CommitPipeline(TrivialPipeline):
+    """``forward`` commits one prepared block, does nothing, or reads the cursor, per ``request.inputs["mode"]``.
+
+    The K/V block is built once (device arrays in the logical dtype, ``[L, F*T, H, D]``), so a
+    committing tick costs exactly the runtime's host work, the donated write and the
+    runner's device wait. ``commits`` counts committed blocks (one session commits);
+    ``probed_frames`` is the runtime cursor's committed frames at the last ``probe``.
+    """
+
+    def __init__(self, spec: Any, k: Any, v: Any) -> None:
+        super().__init__(spec, touch_kv=False)
+        self._kv = (k, v)
+        self.commits = 0
+        self.probed_frames: int | None = None
+
+    def forward(self, request: Any) -> None:
+        mode = request.inputs["mode"]
+        if mode == "commit":
+            state = self._state
+            state.get_kv_caches(self._branch, seq_len=self._seq_len, commit_current=True)
+            state.commit_paged_context(self._branch, kv=self._kv)
+            self.commits += 1
+        elif mode == "probe":
+            self.probed_frames = self._state.adapter(self._branch).committed_frames
+        return None
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_floor(pool_k: Any, pool_v: Any, start: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    """One donated ``dynamic_update_slice`` per pool of the block's bytes.
+
+    Pools are ``[L, P, T, H, D]`` in the storage dtype, K/V ``[L, F*T, H, D]`` in the logical
+    dtype: the bitcast to the storage dtype (bf16 -> uint16 bits on CPU) is free.
+    """
+    def write(pool: Any, x: Any) -> Any:
+        block = x.reshape((pool.shape[0], -1) + pool.shape[2:])
+        if block.dtype != pool.dtype:
+            block = jax.lax.bitcast_convert_type(block, pool.dtype)
+        return jax.lax.dynamic_update_slice(pool, block, (0, start, 0, 0, 0))
+
+    return write(pool_k, k), write(pool_v, v)
+
+
+class CommitBench:
+    """One engine at ``geometry`` (bf16, one branch, two slots) and a floor pool pair of the same shape."""
+
+    def __init__(self, geometry: str = "medium", seed: int = 0) -> None:
+        from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
+
+        self.geometry = geometry
+        self.spec = spec = bench_spec(geometry, session_capacity=2)
+        self.frames = spec.frames_per_block
+        seq_len = self.frames * spec.tokens_per_frame
+        shape = (spec.num_layers, seq_len, spec.num_kv_heads, spec.head_size)
+        rng = np.random.default_rng(seed)
+        self.k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+        self.v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+        self.block_bytes = 2 * int(np.prod(shape)) * self.k.dtype.itemsize
+        self.pipeline = CommitPipeline(spec, self.k, self.v)
+        # The plan is exact arithmetic capped at the spec's capacity: the budget only has to fit two sessions.
+        config = EngineConfig(dtype="bfloat16", available_memory_bytes=64 * 2**30, gpu_memory_fraction=1.0,
+                              warmup=False)
+        self.engine = ARDiffusionEngine(self.pipeline, config)
+        if self.engine.session_capacity != 2:
+            raise RuntimeError(f"commit bench needs 2 session slots, the plan gave {self.engine.session_capacity}")
+        # Requests are built once (the caller's cost, not the runtime's); same structure in every mode.
+        self.requests = {mode: DiffusionRequest(f"r-{mode}", extra_args={"session_id": "measured"},
+                                                inputs={"mode": mode}) for mode in ("commit", "empty", "probe")}
+        # An idle session takes slot 0, so the measured run is a real sub-slice of the pools.
+        self.engine.generate(DiffusionRequest("r-idle", extra_args={"session_id": "idle"}, inputs={"mode": "empty"}))
+        self.engine.generate(self.requests["empty"])
+        pools = self.engine.runner.kv_cache.pools
+        self.floor_pools = (jnp.zeros(pools.k.shape, pools.k.dtype), jnp.zeros(pools.v.shape, pools.v.dtype))
+        num_pages = pools.k.shape[1]
+        self._floor_starts = [np.int32(p) for p in range(0, num_pages - self.frames + 1, self.frames)]
+        self._floor_cursor = 0
+        self.timed_commit_frames: list[int] = []  # committed frames before each timed (or warmup) commit
+        self.skipped_wrapping = 0
+
+    def commit_tick(self) -> None:
+        self.engine.generate(self.requests["commit"])
+
+    def empty_tick(self) -> None:
+        self.engine.generate(self.requests["empty"])
+
+    def skip_wrapping(self) -> None:
+        """Untimed: commit past any block that would wrap the ring, so the next commit does not."""
+        while block_wraps_ring(self.spec, self.pipeline.commits * self.frames):
+            self.commit_tick()
+            self.skipped_wrapping += 1
+        self.timed_commit_frames.append(self.pipeline.commits * self.frames)
+
+    def floor_write(self) -> Any:
+        start = self._floor_starts[self._floor_cursor % len(self._floor_starts)]
+        self._floor_cursor += 1
+        self.floor_pools = _write_floor(*self.floor_pools, start, self.k, self.v)
+        return self.floor_pools
+
+    def runtime_committed_frames(self) -> int | None:
+        self.engine.generate(self.requests["probe"])
+        return self.pipeline.probed_frames
+
+    def close(self) -> None:
+        self.engine.close()
+        for pool in self.floor_pools:
+            pool.delete()
+
+
+def measure_commit(geometry: str = "medium", reps: tuple[int, int, int] | None = None) -> dict[str, Any]:
+    """The engine's commit against the write floor (see the module docstring); a JSON-ready dict."""
+    reps = reps if reps is not None else _COMMIT_REPS.get(geometry, _COMMIT_REPS_DEFAULT)
+    bench = CommitBench(geometry)
+    try:
+        spec = bench.spec
+        # Steady state: sink and window full, every commit evicts the oldest ring frames.
+        fill_blocks = math.ceil((spec.sink_frames + spec.window_frames) / bench.frames) + 2
+        for _ in range(fill_blocks):
+            bench.commit_tick()
+        cases = [
+            Case("engine_commit_tick", bench.commit_tick, setup=bench.skip_wrapping),
+            Case("engine_empty_tick", bench.empty_tick),
+            Case("write_floor", bench.floor_write),
+        ]
+        stats = run_interleaved(cases, warmup=reps[0], rounds=reps[1], reps_per_round=reps[2])
+        runtime_frames = bench.runtime_committed_frames()
+        commits = bench.pipeline.commits
+        timed = bench.timed_commit_frames
+        wrapping = sum(block_wraps_ring(spec, frames) for frames in timed)
+        first_pages = sorted({frames if frames < spec.sink_frames
+                              else spec.sink_frames + (frames - spec.sink_frames) % spec.window_frames
+                              for frames in timed})
+    finally:
+        bench.close()
+    commit_cost_ms = stats["engine_commit_tick"].median_ms - stats["engine_empty_tick"].median_ms
+    floor_ms = stats["write_floor"].median_ms
+    return {
+        "geometry": geometry,
+        "config": {"dtype": "bfloat16", "branches": 1, "session_slots": 2, "frames_per_block": bench.frames,
+                   "tokens_per_frame": spec.tokens_per_frame, "num_layers": spec.num_layers,
+                   "num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size,
+                   "sink_frames": spec.sink_frames, "window_frames": spec.window_frames,
+                   "block_bytes": bench.block_bytes, "fill_blocks": fill_blocks, "reps": list(reps)},
+        "stats": stats,
+        "commit_cost_ms": commit_cost_ms,
+        "write_floor_ms": floor_ms,
+        "commit_cost/write_floor": commit_cost_ms / floor_ms,
+        "commit_tick/write_floor": ratio(stats["engine_commit_tick"], stats["write_floor"]),
+        "checks": {
+            "commits_counted": commits,
+            "commits_timed_or_warmup": len(timed),
+            "timed_commits_wrapping": wrapping,
+            "untimed_commits_skipping_a_wrap": bench.skipped_wrapping,
+            "first_pages_of_timed_commits (run-relative)": first_pages,
+            "runtime_cursor_matches": runtime_frames == commits * bench.frames,
+        },
+    }
+
+
 def run(*, ticks: int = 10_000, rounds: int = 100, warmup: int = 200, component_calls: int = 2000,
         profile_ticks: int = 2000, geometry: str = "tiny", capacity: int = 3, quick: bool = False,
-        out_dir: Path = RESULTS_DIR, write: bool = True) -> dict[str, Any]:
-    """Measure, write ``host.json`` / ``host.png`` (unless ``write=False``) and return the record."""
+        commit_geometry: str | None = None, out_dir: Path = RESULTS_DIR, write: bool = True) -> dict[str, Any]:
+    """Measure, write ``host.json`` / ``host.png`` (unless ``write=False``) and return the record.
+
+    ``commit_geometry`` is the engine-commit part's geometry: ``None`` means ``medium``, or
+    ``tiny`` with ``quick``.
+    """
     if quick:
         ticks, rounds, warmup, component_calls, profile_ticks = 200, 4, 20, 50, 50
+    if commit_geometry is None:
+        commit_geometry = "tiny" if quick else "medium"
     bench = HostBench(geometry, capacity)
     try:
         ticks_summary = time_ticks(bench, ticks=ticks, rounds=rounds, warmup=warmup)
@@ -283,6 +513,7 @@ def run(*, ticks: int = 10_000, rounds: int = 100, warmup: int = 200, component_
         prof = profile(bench, profile_ticks)
     finally:
         bench.close()
+    commit = measure_commit(commit_geometry, _COMMIT_REPS_DEFAULT if quick else None)
     ratios = {f"{name} median / target": s["median_us"] / TICK_TARGET_US for name, s in ticks_summary.items()}
     hot, churn = ticks_summary["get_kv/hot"]["median_us"], ticks_summary["get_kv/churn"]["median_us"]
     derived = {
@@ -295,15 +526,21 @@ def run(*, ticks: int = 10_000, rounds: int = 100, warmup: int = 200, component_
         "machine": machine_info(),
         "config": {"geometry": geometry, "session_capacity": capacity, "ticks": ticks, "rounds": rounds,
                    "warmup": warmup, "component_calls": component_calls, "profile_ticks": profile_ticks,
-                   "quick": quick, "dtype": "float32", "churn_session_ids": capacity + 1},
+                   "quick": quick, "dtype": "float32", "churn_session_ids": capacity + 1,
+                   "commit_geometry": commit_geometry},
         "ticks": ticks_summary,
         "derived": derived,
         "components_us": parts,
         "profile": prof,
-        "ratios": ratios,
+        "ratios": {**ratios,
+                   f"engine commit cost / write floor ({commit_geometry})": commit["commit_cost/write_floor"]},
         "targets": {f"{name} median < {TICK_TARGET_US:.0f} us": s["median_us"] < TICK_TARGET_US
                     for name, s in ticks_summary.items()},
+        "engine_commit": commit,
     }
+    if commit_geometry == COMMIT_TARGET_GEOMETRY:  # the issue states its target at this geometry only
+        record["targets"][f"engine commit (commit - empty tick) <= {COMMIT_TARGET}x write floor "
+                          f"({commit_geometry})"] = commit["commit_cost/write_floor"] <= COMMIT_TARGET
     if write:
         path = write_json(out_dir / "host.json", record)
         _plot(record, out_dir / "host.png")
@@ -324,6 +561,20 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
         print(f"  cProfile {name}: {prof['profiled_us_per_tick']:.1f} us/tick under the profiler; top own time:")
         for row in prof["top_own_time"][:6]:
             print(f"    {row['own_us_per_tick']:6.2f} us  x{row['calls_per_tick']:.0f}  {row['function']}")
+    commit = record["engine_commit"]
+    config = commit["config"]
+    print(f"  engine commit, {commit['geometry']} (block {config['block_bytes'] / 2**20:.2f} MiB, bf16, "
+          f"{config['frames_per_block']} frames):")
+    print(format_table(("case", "median ms", "p10 ms", "p90 ms", "n", "page faults"),
+                       [(name, s.median_ms, s.p10_ms, s.p90_ms, s.n, s.page_faults)
+                        for name, s in commit["stats"].items()]))
+    print(format_table(("engine commit", "value"), [
+        ("commit cost = commit tick - empty tick, ms", commit["commit_cost_ms"]),
+        ("write floor, ms", commit["write_floor_ms"]),
+        ("commit cost / write floor", commit["commit_cost/write_floor"]),
+        ("commit tick / write floor", commit["commit_tick/write_floor"]),
+        *commit["checks"].items(),
+    ]))
     for target, ok in record["targets"].items():
         print(f"  target {target}: {'HOLDS' if ok else 'MISSED'}")
     print(f"  wrote {path}")
@@ -351,10 +602,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ticks", type=int, default=10_000, help="timed ticks per variant (default 10000)")
     parser.add_argument("--rounds", type=int, default=100, help="interleaving rounds (default 100)")
     parser.add_argument("--capacity", type=int, default=3, help="session capacity (churn cycles capacity+1 ids)")
+    parser.add_argument("--commit-geometry", default=None,
+                        help="geometry of the engine-commit part (default: medium; tiny with --quick)")
     parser.add_argument("--quick", action="store_true", help="few ticks (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
-    run(ticks=args.ticks, rounds=args.rounds, capacity=args.capacity, quick=args.quick, out_dir=args.out)
+    run(ticks=args.ticks, rounds=args.rounds, capacity=args.capacity, quick=args.quick,
+        commit_geometry=args.commit_geometry, out_dir=args.out)
     return 0
 
 

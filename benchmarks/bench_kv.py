@@ -348,7 +348,10 @@ def measure_read(bench: KVBench, reps: tuple[int, int, int], dump_dir: Path | No
 def measure_attend(bench: KVBench, reps: tuple[int, int, int], dump_dir: Path | None = None
                    ) -> tuple[dict[str, Stats], dict[str, Any]]:
     """``caches.attend`` for one layer vs dense ``dot_product_attention`` over as many contiguous keys."""
-    from ardiff_jax.kv._caches import _paged_attention_jit
+    from ardiff_jax.kv import paged_attention
+
+    # The default backend's kernel, jitted as PagedKVCaches.attend jits it (public name: works on older trees too).
+    paged_attention_jit = jax.jit(paged_attention, static_argnums=0)
 
     layout = bench.layout
     caches = bench.state.get_kv_caches(bench.branch, seq_len=bench.seq_len, commit_current=False)
@@ -383,7 +386,7 @@ def measure_attend(bench: KVBench, reps: tuple[int, int, int], dump_dir: Path | 
         "dense_keys": dense_len,
         "attend_keys_scored": dense_len + bench.seq_len,
         "queries": bench.seq_len,
-        "attend": _hlo_facts("attend", _paged_attention_jit.lower(
+        "attend": _hlo_facts("attend", paged_attention_jit.lower(
             layout, caches.pools, caches.cursor, np.int32(0), q, k_cur, v_cur, None, None).compile(), dump_dir),
         "dense_dpa": _hlo_facts("dense_dpa", dpa.lower(q[None], *dense[0]).compile(), dump_dir),
     }

@@ -63,6 +63,16 @@ def host_table(record: dict[str, Any]) -> str:
     derived = format_table(("derived from the medians", "us"), [(k, f"{v:.1f}") for k, v in record["derived"].items()])
     parts = format_table(("runner step, called directly", "us/call"),
                          [(k, f"{v:.2f}") for k, v in record["components_us"].items()])
+    commit = record.get("engine_commit")  # absent from records written before the part existed
+    if commit:
+        cases = format_table((f"engine commit, {commit['geometry']}", "ms median [p10-p90]", "page faults/iter"),
+                             [(name, _ms(s), f"{s['page_faults']:.0f}") for name, s in commit["stats"].items()])
+        summary = format_table(("engine commit, from the medians", "value"), [
+            ("commit cost = commit tick - empty tick, ms", f"{commit['commit_cost_ms']:.3g}"),
+            ("commit cost / write floor", f"{commit['commit_cost/write_floor']:.2f}"),
+            ("timed commits that wrapped the ring", commit["checks"]["timed_commits_wrapping"]),
+        ])
+        parts += f"\n\n{cases}\n\n{summary}"
     return f"{ticks}\n\n{derived}\n\n{parts}\n\n{_targets(record['targets'])}"
 
 

@@ -8,6 +8,7 @@ and ``benchmarks/README.md`` is where speed is judged.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import pathlib
 import sys
@@ -19,6 +20,8 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
     sys.path.insert(0, str(ROOT))
 
 pytest.importorskip("benchmarks.common")
+
+from benchmarks.common import write_json  # noqa: E402 - after the sys.path fix above
 
 
 def _positive(x) -> bool:
@@ -43,7 +46,7 @@ def test_benchmark_read_is_paged_attentions_read():
 def test_bench_kv_quick(tmp_path):
     from benchmarks import bench_kv
 
-    record = bench_kv.run_geometry("tiny", quick=True, skip_attend=True, out_dir=tmp_path)
+    record = bench_kv.run_geometry("tiny", quick=True, skip_attend=False, out_dir=tmp_path)
     assert set(record["commit"]) == {"runtime", "runtime_host", "commit_block", "floor"}
     assert {"read_path", "read_floor", "gather", "all_layers/read_path", "all_layers/read_floor"} == set(record["read"])
     for section in ("commit", "read"):
@@ -83,6 +86,51 @@ def test_bench_host_quick(tmp_path):
     assert all(prof["top_own_time"] for prof in record["profile"].values())
     assert (tmp_path / "host.json").is_file()
 
+    commit = record["engine_commit"]
+    assert commit["geometry"] == record["config"]["commit_geometry"] == "tiny"  # --quick's geometry
+    assert tuple(commit["stats"]) == bench_host.COMMIT_CASES
+    for stats in commit["stats"].values():
+        _stats_ok(stats.as_dict())
+    assert _positive(commit["write_floor_ms"]) and _positive(commit["config"]["block_bytes"])
+    assert math.isfinite(commit["commit_cost_ms"]) and math.isfinite(commit["commit_cost/write_floor"])
+    checks = commit["checks"]
+    # No timed commit wrapped the ring; at tiny (window 5, 2-frame blocks) some blocks would
+    # have, so the skip rule ran; every commit is accounted for; the runtime's cursor agrees.
+    assert checks["timed_commits_wrapping"] == 0
+    assert checks["untimed_commits_skipping_a_wrap"] > 0
+    assert checks["commits_counted"] == (commit["config"]["fill_blocks"] + checks["commits_timed_or_warmup"]
+                                         + checks["untimed_commits_skipping_a_wrap"])
+    assert checks["runtime_cursor_matches"] is True
+    assert not any(key.startswith("engine commit") for key in record["targets"])  # the target is medium's
+    assert "engine commit cost / write floor (tiny)" in record["ratios"]
+    saved = json.loads((tmp_path / "host.json").read_text())["engine_commit"]
+    assert set(saved["stats"]) == set(bench_host.COMMIT_CASES) and "median_ms" in saved["stats"]["write_floor"]
+
+
+@pytest.mark.parametrize("sink, window, frames", [(1, 5, 2), (3, 9, 3), (2, 7, 3), (1, 4, 4), (3, 18, 3)])
+def test_block_wraps_ring_is_the_runtimes_page_rule(sink, window, frames):
+    """bench_host skips exactly the blocks whose runtime pages (kv.block_pages) are not adjacent."""
+    import numpy as np
+
+    from ardiff_jax.kv import block_pages
+    from ardiff_jax.runtime import ARDiffusionKVCache
+    from benchmarks.bench_host import block_wraps_ring
+    from benchmarks.common import bench_spec
+
+    spec = bench_spec("tiny", sink_frames=sink, window_frames=window, frames_per_block=frames)
+    cache = ARDiffusionKVCache(spec, dtype="float32", available_memory_bytes=2**30, gpu_memory_fraction=1.0)
+    try:
+        layout = cache.layout
+        outcomes = set()
+        for committed in range(0, 4 * (sink + window)):
+            pages = block_pages(layout, 0, committed, frames, np)
+            wraps = bool(np.any(np.diff(pages) != 1))
+            assert block_wraps_ring(spec, committed) == wraps, (committed, pages)
+            outcomes.add(wraps)
+        assert outcomes == {True, False}  # both kinds of block occur at some offset
+    finally:
+        cache.close()
+
 
 def test_bench_e2e_quick(tmp_path):
     from benchmarks import bench_e2e
@@ -102,6 +150,79 @@ def test_bench_e2e_quick(tmp_path):
 def test_report_renders_every_result(tmp_path):
     from benchmarks import bench_host, report
 
-    bench_host.run(quick=True, out_dir=tmp_path)
+    # The commit part at the geometry the issue's target is stated for (a few ms per tick).
+    record = bench_host.run(quick=True, commit_geometry="medium", out_dir=tmp_path)
+    assert record["engine_commit"]["checks"]["timed_commits_wrapping"] == 0
     text = report.render(tmp_path)
     assert "### host.json" in text and "median us" in text
+    assert "engine commit, medium" in text and "commit cost / write floor" in text
+    assert "engine commit (commit - empty tick) <= 1.2x write floor (medium): **" in text
+
+
+def test_report_renders_a_host_record_without_the_engine_commit_part(tmp_path):
+    """Records written before the engine-commit part existed still render."""
+    from benchmarks import bench_host, report
+
+    record = bench_host.run(quick=True, write=False)
+    del record["engine_commit"]
+    write_json(tmp_path / "host.json", record)
+    text = report.render(tmp_path)
+    assert "### host.json" in text and "engine commit," not in text
+
+
+# -- compare_revisions ---------------------------------------------------------------------------------
+def test_compare_revisions_takes_the_package_from_the_tree_and_the_benchmarks_from_here(tmp_path):
+    """A fake tree's ardiff_jax is the one imported, even though this checkout has one too."""
+    import subprocess
+
+    from benchmarks.compare_revisions import tree_command
+
+    tree = tmp_path / "tree"
+    (tree / "ardiff_jax").mkdir(parents=True)
+    (tree / "ardiff_jax" / "__init__.py").write_text("FAKE = True\n")
+    (tree / "benchmarks").mkdir()
+    (tree / "benchmarks" / "__init__.py").write_text("raise ImportError('the tree benchmarks were imported')\n")
+    empty = tmp_path / "results"
+    empty.mkdir()
+    proc = subprocess.run(tree_command(tree, "benchmarks.report", [str(empty)]), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert f"ardiff_jax from {(tree / 'ardiff_jax').resolve()}, benchmarks from {ROOT}" in proc.stderr
+
+
+def test_compare_revisions_table():
+    from benchmarks.compare_revisions import compare, render
+
+    runs = {"host": {"before": [{"tick": 10.0, "old only": 1.0}, {"tick": 14.0, "old only": 1.0}],
+                     "after": [{"tick": 20.0}, {"tick": 30.0}]}}
+    rows = {row["metric"]: row for row in compare(runs)["host"]}
+    assert rows["tick"]["before"] == 12.0 and rows["tick"]["after"] == 25.0
+    assert rows["tick"]["after/before"] == pytest.approx(25.0 / 12.0)
+    assert rows["tick"]["after_range"] == (20.0, 30.0)
+    assert rows["old only"]["after"] is None and rows["old only"]["after/before"] is None
+    text = render(compare(runs), {"before": "abc", "after": "def"})
+    assert "before (abc)" in text and "| tick | 12 [10-14] | 25 [20-30] | 2.083 |" in text
+
+
+def test_compare_revisions_refuses_to_write_into_the_results(tmp_path):
+    from benchmarks.common import RESULTS_DIR
+    from benchmarks.compare_revisions import main
+
+    with pytest.raises(SystemExit):
+        main(["--before", str(ROOT), "--bench", "host", "--out", str(RESULTS_DIR / "compare")])
+    assert not (RESULTS_DIR / "compare").exists()
+
+
+def test_compare_revisions_quick(tmp_path, capsys):
+    from benchmarks.compare_revisions import main
+
+    assert main(["--before", str(ROOT), "--after", str(ROOT), "--bench", "host", "--quick", "--runs", "1",
+                 "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert summary["order"] == ["run0/host/before", "run0/host/after"]
+    for tree in ("before", "after"):
+        (metrics,) = summary["metrics"]["host"][tree]
+        assert "ratio engine commit cost / write floor (tiny)" in metrics
+        assert all(math.isfinite(v) for v in metrics.values())
+        assert (tmp_path / f"run0-{tree}" / "host" / "host.json").is_file()
+    assert "engine commit (tiny) write_floor median ms" in capsys.readouterr().out
