@@ -28,7 +28,7 @@ from ardiff_jax.capability import (  # noqa: F401
     SupportsARDiffusionWarmup,
     SupportsStepExecution,
 )
-from ardiff_jax.kv import KVLayout  # noqa: F401, KVPools, LayerKVCache, PagedKVCaches
+from ardiff_jax.kv import KVLayout, KVPools, LayerKVCache, PagedKVCaches  # noqa: F401
 from ardiff_jax.runtime import (  # noqa: F401
     SCRATCH_BLOCKS_ENV,
     WARMUP_SESSION_ID,
