@@ -60,7 +60,9 @@ def pool_snapshot(cache: ARDiffusionKVCache) -> tuple[np.ndarray, np.ndarray]:
 
 
 def contract_resident(sink: int, window: int, reset: bool, committed: int) -> list[int]:
-    """CONTRACTS.md 3.4 with eager eviction: committed frames still resident, in order.
+    """The reference eviction policy, applied eagerly: committed frames still resident, in order.
+
+    ``docs/reference_behaviour.md``, "KV state" (commit and eviction).
 
     Skipped frames after ``committed`` frames: ``max(0, n - window - sink)`` (sliding) or
     ``max(0, n - sink)`` (``reset_at_boundary``); eviction frees table indices
@@ -71,7 +73,9 @@ def contract_resident(sink: int, window: int, reset: bool, committed: int) -> li
 
 
 def contract_visible(sink: int, window: int, reset: bool, committed: int, num_current: int) -> list[int]:
-    """CONTRACTS.md 3.5 ``video_block_table``: history frames visible beside ``num_current`` current frames.
+    """The reference's visible-block selection: history frames visible beside ``num_current`` current frames.
+
+    ``docs/reference_behaviour.md``, "Visible window".
 
     ``history + current`` is kept whole if it fits ``sink + window`` blocks, else its first
     ``sink`` entries followed by its last ``window`` entries.

@@ -32,7 +32,8 @@ def visible_history_frames(committed: int, current: int, sink: int, window: int)
     """Committed frames a forward of ``current`` new frames sees, in key order.
 
     The first ``sink`` frames ever committed stay visible; of the others, the newest
-    ``window - current`` (the current block uses up window slots; CONTRACTS.md 3.5).
+    ``window - current`` (the current block uses up window slots; ``docs/reference_behaviour.md``,
+    "Visible window").
     """
     frames = list(range(committed))
     sink_part = frames[:sink]

@@ -1,4 +1,7 @@
-"""Memory plan arithmetic reproduces CONTRACTS.md section 7 and the capacity scenarios 15-26."""
+"""Memory plan arithmetic reproduces the reference's formulas and worked numbers.
+
+Both are in ``docs/reference_behaviour.md``, "Memory plan".
+"""
 
 from __future__ import annotations
 
@@ -8,22 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ardiff_jax import (
-    SCRATCH_BLOCKS_ENV,
     ARDiffusionCrossAttentionKVSpec,
     ARDiffusionKVBranchSpec,
-    ARDiffusionKVCache,
     ARDiffusionKVCacheSpec,
     plan_memory,
 )
 from ardiff_jax.cli import main as cli_main
 from ardiff_jax.geometries import EXAMPLE_GEOMETRIES, example_spec
+from ardiff_jax.runtime import SCRATCH_BLOCKS_ENV, ARDiffusionKVCache
 
 MAIN = (ARDiffusionKVBranchSpec("main", 0),)
 CFG = (ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 1))
 
 
 def tiny_spec(**overrides):
-    """CONTRACTS.md tiny geometry: P = 8 bytes, C = 16 bytes per session."""
+    """The reference's tiny geometry: P = 8 bytes, C = 16 bytes per session."""
     fields = dict(num_layers=1, num_kv_heads=1, head_size=1, tokens_per_frame=1, frames_per_block=3,
                   window_frames=3, sink_frames=3, kv_branches=MAIN,
                   cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 2),), session_capacity=2)
@@ -39,7 +41,7 @@ def test_tiny_geometry_one_and_two_sessions():
     assert plan.required_bytes(1) == 128
     assert plan.required_bytes(2) == 192
     assert plan.session_capacity == 2
-    assert plan.managed_pages == 17  # scenario 16
+    assert plan.managed_pages == 17  # N(2)
     assert plan.planned_bytes == plan.budget_bytes == 192
     plan_one = plan_memory(tiny_spec(), dtype=jnp.float32, available_memory_bytes=128, gpu_memory_fraction=1.0)
     assert plan_one.session_capacity == 1
@@ -64,17 +66,17 @@ def test_fraction_is_a_soft_floor():
 def test_requested_capacity_caps_and_model_owned_bytes():
     plan = plan_memory(tiny_spec(session_capacity=64), dtype=jnp.float32, available_memory_bytes=192,
                        gpu_memory_fraction=1.0)
-    assert plan.session_capacity == 2  # scenario 17
+    assert plan.session_capacity == 2  # requested 64, memory for 2
     assert plan.requested_session_capacity == 64
     assert plan.cross_attention_reserved_bytes == 32
     owned = plan_memory(tiny_spec(model_owned_state_bytes_per_session=16), dtype=jnp.float32,
                         available_memory_bytes=200, gpu_memory_fraction=1.0)
-    assert owned.session_capacity == 1 and owned.model_owned_reserved_bytes == 16  # scenario 20
+    assert owned.session_capacity == 1 and owned.model_owned_reserved_bytes == 16
     assert owned.planned_bytes <= owned.budget_bytes
 
 
 def test_dreamzero_like_capacity():
-    # Scenario 58: float32, tokens 16, heads 4, head 64, 2 layers -> P = 65,536; 44 pages available.
+    # The reference's DreamZero-like example: float32, tokens 16, heads 4, head 64, 2 layers -> P = 65,536; 44 pages available.
     spec = ARDiffusionKVCacheSpec(num_layers=2, num_kv_heads=4, head_size=64, tokens_per_frame=16,
                                   frames_per_block=4, window_frames=6, kv_branches=CFG,
                                   cross_attention=(ARDiffusionCrossAttentionKVSpec("text", 8),), session_capacity=64)
@@ -88,7 +90,7 @@ def test_dreamzero_like_capacity():
 
 
 def test_cross_bytes_count_every_logical_branch():
-    # Scenario 15: two branches sharing slot 0, f16, text 512 -> 2*2*512*4*64*2*2 bytes.
+    # Two branches sharing slot 0, f16, text 512 -> 2*2*512*4*64*2*2 bytes.
     spec = ARDiffusionKVCacheSpec(num_layers=2, num_kv_heads=4, head_size=64, tokens_per_frame=16,
                                   frames_per_block=1, window_frames=2,
                                   kv_branches=(ARDiffusionKVBranchSpec("positive", 0),
@@ -111,7 +113,7 @@ def test_lingbot_budgets():
 
 
 def test_pool_floor_per_local_branch_count():
-    # Scenario 22: sink + window = 9 run pages, F 2 -> one local slot 1*(9+2)+2 = 13, two slots 24.
+    # Sink + window = 9 run pages, F 2 -> one local slot 1*(9+2)+2 = 13, two slots 24.
     one = ARDiffusionKVCacheSpec(num_layers=1, num_kv_heads=1, head_size=1, tokens_per_frame=1, frames_per_block=2,
                                  window_frames=9, sink_frames=0, kv_branches=MAIN, session_capacity=1)
     plan = plan_memory(one, dtype=jnp.float32, available_memory_bytes=10**6, gpu_memory_fraction=1.0)
@@ -129,7 +131,7 @@ def test_scratch_env_raises_never_lowers(monkeypatch):
                                   frames_per_block=6, window_frames=6, kv_branches=MAIN, session_capacity=1,
                                   max_scratch_tokens_per_branch=17)
     kwargs = dict(dtype=jnp.float32, available_memory_bytes=10**7, gpu_memory_fraction=1.0)
-    assert plan_memory(spec, **kwargs).scratch_blocks_per_branch == 8  # scenario 23
+    assert plan_memory(spec, **kwargs).scratch_blocks_per_branch == 8  # 6 + ceil(17 / 16)
     monkeypatch.setenv(SCRATCH_BLOCKS_ENV, "1")
     assert plan_memory(spec, **kwargs).scratch_blocks_per_branch == 8
     monkeypatch.setenv(SCRATCH_BLOCKS_ENV, "11")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import json
 import pathlib
 import re
 
@@ -34,27 +36,100 @@ def test_quickstart_has_two_commands_and_ci_runs_the_test_one_verbatim():
     assert commands[1] in ci.splitlines()
 
 
-@pytest.mark.parametrize("doc", ["architecture.md", "api.md", "guarantees.md", "models.md"])
+@pytest.mark.parametrize("doc", ["architecture.md", "api.md", "guarantees.md", "migration.md", "models.md",
+                                 "reference_behaviour.md"])
 def test_linked_docs_exist(doc):
     assert (ROOT / "docs" / doc).is_file()
+    assert f"`docs/{doc}`" in README  # listed under Documentation
 
 
 def test_api_reference_names_every_export():
     import ardiff_jax
+    import ardiff_jax.capability
     import ardiff_jax.kv
     import ardiff_jax.models
     import ardiff_jax.rollout
+    import ardiff_jax.runtime
+    import ardiff_jax.types
 
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     code_spans = " ".join(re.findall(r"`([^`]*)`", api))
-    missing = [name for module in (ardiff_jax, ardiff_jax.kv, ardiff_jax.rollout, ardiff_jax.models)
-               for name in module.__all__ if not re.search(rf"\b{name}\b", code_spans)]
+    modules = (ardiff_jax, ardiff_jax.capability, ardiff_jax.kv, ardiff_jax.runtime, ardiff_jax.types,
+               ardiff_jax.rollout, ardiff_jax.models)
+    missing = [f"{module.__name__}.{name}" for module in modules for name in module.__all__
+               if not re.search(rf"\b{name}\b", code_spans)]
     assert missing == []
 
 
-def test_quickstart_notebook_runs_and_has_no_outputs(capsys):
-    import json
+def test_top_level_exports_stay_small_and_compat_names_stay_importable():
+    import ardiff_jax
+    import ardiff_jax.capability
+    import ardiff_jax.kv
+    import ardiff_jax.runtime
+    import ardiff_jax.types
 
+    assert len(ardiff_jax.__all__) <= 15
+    assert len(set(ardiff_jax.__all__)) == len(ardiff_jax.__all__)
+    assert [name for name in ardiff_jax.__all__ if not hasattr(ardiff_jax, name)] == []
+    subpackages = (ardiff_jax.capability, ardiff_jax.kv, ardiff_jax.runtime, ardiff_jax.types)
+    assert [name for name in ardiff_jax.COMPAT_NAMES if not hasattr(ardiff_jax, name)] == []
+    for name in ardiff_jax.COMPAT_NAMES:
+        assert name not in ardiff_jax.__all__, name
+        value = getattr(ardiff_jax, name)  # still importable from the top level
+        # ... and documented where it lives: exported by a subpackage, as the same object.
+        homes = [sub.__name__ for sub in subpackages if name in sub.__all__ and getattr(sub, name) is value]
+        assert homes, f"{name} is in no subpackage's __all__"
+
+
+def _imported_from_top_level(source: str) -> set[str]:
+    tree = ast.parse(source)
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ardiff_jax"
+            for alias in node.names}
+
+
+def test_readme_and_notebook_use_only_public_names():
+    import ardiff_jax
+
+    notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text(encoding="utf-8"))
+    notebook_code = "\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
+    for where, source in (("README.md", "\n".join(_blocks("python"))), ("quickstart.ipynb", notebook_code)):
+        imported = _imported_from_top_level(source)
+        assert imported, where
+        assert sorted(imported - set(ardiff_jax.__all__)) == [], where
+        private = re.findall(r"\.\_[A-Za-z]\w*", source)  # attribute access such as state._bound
+        assert private == [], where
+
+
+# Built from parts so that this file does not itself mention the documents it forbids.
+_FORBIDDEN = ("CONTR" + "ACTS", "DES" + "IGN.md", "_ANC" + "HORS", "REALTIME_" + "PROTOCOL", "../" + "shared")
+_SECTIONS = ["Capability spec", "KV state", "Visible window", "Scratch", "Memory plan", "Runner", "Ticks",
+             "Legacy API"]
+
+
+def test_user_docs_stand_alone():
+    docs = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "notebooks" / "quickstart.ipynb",
+            *sorted((ROOT / "docs").glob("*.md"))]
+    found = [(doc.relative_to(ROOT).as_posix(), word) for doc in docs for word in _FORBIDDEN
+             if word in doc.read_text(encoding="utf-8")]
+    assert found == []
+
+
+def test_reference_behaviour_has_the_sections_code_points_at():
+    text = (ROOT / "docs" / "reference_behaviour.md").read_text(encoding="utf-8")
+    assert re.findall(r"^## (.+)$", text, flags=re.MULTILINE) == _SECTIONS
+    # Every pointer into that page (its file name, then a section name in double quotes, as code, tests and docs
+    # cite it) names a real section, however the line wraps inside the quotes.
+    sources = [path for folder in ("ardiff_jax", "tests", "docs", "benchmarks") for path in (ROOT / folder).rglob("*")
+               if path.suffix in (".py", ".md")] + [ROOT / "README.md"]
+    pointed = set()
+    for path in sources:
+        flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text(encoding="utf-8"))
+        pointed.update(re.findall(r"reference_behaviour\.md[`']*,\s*(?:section\s*)?\"([^\"]+)\"", flat))
+    assert pointed, "no pointer found: the pattern no longer matches how the code cites sections"
+    assert sorted(pointed - set(_SECTIONS)) == []
+
+
+def test_quickstart_notebook_runs_and_has_no_outputs(capsys):
     notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text(encoding="utf-8"))
     code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
     assert code_cells and all(not cell["outputs"] and cell["execution_count"] is None for cell in code_cells)

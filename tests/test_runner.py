@@ -1,4 +1,7 @@
-"""Runner and engine: CONTRACTS.md section 11 scenarios 50-70 in this API, plus the fail-closed guarantees."""
+"""Runner and engine: the reference runner's behaviour in this API, plus the fail-closed guarantees.
+
+The behaviour is specified in ``docs/reference_behaviour.md``, "Runner".
+"""
 
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def committed(runner, session_id, branch="main"):
     return state._adapters[branch].committed_frames
 
 
-# -- load (scenarios 50, 52, 62) -----------------------------------------------------------------
+# -- load ----------------------------------------------------------------------------------------
 
 def test_pipeline_without_capability_is_a_type_error():
     class NotAPipeline:
@@ -112,7 +115,7 @@ def test_geometry_state_identity_and_lifecycle_hooks():
     assert runner.sessions == ()
 
 
-# -- request selection and ticks (scenario 51) ----------------------------------------------------
+# -- request selection and ticks ------------------------------------------------------------------
 
 def test_default_session_id():
     pipeline = RecordingPipeline()
@@ -189,7 +192,7 @@ def test_reset_hook_called_for_never_resident_id():
         runner.close_session("")
 
 
-# -- interleaving, sink, branches (scenarios 53-55) ----------------------------------------------
+# -- interleaving, sink, branches ----------------------------------------------------------------
 
 def test_interleaved_sessions_and_lru_order():
     pipeline = RecordingPipeline()
@@ -224,7 +227,7 @@ def test_two_branches_are_independent():
     assert committed(runner, "s", "positive") == 3 and committed(runner, "s", "negative") == 0
 
 
-# -- LRU and capacity (scenarios 56-58) -------------------------------------------------------------
+# -- LRU and capacity -------------------------------------------------------------------------------
 
 def test_lru_capacity_two_three_ids():
     pipeline = RecordingPipeline()
@@ -271,7 +274,7 @@ def test_eviction_cleanup_error_is_raised_before_forward():
     assert runner.sessions == ("b",)  # a's KV was released first anyway
 
 
-# -- failure cleanup (scenarios 59-61) ---------------------------------------------------------------
+# -- failure cleanup ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fail", ["before", "after_commit"])
 def test_forward_exception_fails_closed(fail):
@@ -372,7 +375,7 @@ def test_lost_pools_fail_closed_and_recover():
     assert committed(runner, "s") == 3
 
 
-# -- batch and stepwise (scenarios 63-69) -------------------------------------------------------------
+# -- batch and stepwise -------------------------------------------------------------------------------
 
 def test_batch_and_stepwise_rejections():
     runner = make_runner()
@@ -463,7 +466,7 @@ def test_in_flight_chunk_survives_between_steps():
     assert committed(runner, "req-1") == 3 and runner.session_table.get("req-1") is state
 
 
-# -- warmup (scenario 70) --------------------------------------------------------------------------------
+# -- warmup ----------------------------------------------------------------------------------------------
 
 def test_warmup_runs_in_order_and_releases():
     pipeline = WarmupPipeline(warmup_plan=("ok", "ok", "ok"))

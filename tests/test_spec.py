@@ -1,4 +1,7 @@
-"""Capability specs: fields, defaults, derived properties and every validation error (CONTRACTS.md 2.1)."""
+"""Capability specs: fields, defaults, derived properties and every validation error.
+
+The validation order is the reference's (``docs/reference_behaviour.md``, "Capability spec").
+"""
 
 from __future__ import annotations
 

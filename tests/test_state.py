@@ -1,4 +1,6 @@
-"""``ARDiffusionKVState``: error paths are transactional, lifecycle, cross-attention (CONTRACTS.md 3.5-3.6, 5).
+"""``ARDiffusionKVState``: error paths are transactional, lifecycle, cross-attention.
+
+The behaviour is specified in ``docs/reference_behaviour.md``, "KV state".
 
 Every failing call must leave the stored KV (both pools, compared with host copies taken
 before the call), the cursors and the pending contexts exactly as they were.

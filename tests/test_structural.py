@@ -1,4 +1,4 @@
-"""Structural guarantees (DESIGN.md 4.2 and 6): one program for every fill level, no pool copies.
+"""Structural guarantees: one program for every fill level, no pool copies.
 
 a. Compile counting: filling, wrapping the ring several times, resetting and a second
    session reuse the programs compiled for the first block of each kind.

@@ -1,10 +1,10 @@
-"""Typed realtime ticks (CONTRACTS.md 6.7, scenarios 73-74)."""
+"""Typed realtime ticks (``docs/reference_behaviour.md``, "Ticks")."""
 
 from __future__ import annotations
 
 import pytest
 
-from ardiff_jax import (
+from ardiff_jax.types import (
     AR_DIFFUSION_TICK_KEY,
     ARDiffusionChunkMetadata,
     ARDiffusionControlInput,

@@ -1,7 +1,7 @@
 """A Self-Forcing-style rolling KV cache in PyTorch (CPU), written from its description.
 
-Layout and policy, as PERFORMANCE_ANCHORS.md section 3 describes Self-Forcing's
-``causal_model.py`` (this is an independent re-implementation, no code copied):
+Layout and policy of Self-Forcing's ``causal_model.py`` KV cache, as its public description
+gives them (this is an independent re-implementation, no code copied):
 
 * per layer a dict with one contiguous preallocated ``k`` and ``v`` of shape
   ``[B=1, cap, H, D]`` (``cap = (K + W) * T`` tokens: the sink plus the attention window,
