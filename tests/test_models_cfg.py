@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -197,3 +198,40 @@ def test_model_owned_state_within_declared_bound(pipeline_factory):
     assert 0 < pipeline.model_owned_bytes("m") <= declared
     engine.close_session("m")
     assert pipeline.model_owned_bytes("m") == 0
+
+
+#: What ``json.loads`` makes of a client's ``"\ud800"``: a ``str`` no UTF-8 encoder accepts.
+LONE_SURROGATE = json.loads('"pick up the \\ud800"')
+
+
+@pytest.mark.parametrize("prompt, observation_prompt, seed, message", [
+    (LONE_SURROGATE, None, None, "lone surrogate"),
+    (None, LONE_SURROGATE, None, "lone surrogate"),  # the prompt may ride in the observation
+    ("pick up the cup", None, -1, r"inputs\['seed'\]"),
+    ("pick up the cup", None, 2**31, r"inputs\['seed'\]"),
+    ("pick up the cup", None, 1.0, r"inputs\['seed'\]"),
+])
+def test_bad_request_for_a_new_session_evicts_nobody(pipeline_factory, prompt, observation_prompt, seed, message):
+    pipeline = pipeline_factory()
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    for sid in ("a", "b", "c"):
+        engine.generate(_request(pipeline, sid, 1, seed=0)[0])
+    resident, owned = engine.sessions, pipeline.session_ids
+    assert len(resident) == engine.session_capacity  # a newcomer would evict "a"
+    calls: list = []
+    engine.runner.add_session_listener(calls.append)
+    close = pipeline.close_ar_diffusion_session
+    pipeline.close_ar_diffusion_session = lambda sid: (calls.append(("close", sid)), close(sid))
+    observation = dict(pipeline.schema.example(1, seed=1))
+    if observation_prompt is not None:
+        observation["prompt"] = observation_prompt
+    inputs = {"observation": observation} if seed is None else {"observation": observation, "seed": seed}
+    with pytest.raises(ValueError, match=message):
+        engine.generate(DiffusionRequest("bad", prompt=prompt, extra_args={"session_id": "new"}, inputs=inputs))
+    assert engine.sessions == resident and pipeline.session_ids == owned
+    assert calls == []  # no eviction, no close hook, no session created
+
+
+def test_unencodable_negative_prompt_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="negative_prompt .* lone surrogate"):
+        CFGPipelineConfig(negative_prompt=LONE_SURROGATE)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ardiff_jax.cli import main
+from ardiff_jax.models._common import DiTModules
 
 # The same plan as the model tests (float32, ample memory, 3 sessions): the compiled
 # programs are shared with them when the suite runs in one process.
@@ -32,8 +33,57 @@ def test_rollout_writes_summary(pipeline, tmp_path, capsys):
     assert summary["compile_seconds_during_rollout"] == 0.0
 
 
-def test_rollout_rejects_bad_arguments(capsys):
-    with pytest.raises(SystemExit):
-        main(["rollout", "--sessions", "0"])
-    assert main(["rollout", "--preset", "huge", "--blocks", "1"]) == 2
-    assert "unknown preset 'huge'" in capsys.readouterr().err
+def _exit_code(argv: list[str]) -> int:
+    """What the ``ardiff-jax`` process would exit with (argparse errors raise SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Building any model's weights fails the test: every refusal must come before that."""
+
+    def refuse(cls, config, seed):
+        raise AssertionError(f"weights of {config.name} were built before the arguments were checked")
+
+    monkeypatch.setattr(DiTModules, "create", classmethod(refuse))
+
+
+BAD_ARGUMENTS = [
+    (["rollout", "--fraction", "0"], "--fraction"),
+    (["rollout", "--fraction", "-1"], "--fraction"),
+    (["rollout", "--fraction", "nan"], "--fraction"),
+    (["plan", "--fraction", "inf"], "--fraction"),
+    (["rollout", "--available-gib", "nan"], "--available-gib"),
+    (["rollout", "--available-gib", "inf"], "--available-gib"),
+    (["rollout", "--available-gib", "1e300"], "--available-gib"),
+    (["plan", "--available-gib", "1e300"], "--available-gib"),
+    (["rollout", "--available-bytes", "-5"], "--available-bytes"),
+    (["plan", "--available-bytes", "0"], "--available-bytes"),
+    (["plan", "--dtype", "nope"], "--dtype"),
+    (["plan", "--dtype", "str"], "--dtype"),
+    (["plan", "--dtype", "int8"], "--dtype"),
+    (["rollout", "--dtype", "int8"], "--dtype"),
+    (["rollout", "--sessions", "0"], "--sessions"),
+    (["rollout", "--blocks", "two"], "--blocks"),
+    (["rollout", "--preset", "huge"], "--preset"),
+    # 1.4e9 parameters: refused by the KV plan of the preset's spec, before any weight exists.
+    (["rollout", "--preset", "wan_1_3b", "--available-gib", "4"], "--preset wan_1_3b does not fit"),
+    (["rollout", "--pipeline", "cfg", "--preset", "wan_1_3b"], "--preset wan_1_3b"),
+    (["rollout", "--out", ""], "--out"),
+    (["rollout", "--out", "{tmp}/missing/summary.json"], "--out"),
+    (["rollout", "--out", "{tmp}"], "--out"),
+]
+
+
+@pytest.mark.parametrize("argv, names", BAD_ARGUMENTS, ids=[" ".join(argv) for argv, _ in BAD_ARGUMENTS])
+def test_bad_arguments_exit_2_with_a_message_naming_them(argv, names, tmp_path, capsys, no_weights):
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert names in err, err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+

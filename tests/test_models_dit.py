@@ -57,7 +57,9 @@ def test_medium_preset_geometry():
     ("latent_height", 7, "multiple of patch_size"),
     ("frames_per_block", 6, "must not exceed window_frames"),
     ("num_register_tokens", 0, "both be zero or both positive"),
-    ("num_layers", 0, "must be positive"),
+    ("num_layers", 0, "num_layers must be a positive integer"),
+    ("num_layers", True, "num_layers must be a positive integer"),
+    ("sink_frames", -1, "sink_frames must be a non-negative integer"),
     ("dtype", "not-a-dtype", "is not a dtype"),
 ])
 def test_config_rejects_bad_fields(field, value, message):

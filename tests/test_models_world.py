@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 import jax
@@ -71,7 +72,8 @@ def _request(session: str, prompt: str | None = "a red car", action=None, seed: 
 
 
 def test_visible_history_model_matches_the_contract_example():
-    # CONTRACTS.md 3.5 worked example: sink 1, window 5, 8 committed single frames, 1 current.
+    # The worked example of docs/reference_behaviour.md, "Visible window": sink 1, window 5, 8 committed
+    # single frames, 1 current.
     assert visible_history_frames(8, 1, sink=1, window=5) == [0, 4, 5, 6, 7]
     assert visible_history_frames(0, 2, sink=1, window=5) == []
     assert visible_history_frames(3, 2, sink=1, window=5) == [0, 1, 2]
@@ -236,3 +238,65 @@ def test_spec_matches_the_sketch_geometry(pipeline_factory):
     assert pipeline_spec.cross_attention_lengths == {"text": 8}
     assert pipeline_spec.max_scratch_tokens_per_branch == 3
     assert (pipeline_spec.sink_frames, pipeline_spec.window_frames, pipeline_spec.frames_per_block) == (1, 5, 2)
+
+
+#: What ``json.loads`` makes of a client's ``"\ud800"``: a ``str`` no UTF-8 encoder accepts.
+LONE_SURROGATE = json.loads('"a \\ud800 car"')
+
+BAD_NEW_SESSION_REQUESTS = [
+    (LONE_SURROGATE, {}, "lone surrogate"),
+    ("a red car", {"seed": -1}, r"inputs\['seed'\]"),
+    ("a red car", {"seed": 2**31}, r"inputs\['seed'\]"),
+    ("a red car", {"seed": "7"}, r"inputs\['seed'\]"),
+    ("a red car", {"seed": True}, r"inputs\['seed'\]"),
+]
+
+
+def _watch_releases(engine: ARDiffusionEngine, pipeline) -> list:
+    """Record every session event and every pipeline close/reset hook call."""
+    calls: list = []
+    engine.runner.add_session_listener(calls.append)
+    for hook in ("close_ar_diffusion_session", "reset_ar_diffusion_session"):
+        original = getattr(pipeline, hook)
+        setattr(pipeline, hook, lambda sid, original=original, hook=hook: (calls.append((hook, sid)), original(sid)))
+    return calls
+
+
+@pytest.mark.parametrize("prompt, inputs, message", BAD_NEW_SESSION_REQUESTS)
+def test_bad_request_for_a_new_session_evicts_nobody(pipeline_factory, prompt, inputs, message):
+    pipeline = pipeline_factory()
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    for sid in ("a", "b", "c"):
+        engine.generate(_request(sid))
+    resident, owned = engine.sessions, pipeline.session_ids
+    assert len(resident) == engine.session_capacity  # a newcomer would evict "a"
+    calls = _watch_releases(engine, pipeline)
+    with pytest.raises(ValueError, match=message):
+        engine.generate(DiffusionRequest("bad", prompt=prompt, extra_args={"session_id": "new"}, inputs=inputs))
+    assert engine.sessions == resident and pipeline.session_ids == owned
+    assert calls == []  # no eviction, no close hook, no session created
+
+
+def test_unencodable_prompt_keeps_an_established_session(pipeline_factory):
+    pipeline = pipeline_factory()
+    engine = ARDiffusionEngine(pipeline, CONFIG)
+    first = engine.generate(_request("s"))
+    calls = _watch_releases(engine, pipeline)
+    with pytest.raises(ValueError, match="WorldPipeline prompt .* lone surrogate"):
+        engine.generate(_request("s", prompt=LONE_SURROGATE))
+    assert calls == [] and engine.sessions == ("s",)
+    assert engine.generate(_request("s")).first_frame == first.latents.shape[0]  # continues its history
+
+
+def test_tick_mode_accepts_what_validation_accepts(pipeline_factory):
+    """A per-block action stack passes the validator, so forward must take it too (not fail after admission)."""
+    cfg = dit_preset("tiny")
+    engine = ARDiffusionEngine(pipeline_factory(), CONFIG)
+    actions = np.random.default_rng(2).standard_normal(
+        (2, cfg.num_register_tokens, cfg.register_dim)).astype(np.float32)
+    stacked = engine.generate(DiffusionRequest("r", prompt="p", extra_args={"session_id": "x"},
+                                               inputs={"action": actions, "num_blocks": 2, "seed": 1}))
+    single = engine.generate(DiffusionRequest("r", prompt="p", extra_args={"session_id": "y"},
+                                              inputs={"action": actions[0], "seed": 1}))
+    assert np.array_equal(np.asarray(stacked.latents), np.asarray(single.latents))
+    assert engine.sessions == ("x", "y")

@@ -5,8 +5,7 @@
 * :class:`WorldPipeline`: single KV branch, few-step DMD-style, register tokens, stepwise;
 * :class:`CFGWorldActionPipeline`: DreamZero-style positive/negative CFG branches, text and
   image caches, observation commits, action/state tokens, warmup provider;
-* :class:`DenseAttention`: the cache-free attention backend (same model code, no KV cache);
-* :func:`run_rollout`: the timed multi-session rollout behind ``ardiff-jax rollout``.
+* :class:`DenseAttention`: the cache-free attention backend (same model code, no KV cache).
 
 Design notes: ``docs/models.md``.
 
@@ -25,7 +24,6 @@ from ardiff_jax.models._cfg import (
 from ardiff_jax.models._common import FewStepSchedule
 from ardiff_jax.models._config import DIT_PRESETS, CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, DiTOutput, tokenize_prompt
-from ardiff_jax.models._rollout import RolloutOptions, run_rollout
 from ardiff_jax.models._world import WorldBlock, WorldPipeline, WorldPipelineConfig, world_step
 
 __all__ = [
@@ -39,7 +37,6 @@ __all__ = [
     "DiTOutput",
     "FewStepSchedule",
     "ObservationSchema",
-    "RolloutOptions",
     "SelfAttentionBackend",
     "WorldBlock",
     "WorldPipeline",
@@ -48,7 +45,6 @@ __all__ = [
     "cfg_step",
     "dit_preset",
     "dot_attention",
-    "run_rollout",
     "tokenize_prompt",
     "world_step",
 ]

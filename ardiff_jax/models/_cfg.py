@@ -1,6 +1,7 @@
 """``CFGWorldActionPipeline``: a DreamZero-style world-action pipeline with classifier-free guidance.
 
-Correspondence to DreamZero's adapter in vLLM-Omni (CONTRACTS.md section 9):
+Correspondence to DreamZero's adapter in vLLM-Omni (the runtime side it relies on is
+described in ``docs/reference_behaviour.md``):
 
 ============================================  =================================================
 DreamZero (``DreamZeroPipeline``)              here
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -61,21 +63,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ardiff_jax._checks import check_positive_int
 from ardiff_jax.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_jax.models._common import (
     DiTModules,
-    FewStepSchedule,
     PipelineBase,
-    check_positive_int,
+    PipelineConfigBase,
+    PipelineSession,
+    check_prompt,
     dit_kv_spec,
     image_cross_kv,
     nbytes,
-    new_session_key,
-    prompt_ids,
-    resolve_config,
-    session_seed,
+    noise_key,
+    renoise,
     step_noise_key,
-    text_cross_kv,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import patchify
@@ -209,41 +210,37 @@ def image_features(config: CausalDiTConfig, latent_frame: np.ndarray) -> np.ndar
     return np.stack([np.interp(where, np.arange(tokens), col) for col in feats.T], axis=1).astype(np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class CFGPipelineConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CFGPipelineConfig(PipelineConfigBase):
     """Policy of :class:`CFGWorldActionPipeline`.
 
     Attributes:
       schedule: the denoising schedule (DreamZero runs 16 steps, ~4 with its DiT cache).
+      session_capacity: requested upper bound of resident sessions.
+      weights_seed, noise_seed: seeds of the random weights and of per-session noise.
       guidance_scale: CFG scale (DreamZero: 5.0).
       negative_prompt: text of the negative branch.
       num_state_tokens: register tokens carrying the robot state; the rest carry actions.
       action_dim: dimensions of one action (DROID: 7 joints + gripper).
-      session_capacity: requested upper bound of resident sessions.
       cfg_parallel_layout: both branches at ``local_index=0`` (one branch per worker only).
-      weights_seed, noise_seed: seeds of the random weights and of per-session noise.
+
+    The fields after ``noise_seed`` are keyword-only.
     """
 
-    schedule: FewStepSchedule = FewStepSchedule()
     guidance_scale: float = 5.0
     negative_prompt: str = ""
     num_state_tokens: int = 1
     action_dim: int = 8
-    session_capacity: int = 3
     cfg_parallel_layout: bool = False
-    weights_seed: int = 0
-    noise_seed: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.schedule, FewStepSchedule):
-            raise TypeError(f"schedule must be a FewStepSchedule, got {type(self.schedule).__name__}")
-        if not math.isfinite(self.guidance_scale):
-            raise ValueError(f"guidance_scale must be finite, got {self.guidance_scale}")
+        super().__post_init__()
+        scale = self.guidance_scale
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+            raise ValueError(f"CFGPipelineConfig guidance_scale must be a finite number, got {self.guidance_scale!r}")
         check_positive_int("CFGPipelineConfig num_state_tokens", self.num_state_tokens)
         check_positive_int("CFGPipelineConfig action_dim", self.action_dim)
-        check_positive_int("CFGPipelineConfig session_capacity", self.session_capacity)
-        if not isinstance(self.negative_prompt, str):
-            raise ValueError(f"negative_prompt must be a string, got {self.negative_prompt!r}")
+        check_prompt("CFGPipelineConfig negative_prompt", self.negative_prompt)
 
 
 def _register_features(config: CausalDiTConfig, actions: jax.Array, state_features: jax.Array) -> jax.Array:
@@ -282,8 +279,8 @@ def _cfg_step(
     x0 = x_t - sigma * video_flow
     a0 = a_t - sigma * action_flow
     video_key, action_key = jax.random.split(step_noise_key(session_key, block_index, step_index))
-    x_next = (1.0 - sigma_next) * x0 + sigma_next * jax.random.normal(video_key, x_t.shape, jnp.float32)
-    a_next = (1.0 - sigma_next) * a0 + sigma_next * jax.random.normal(action_key, a_t.shape, jnp.float32)
+    x_next = renoise(x0, sigma_next, jax.random.normal(video_key, x_t.shape, jnp.float32))
+    a_next = renoise(a0, sigma_next, jax.random.normal(action_key, a_t.shape, jnp.float32))
     return x_next, x0, a_next, a0
 
 
@@ -303,7 +300,7 @@ def _cfg_commit(
 
 def _initial_noise(session_key: jax.Array, block_index: jax.Array, video_shape: tuple[int, ...],
                    action_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    video_key, action_key = jax.random.split(jax.random.fold_in(jax.random.fold_in(session_key, block_index), 0))
+    video_key, action_key = jax.random.split(noise_key(session_key, block_index, 0))
     return (jax.random.normal(video_key, video_shape, jnp.float32),
             jax.random.normal(action_key, action_shape, jnp.float32))
 
@@ -316,12 +313,12 @@ initial_noise = jax.jit(_initial_noise, static_argnums=(2, 3))
 
 
 @dataclasses.dataclass
-class _CFGSession:
-    key: jax.Array
-    prompt: str
-    block_index: int = 0
-    last_video: jax.Array | None = None
-    last_actions: jax.Array | None = None
+class _CFGSession(PipelineSession):
+    last_video: jax.Array | None = None  # f32[f, C, H, W]
+    last_actions: jax.Array | None = None  # f32[A, action_dim]
+
+    def device_arrays(self) -> tuple[jax.Array | None, ...]:
+        return (self.key, self.last_video, self.last_actions)
 
 
 class CFGWorldActionPipeline(PipelineBase):
@@ -340,22 +337,21 @@ class CFGWorldActionPipeline(PipelineBase):
     "video": f32[f, C, H, W]}``. See the module docstring for the DreamZero correspondence.
     """
 
+    pipeline_config_type = CFGPipelineConfig
+    session_type = _CFGSession
+    pipeline_config: CFGPipelineConfig
+    _sessions: dict[str, _CFGSession]
+
     def __init__(self, config: CausalDiTConfig | str = "tiny", pipeline_config: CFGPipelineConfig | None = None,
                  *, modules: DiTModules | None = None, device: jax.Device | None = None) -> None:
-        pipeline_config = CFGPipelineConfig() if pipeline_config is None else pipeline_config
-        if not isinstance(pipeline_config, CFGPipelineConfig):
-            raise TypeError(f"pipeline_config must be a CFGPipelineConfig, got {type(pipeline_config).__name__}")
-        # Validate the pairing before paying for weights.
-        self._check_compatible(resolve_config(config), pipeline_config)
-        self.pipeline_config = pipeline_config
-        super().__init__(config, pipeline_config.weights_seed, modules, device)
+        super().__init__(config, pipeline_config, modules=modules, device=device)
         self.schema = ObservationSchema.for_config(self.config)
-        self._encoder = _ObservationEncoder(self.config, pipeline_config.weights_seed + 1)
-        self._sessions: dict[str, _CFGSession] = {}
+        self._encoder = _ObservationEncoder(self.config, self.pipeline_config.weights_seed + 1)
         self._negative_text_kv: tuple[jax.Array, jax.Array] | None = None
 
-    @staticmethod
-    def _check_compatible(config: CausalDiTConfig, pipeline_config: CFGPipelineConfig) -> None:
+    @classmethod
+    def check_compatible(cls, config: CausalDiTConfig, pipeline_config: CFGPipelineConfig) -> None:
+        """ValueError unless ``config`` has the action and state register tokens this pipeline needs."""
         if config.num_register_tokens <= pipeline_config.num_state_tokens:
             raise ValueError(
                 f"CFGWorldActionPipeline needs action and state register tokens: num_register_tokens "
@@ -367,10 +363,6 @@ class CFGWorldActionPipeline(PipelineBase):
                 f"({state_dim}) and one action ({pipeline_config.action_dim})")
 
     @property
-    def schedule(self) -> FewStepSchedule:
-        return self.pipeline_config.schedule
-
-    @property
     def num_action_tokens(self) -> int:
         return self.config.num_register_tokens - self.pipeline_config.num_state_tokens
 
@@ -378,8 +370,9 @@ class CFGWorldActionPipeline(PipelineBase):
     @staticmethod
     def kv_spec_for(config: CausalDiTConfig, pipeline_config: CFGPipelineConfig | None = None
                     ) -> ARDiffusionKVCacheSpec:
-        """The spec a pipeline of ``config`` reports (no weights needed)."""
+        """The spec a pipeline of ``config`` reports (no weights needed); ValueError if they do not pair."""
         pipeline_config = CFGPipelineConfig() if pipeline_config is None else pipeline_config
+        CFGWorldActionPipeline.check_compatible(config, pipeline_config)
         negative_index = 0 if pipeline_config.cfg_parallel_layout else 1
         cross = [ARDiffusionCrossAttentionKVSpec(TEXT, config.text_len)]
         if config.image_len:
@@ -414,17 +407,6 @@ class CFGWorldActionPipeline(PipelineBase):
                 inputs={"observation": self.schema.example(1 if index == 0 else TEMPORAL_STRIDE, seed=index)},
             )
 
-    def model_owned_bytes(self, session_id: str) -> int:
-        """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            return 0
-        total = int(jax.random.key_data(session.key).nbytes)
-        for array in (session.last_video, session.last_actions):
-            if array is not None:
-                total += int(array.nbytes)
-        return total
-
     # -- DreamZero-style boolean -> branch helpers -------------------------------------------
     @staticmethod
     def _branch(is_negative: bool) -> str:
@@ -448,22 +430,21 @@ class CFGWorldActionPipeline(PipelineBase):
         for is_negative in (False, True):
             branch = self._branch(is_negative)
             if not state.is_cross_attention_populated(branch, TEXT):
-                state.populate_cross_attention(branch, TEXT, zip(*self._text_kv(session, is_negative), strict=True))
+                text_k, text_v = self._branch_text_kv(session, is_negative)
+                state.populate_cross_attention(branch, TEXT, zip(text_k, text_v, strict=True))
             if self.config.image_len and not state.is_cross_attention_populated(branch, IMAGE):
                 if image_kv is None:
                     feats = self._to_device(image_features(self.config, first_latent))
                     image_kv = image_cross_kv(self._graphdef, self._params, feats)
                 state.populate_cross_attention(branch, IMAGE, zip(*image_kv, strict=True))
 
-    def _text_kv(self, session: _CFGSession, is_negative: bool) -> tuple[jax.Array, jax.Array]:
+    def _branch_text_kv(self, session: _CFGSession, is_negative: bool) -> tuple[jax.Array, jax.Array]:
         if is_negative:
             # The negative prompt is fixed per pipeline: project it once for all sessions.
             if self._negative_text_kv is None:
-                ids = self._to_device(prompt_ids(self.pipeline_config.negative_prompt, self.config.text_len))
-                self._negative_text_kv = text_cross_kv(self._graphdef, self._params, ids)
+                self._negative_text_kv = self._text_kv(self.pipeline_config.negative_prompt)
             return self._negative_text_kv
-        ids = self._to_device(prompt_ids(session.prompt, self.config.text_len))
-        return text_cross_kv(self._graphdef, self._params, ids)
+        return self._text_kv(session.prompt)
 
     # -- forward ----------------------------------------------------------------------------------
     def _parse(self, session_id: str, request: DiffusionRequest) -> tuple[list[np.ndarray], np.ndarray, int,
@@ -471,11 +452,7 @@ class CFGWorldActionPipeline(PipelineBase):
         observation = request.inputs.get("observation")
         views, robot_state, num_frames = self.schema.validate(observation)
         prompt = request.prompt if request.prompt is not None else observation.get("prompt")
-        if prompt is not None and not isinstance(prompt, str):
-            raise ValueError(f"CFGWorldActionPipeline prompt must be a string, got {type(prompt).__name__}")
-        if prompt is None and session_id not in self._sessions:
-            raise ValueError(
-                f"CFGWorldActionPipeline session {session_id!r} has no prompt yet: its first request needs one")
+        prompt = self._check_prompt_and_seed(session_id, request, prompt)
         latent_frames = self.schema.latent_frames(num_frames)
         if latent_frames > self.config.window_frames:
             raise ValueError(
@@ -484,7 +461,7 @@ class CFGWorldActionPipeline(PipelineBase):
         return views, robot_state, latent_frames, prompt
 
     def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
-        """Host-side schema check the runner runs before touching the session (bad input changes nothing)."""
+        """Every host-side check of ``request`` (the one parser ``forward`` uses too), before any session changes."""
         self._parse(session_id, request)
 
     def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
@@ -498,10 +475,7 @@ class CFGWorldActionPipeline(PipelineBase):
             state.reset()
             session = None
         if session is None:
-            seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
-            assert prompt is not None
-            session = _CFGSession(key=new_session_key(seed, self.device), prompt=prompt)
-            self._sessions[session_id] = session
+            session = self._new_session(session_id, request, prompt)
         latents = self._encoder(views)
         self._kv_populate_cross(state, session, latents[0])
         self._commit_observation(state, self._to_device(latents))

@@ -1,41 +1,47 @@
-"""Pieces both reference pipelines share: the few-step schedule, weights, binding, jitted projections.
+"""What both reference pipelines share: schedule, config base, session base, pipeline base, jitted projections.
 
 Jit pattern (flax's "performance considerations"): the modules are split once with
 ``nnx.split``; every device entry point is a plain ``jax.jit`` of a module-level pure
 function ``(graphdef, params, ...)`` that calls ``nnx.merge`` inside. ``graphdef`` is a
 static argument; it is hashable and equal for equal configs, so the compile cache is
 shared by every pipeline instance, session and fill level: one compile per shape.
+
+:class:`PipelineBase` owns everything the pipelines do alike (request checks on the host,
+session creation, the noise-key tree, text projection, model-owned bytes, hooks); a
+pipeline adds its KV spec, its request schema and its forward.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ardiff_jax._checks import check_non_negative_int, check_positive_int, is_integer
+from ardiff_jax.capability import ARDiffusionKVCacheSpec
 from ardiff_jax.models._config import CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, tokenize_prompt
-
-from ardiff_jax.capability import ARDiffusionKVCacheSpec
+from ardiff_jax.types import DiffusionRequest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ardiff_jax.runtime._state import ARDiffusionKVState
+    from ardiff_jax.runtime import ARDiffusionKVState
 
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
-           "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "dit_kv_spec"]
+           "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "PipelineConfigBase", "PipelineSession",
+           "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
-#: compiles about 4x faster than threefry on XLA:CPU (measured on the 2-core test machine:
-#: a block's noise 0.27 s vs 2.0 s, the tiny world step 1.4 s vs 4.4 s). Its streams are
-#: deterministic for a given key and backend, not bit-identical across backends.
+#: compiles several times faster than threefry on XLA:CPU. Its streams are deterministic
+#: for a given key and backend, not bit-identical across backends.
 NOISE_PRNG_IMPL = "rbg"
 
 
@@ -94,9 +100,8 @@ class DiTModules(nnx.Module):
     def create(cls, config: CausalDiTConfig, seed: int) -> DiTModules:
         """Random-init weights with one compiled program instead of one per parameter.
 
-        Eager construction compiles every initializer separately (47 programs, ~5 s for the
-        tiny preset on 2 cores); one jitted init compiles once per (config, seed) and later
-        pipelines of the same config reuse the executable (milliseconds).
+        Eager construction compiles every initializer separately; one jitted init compiles
+        once per (config, seed) and later pipelines of the same config reuse the executable.
         """
         graphdef = nnx.split(nnx.eval_shape(lambda: cls(config, seed)))[0]
         return nnx.merge(graphdef, _init_params(config, seed))
@@ -105,6 +110,29 @@ class DiTModules(nnx.Module):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_params(config: CausalDiTConfig, seed: int) -> Any:
     return nnx.split(DiTModules(config, seed))[1]
+
+
+# -- the noise-key tree and the re-noise step (traceable) ----------------------------------------
+
+
+def noise_key(session_key: jax.Array, block_index: jax.Array, stream: Any) -> jax.Array:
+    """The key tree: session key -> block index -> stream.
+
+    Stream 0 is a block's initial noise, stream ``i + 1`` the re-noise after denoise step
+    ``i``. A session's noise depends only on its own key, so its outputs do not depend on
+    which other sessions ran (isolation), and a reset session replays a fresh one.
+    """
+    return jax.random.fold_in(jax.random.fold_in(session_key, block_index), stream)
+
+
+def step_noise_key(session_key: jax.Array, block_index: jax.Array, step_index: jax.Array) -> jax.Array:
+    """Key of the re-noise after denoise step ``step_index`` (traceable; used inside the jitted steps)."""
+    return noise_key(session_key, block_index, step_index + 1)
+
+
+def renoise(x0: jax.Array, sigma_next: jax.Array, noise: jax.Array) -> jax.Array:
+    """``x_t`` at the next step: the clean estimate ``x0`` re-noised to ``sigma_next``."""
+    return (1.0 - sigma_next) * x0 + sigma_next * noise
 
 
 # -- jitted pure entry points ---------------------------------------------------------------
@@ -121,21 +149,44 @@ def _image_cross_kv(graphdef: Any, params: Any, image_features: jax.Array) -> tu
 
 
 def _block_noise(session_key: jax.Array, block_index: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    # Key tree: session key -> block index -> stream (0 = initial noise, i + 1 = re-noise after step i).
-    return jax.random.normal(jax.random.fold_in(jax.random.fold_in(session_key, block_index), 0), shape, jnp.float32)
+    return jax.random.normal(noise_key(session_key, block_index, 0), shape, jnp.float32)
 
 
 #: ``(graphdef, params, i32[N]) -> ([L, N, H, D], [L, N, H, D])``: a prompt's per-layer text K/V.
 text_cross_kv = jax.jit(_text_cross_kv, static_argnums=0)
 #: ``(graphdef, params, f32[Ni, patch_dim]) -> ([L, Ni, H, D], [L, Ni, H, D])``: image K/V.
 image_cross_kv = jax.jit(_image_cross_kv, static_argnums=0)
-#: ``(key, i32[], shape) -> f32[shape]``: the initial noise of a block.
+#: ``(key, i32[], shape) -> f32[shape]``: the initial noise of a block (stream 0 of its key).
 block_noise = jax.jit(_block_noise, static_argnums=2)
 
 
-def step_noise_key(session_key: jax.Array, block_index: jax.Array, step_index: jax.Array) -> jax.Array:
-    """Key of the re-noise after denoise step ``step_index`` (traceable; used inside the jitted steps)."""
-    return jax.random.fold_in(jax.random.fold_in(session_key, block_index), step_index + 1)
+# -- host-side request checks ------------------------------------------------------------------
+
+
+def check_prompt(name: str, prompt: Any) -> str:
+    """A ``str`` the tokenizer can encode (UTF-8), else ValueError naming it.
+
+    ``json.loads`` turns ``"\\ud800"`` into a lone surrogate: a valid ``str`` that no UTF-8
+    encoder accepts. Refusing it here keeps it out of ``forward``, where it would fail an
+    established session.
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"{name} must be a string, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = prompt[error.start:error.end]
+        raise ValueError(
+            f"{name} is not encodable as UTF-8: it contains the lone surrogate {bad!r} at index {error.start}"
+        ) from None
+    return prompt
+
+
+def check_seed(seed: Any) -> int:
+    """``inputs["seed"]``: an integer in ``[0, 2**31)``."""
+    if not is_integer(seed) or not 0 <= int(seed) < 2**31:
+        raise ValueError(f"inputs['seed'] must be an integer in [0, 2**31), got {seed!r}")
+    return int(seed)
 
 
 def session_seed(session_id: str, inputs: Mapping[str, Any], base_seed: int) -> int:
@@ -148,9 +199,7 @@ def session_seed(session_id: str, inputs: Mapping[str, Any], base_seed: int) -> 
     seed = inputs.get("seed")
     if seed is None:
         return (zlib.crc32(session_id.encode("utf-8")) ^ base_seed) & 0x7FFFFFFF
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**31:
-        raise ValueError(f"inputs['seed'] must be an integer in [0, 2**31), got {seed!r}")
-    return int(seed)
+    return check_seed(seed)
 
 
 def prompt_ids(prompt: str, text_len: int) -> np.ndarray:
@@ -160,6 +209,96 @@ def prompt_ids(prompt: str, text_len: int) -> np.ndarray:
 def new_session_key(seed: int, device: jax.Device) -> jax.Array:
     """The noise key of a new session, committed to ``device`` (see :data:`NOISE_PRNG_IMPL`)."""
     return jax.device_put(jax.random.key(seed, impl=NOISE_PRNG_IMPL), device)
+
+
+def check_array(name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Host-side validation of a float input (before any device work): shape and finiteness."""
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a float array of shape {shape}, got {type(value).__name__}") from None
+    if array.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} must be finite")
+    return array
+
+
+def nbytes(shape: tuple[int, ...], itemsize: int = 4) -> int:
+    return int(np.prod(shape)) * itemsize
+
+
+def device_bytes(array: jax.Array) -> int:
+    """Bytes ``array`` holds on its device; a typed PRNG key counts its key data."""
+    if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
+        return int(jax.random.key_data(array).nbytes)
+    return int(array.nbytes)
+
+
+def dit_kv_spec(config: CausalDiTConfig, *, kv_branches: Any, cross_attention: Any, session_capacity: int,
+                model_owned_bytes: int) -> ARDiffusionKVCacheSpec:
+    """The KV spec of a pipeline on ``config``: geometry from the transformer, policy from the pipeline."""
+    return ARDiffusionKVCacheSpec(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_heads,
+        head_size=config.head_dim,
+        tokens_per_frame=config.tokens_per_frame,
+        frames_per_block=config.frames_per_block,
+        window_frames=config.window_frames,
+        sink_frames=config.sink_frames,
+        kv_branches=kv_branches,
+        cross_attention=cross_attention,
+        max_scratch_tokens_per_branch=config.num_register_tokens,
+        session_capacity=session_capacity,
+        model_owned_state_bytes_per_session=model_owned_bytes,
+    )
+
+
+# -- the bases ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfigBase:
+    """The policy every reference pipeline has; a pipeline's config adds its own fields.
+
+    Attributes:
+      schedule: the few-step denoising schedule (default 1000/750/500/250).
+      session_capacity: requested upper bound of resident sessions (the memory plan may keep fewer).
+      weights_seed: seed of the random-init weights.
+      noise_seed: mixed into session ids to derive per-session noise seeds.
+    """
+
+    schedule: FewStepSchedule = FewStepSchedule()
+    session_capacity: int = 3
+    weights_seed: int = 0
+    noise_seed: int = 0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.schedule, FewStepSchedule):
+            raise TypeError(f"{name} schedule must be a FewStepSchedule, got {type(self.schedule).__name__}")
+        check_positive_int(f"{name} session_capacity", self.session_capacity)
+        check_non_negative_int(f"{name} weights_seed", self.weights_seed)
+        check_non_negative_int(f"{name} noise_seed", self.noise_seed)
+
+
+@dataclasses.dataclass
+class PipelineSession:
+    """Model-owned state of one session that every reference pipeline keeps (host bookkeeping + device arrays).
+
+    Attributes:
+      key: the session's noise key (root of :func:`noise_key`'s tree).
+      prompt: the current text prompt.
+      block_index: blocks this session generated.
+    """
+
+    key: jax.Array
+    prompt: str
+    block_index: int = 0
+
+    def device_arrays(self) -> tuple[jax.Array | None, ...]:
+        """Every device array the session holds (``None`` for empty slots): what ``model_owned_bytes`` counts."""
+        return (self.key,)
 
 
 class BoundStateMixin:
@@ -194,50 +333,19 @@ class BoundStateMixin:
         return state
 
 
-def check_array(name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """Host-side validation of a float input (before any device work): shape and finiteness."""
-    try:
-        array = np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a float array of shape {shape}, got {type(value).__name__}") from None
-    if array.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
-    if not np.isfinite(array).all():
-        raise ValueError(f"{name} must be finite")
-    return array
+class PipelineBase(BoundStateMixin, abc.ABC):
+    """Weights, device, the split ``(graphdef, params)`` and the per-session model state of a pipeline.
 
+    A subclass provides:
 
-def check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    * ``pipeline_config_type``: its :class:`PipelineConfigBase` subclass (``None`` selects
+      ``pipeline_config_type()``);
+    * ``session_type``: its :class:`PipelineSession` subclass;
+    * ``kv_spec_for(config, pipeline_config=None)`` (static: the spec without weights),
+      ``validate_ar_diffusion_request`` (every host-side check of a request) and ``forward``;
+    * optionally ``check_compatible(config, pipeline_config)``, run before any weight is built.
 
-
-def nbytes(shape: tuple[int, ...], itemsize: int = 4) -> int:
-    return int(np.prod(shape)) * itemsize
-
-
-def dit_kv_spec(config: CausalDiTConfig, *, kv_branches: Any, cross_attention: Any, session_capacity: int,
-                model_owned_bytes: int) -> ARDiffusionKVCacheSpec:
-    """The KV spec of a pipeline on ``config``: geometry from the transformer, policy from the pipeline."""
-    return ARDiffusionKVCacheSpec(
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_heads,
-        head_size=config.head_dim,
-        tokens_per_frame=config.tokens_per_frame,
-        frames_per_block=config.frames_per_block,
-        window_frames=config.window_frames,
-        sink_frames=config.sink_frames,
-        kv_branches=kv_branches,
-        cross_attention=cross_attention,
-        max_scratch_tokens_per_branch=config.num_register_tokens,
-        session_capacity=session_capacity,
-        model_owned_state_bytes_per_session=model_owned_bytes,
-    )
-
-
-class PipelineBase(BoundStateMixin):
-    """Weights, device and the split ``(graphdef, params)`` shared by the reference pipelines.
+    A subclass missing one of them fails at construction with a TypeError naming it.
 
     Every array a pipeline passes into its jitted functions is committed to ``device``:
     jax keys its compile cache on whether each argument is committed, so mixing fresh
@@ -245,12 +353,24 @@ class PipelineBase(BoundStateMixin):
     would compile the same program twice.
     """
 
-    def __init__(self, config: CausalDiTConfig | str, weights_seed: int, modules: DiTModules | None,
-                 device: jax.Device | None) -> None:
-        self.config = resolve_config(config)
+    pipeline_config_type: ClassVar[type[PipelineConfigBase]]
+    session_type: ClassVar[type[PipelineSession]]
+
+    def __init__(self, config: CausalDiTConfig | str, pipeline_config: PipelineConfigBase | None = None, *,
+                 modules: DiTModules | None = None, device: jax.Device | None = None) -> None:
+        cls = self._checked_subclass()
+        config = resolve_config(config)
+        pipeline_config = cls.pipeline_config_type() if pipeline_config is None else pipeline_config
+        if not isinstance(pipeline_config, cls.pipeline_config_type):
+            raise TypeError(f"pipeline_config must be a {cls.pipeline_config_type.__name__}, got "
+                            f"{type(pipeline_config).__name__}")
+        # Validate the pairing before paying for weights.
+        cls.check_compatible(config, pipeline_config)
+        self.config = config
+        self.pipeline_config = pipeline_config
         if modules is None:
-            modules = DiTModules.create(self.config, weights_seed)
-        elif not isinstance(modules, DiTModules) or modules.transformer.config != self.config:
+            modules = DiTModules.create(config, pipeline_config.weights_seed)
+        elif not isinstance(modules, DiTModules) or modules.transformer.config != config:
             raise ValueError("modules must be DiTModules built for the same CausalDiTConfig (share them between "
                              "pipelines of one config to skip re-initialisation)")
         self.modules = modules
@@ -263,9 +383,42 @@ class PipelineBase(BoundStateMixin):
         # Model-owned per-session state (noise key, prompt, latents), keyed by session id.
         self._sessions: dict[str, Any] = {}
 
+    @classmethod
+    def _checked_subclass(cls) -> type[PipelineBase]:
+        missing = [f"{name} (a {base.__name__} subclass)"
+                   for name, base in (("pipeline_config_type", PipelineConfigBase), ("session_type", PipelineSession))
+                   if not (isinstance(getattr(cls, name, None), type) and issubclass(getattr(cls, name), base))]
+        if missing:
+            raise TypeError(f"{cls.__name__} must set the class attribute(s) {', '.join(missing)} that "
+                            "PipelineBase builds on")
+        return cls
+
+    # -- what a pipeline provides ---------------------------------------------------------------
+    @staticmethod
+    @abc.abstractmethod
+    def kv_spec_for(config: CausalDiTConfig, pipeline_config: Any = None) -> ARDiffusionKVCacheSpec:
+        """The spec a pipeline of ``config`` reports (no weights needed: usable for any size)."""
+
+    @abc.abstractmethod
+    def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
+        """Every host-side check of ``request`` (the runner calls it before touching any session)."""
+
+    @abc.abstractmethod
+    def forward(self, request: DiffusionRequest) -> Any:
+        """One request on the bound session."""
+
+    @classmethod
+    def check_compatible(cls, config: CausalDiTConfig, pipeline_config: Any) -> None:
+        """ValueError if ``config`` cannot carry this pipeline with ``pipeline_config`` (no weights needed)."""
+
+    # -- shared behaviour -------------------------------------------------------------------------
     @property
     def transformer(self) -> CausalDiT:
         return self.modules.transformer
+
+    @property
+    def schedule(self) -> FewStepSchedule:
+        return self.pipeline_config.schedule
 
     def ar_diffusion_kv_cache_spec(self) -> ARDiffusionKVCacheSpec:
         return self.kv_spec_for(self.config, self.pipeline_config)
@@ -281,6 +434,45 @@ class PipelineBase(BoundStateMixin):
     def session_ids(self) -> tuple[str, ...]:
         """Sessions with model-owned state."""
         return tuple(self._sessions)
+
+    def model_owned_bytes(self, session_id: str) -> int:
+        """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return 0
+        return sum(device_bytes(array) for array in session.device_arrays() if array is not None)
+
+    def _check_prompt_and_seed(self, session_id: str, request: DiffusionRequest, prompt: Any) -> str | None:
+        """The checks every pipeline runs on a request that may start a session: prompt and seed.
+
+        Returns the prompt (``None`` keeps the session's current one). A prompt is required
+        when the session has no model state yet, i.e. on its first request and after an
+        eviction or reset.
+        """
+        name = type(self).__name__
+        if prompt is not None:
+            check_prompt(f"{name} prompt", prompt)
+        elif session_id not in self._sessions:
+            raise ValueError(
+                f"{name} session {session_id!r} has no prompt yet: its first request needs one (the session may "
+                "have been evicted or reset)")
+        if request.inputs.get("seed") is not None:
+            check_seed(request.inputs["seed"])
+        return prompt
+
+    def _new_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
+        """Create and register the model state of a new session (seed: ``inputs["seed"]`` or the id)."""
+        if prompt is None:  # _check_prompt_and_seed refuses this for a session without state
+            raise RuntimeError(f"{type(self).__name__} session {session_id!r} needs a prompt to start")
+        seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
+        session = self.session_type(key=new_session_key(seed, self.device), prompt=prompt)
+        self._sessions[session_id] = session
+        return session
+
+    def _text_kv(self, prompt: str) -> tuple[jax.Array, jax.Array]:
+        """The per-layer text cross-attention K/V of ``prompt``: ``([L, N, H, D], [L, N, H, D])``."""
+        ids = self._to_device(prompt_ids(prompt, self.config.text_len))
+        return text_cross_kv(self._graphdef, self._params, ids)
 
     def _to_device(self, array: Any) -> jax.Array:
         return jax.device_put(np.asarray(array), self.device)

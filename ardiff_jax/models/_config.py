@@ -5,7 +5,7 @@ policy a causal-Wan checkpoint fixes at training time (frames per AR block, atte
 window, sink, register tokens, text/image context lengths). Pipelines read the KV
 geometry from here, as the seed's ``WorldPipeline`` sketch reads it from its transformer.
 
-Presets (PERFORMANCE_ANCHORS.md section 6):
+Presets:
 
 * ``tiny``: CPU tests in seconds; its KV geometry is ``ardiff_jax.geometries.tiny()``.
 * ``medium``: 8 layers, 4 heads x 128, 220 tokens/frame (22x40 latent); the geometry of
@@ -22,6 +22,8 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
+
+from ardiff_jax._checks import check_non_negative_int, check_positive_int
 
 __all__ = ["CausalDiTConfig", "DIT_PRESETS", "dit_preset"]
 
@@ -75,14 +77,12 @@ class CausalDiTConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in _POSITIVE + _NON_NEGATIVE:
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"CausalDiTConfig {field} must be an integer, got {value!r}")
-            if field in _POSITIVE and value <= 0:
-                raise ValueError(f"CausalDiTConfig {field} must be positive, got {value}")
-            if value < 0:
-                raise ValueError(f"CausalDiTConfig {field} must be non-negative, got {value}")
+        # Stored as Python ints (numpy integers are accepted): equal configs hash equal and
+        # share compiled programs.
+        for field in _POSITIVE:
+            object.__setattr__(self, field, check_positive_int(f"CausalDiTConfig {field}", getattr(self, field)))
+        for field in _NON_NEGATIVE:
+            object.__setattr__(self, field, check_non_negative_int(f"CausalDiTConfig {field}", getattr(self, field)))
         for field in ("dtype", "param_dtype"):
             try:
                 object.__setattr__(self, field, jnp.dtype(getattr(self, field)).name)

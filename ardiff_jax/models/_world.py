@@ -30,9 +30,13 @@ Request schema (``DiffusionRequest``):
 
 * ``prompt``: ``str``; required on a session's first request, ``None`` keeps the current one;
 * ``inputs["action"]``: ``f32[E, register_dim]`` control features of the block (default
-  zeros); stepwise: also ``f32[num_blocks, E, register_dim]`` (one per block);
-* ``inputs["seed"]``: noise seed of a new session (default: derived from the session id);
-* ``inputs["num_blocks"]`` (stepwise only): blocks to stream (default 1).
+  zeros), or ``f32[num_blocks, E, register_dim]`` (one per block of a streaming request);
+* ``inputs["seed"]``: noise seed of a new session, an integer in ``[0, 2**31)`` (default:
+  derived from the session id);
+* ``inputs["num_blocks"]``: blocks a streaming (stepwise) request wants (default 1).
+
+:meth:`WorldPipeline.validate_ar_diffusion_request` checks all of it on the host before the
+runner touches any session; ``forward`` and ``step`` parse with the same code.
 """
 
 from __future__ import annotations
@@ -46,21 +50,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ardiff_jax._checks import check_positive_int
 from ardiff_jax.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
 from ardiff_jax.models._common import (
     DiTModules,
-    FewStepSchedule,
     PipelineBase,
+    PipelineConfigBase,
+    PipelineSession,
     block_noise,
     check_array,
-    check_positive_int,
     dit_kv_spec,
     nbytes,
-    new_session_key,
-    prompt_ids,
-    session_seed,
+    renoise,
     step_noise_key,
-    text_cross_kv,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.types import DiffusionRequest, StepResult
@@ -72,7 +74,7 @@ TEXT = "text"
 
 
 @dataclasses.dataclass(frozen=True)
-class WorldPipelineConfig:
+class WorldPipelineConfig(PipelineConfigBase):
     """Pipeline policy around the transformer.
 
     Attributes:
@@ -81,16 +83,6 @@ class WorldPipelineConfig:
       weights_seed: seed of the random-init weights.
       noise_seed: mixed into session ids to derive per-session noise seeds.
     """
-
-    schedule: FewStepSchedule = FewStepSchedule()
-    session_capacity: int = 3
-    weights_seed: int = 0
-    noise_seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.schedule, FewStepSchedule):
-            raise TypeError(f"schedule must be a FewStepSchedule, got {type(self.schedule).__name__}")
-        check_positive_int("WorldPipelineConfig session_capacity", self.session_capacity)
 
 
 class WorldBlock(NamedTuple):
@@ -126,8 +118,7 @@ def _world_step(
     out = modules.transformer(x_t, t, frame_start, text_kv, None, registers, attention=attention)
     x0 = x_t - sigma * out.video
     noise = jax.random.normal(step_noise_key(session_key, block_index, step_index), x_t.shape, jnp.float32)
-    x_next = (1.0 - sigma_next) * x0 + sigma_next * noise
-    return x_next, x0, out.k, out.v
+    return renoise(x0, sigma_next, noise), x0, out.k, out.v
 
 
 #: One forward of the world pipeline: ``(graphdef, params, attention, ...) -> (x_next, x0, k, v)``.
@@ -147,13 +138,14 @@ class _InFlightBlock:
 
 
 @dataclasses.dataclass
-class _WorldSession:
-    key: jax.Array
-    prompt: str
-    block_index: int = 0
-    last_block: jax.Array | None = None
+class _WorldSession(PipelineSession):
+    last_block: jax.Array | None = None  # f32[f, C, H, W]
     inflight: _InFlightBlock | None = None
     blocks_emitted: int = 0  # stepwise: blocks of the streaming request
+
+    def device_arrays(self) -> tuple[jax.Array | None, ...]:
+        inflight = () if self.inflight is None else (self.inflight.x_t, self.inflight.registers)
+        return (self.key, self.last_block, *inflight)
 
 
 class WorldPipeline(PipelineBase):
@@ -172,19 +164,14 @@ class WorldPipeline(PipelineBase):
     """
 
     supports_step_execution = True
+    pipeline_config_type = WorldPipelineConfig
+    session_type = _WorldSession
+    pipeline_config: WorldPipelineConfig
+    _sessions: dict[str, _WorldSession]
 
     def __init__(self, config: CausalDiTConfig | str = "tiny", pipeline_config: WorldPipelineConfig | None = None,
                  *, modules: DiTModules | None = None, device: jax.Device | None = None) -> None:
-        pipeline_config = WorldPipelineConfig() if pipeline_config is None else pipeline_config
-        if not isinstance(pipeline_config, WorldPipelineConfig):
-            raise TypeError(f"pipeline_config must be a WorldPipelineConfig, got {type(pipeline_config).__name__}")
-        self.pipeline_config = pipeline_config
-        super().__init__(config, pipeline_config.weights_seed, modules, device)
-        self._sessions: dict[str, _WorldSession] = {}
-
-    @property
-    def schedule(self) -> FewStepSchedule:
-        return self.pipeline_config.schedule
+        super().__init__(config, pipeline_config, modules=modules, device=device)
 
     # -- capability ---------------------------------------------------------------------------
     @staticmethod
@@ -212,25 +199,19 @@ class WorldPipeline(PipelineBase):
         yield DiffusionRequest("world-warmup-0", prompt="warmup",
                                extra_args={"session_id": session_id, "reset": True})
 
-    def model_owned_bytes(self, session_id: str) -> int:
-        """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            return 0
-        arrays = [session.key, session.last_block]
-        if session.inflight is not None:
-            arrays += [session.inflight.x_t, session.inflight.registers]
-        return sum(_array_bytes(a) for a in arrays if a is not None)
-
     # -- request parsing (host only: errors before any device work) ---------------------------
-    def _parse_prompt(self, session_id: str, prompt: Any) -> str | None:
-        if prompt is not None and not isinstance(prompt, str):
-            raise ValueError(f"WorldPipeline prompt must be a string or None, got {type(prompt).__name__}")
-        if prompt is None and session_id not in self._sessions:
-            raise ValueError(
-                f"WorldPipeline session {session_id!r} has no prompt yet: its first request needs one (the session "
-                "may have been evicted or reset)")
-        return prompt
+    @staticmethod
+    def _num_blocks(request: DiffusionRequest) -> int:
+        return check_positive_int("inputs['num_blocks']", request.inputs.get("num_blocks", 1))
+
+    def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[str | None, np.ndarray | None]:
+        """``(prompt, action)`` of the block ``request`` starts; the one parser of validate, forward and step."""
+        num_blocks = self._num_blocks(request)
+        prompt = self._check_prompt_and_seed(session_id, request, request.prompt)
+        session = self._sessions.get(session_id)
+        block = 0 if session is None else session.blocks_emitted
+        action = self._parse_action(request.inputs.get("action"), min(block, num_blocks - 1), num_blocks)
+        return prompt, action
 
     def _parse_action(self, action: Any, block: int, num_blocks: int) -> np.ndarray | None:
         cfg = self.config
@@ -249,12 +230,7 @@ class WorldPipeline(PipelineBase):
     # -- device work ----------------------------------------------------------------------------
     def _session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> _WorldSession:
         session = self._sessions.get(session_id)
-        if session is None:
-            seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
-            assert prompt is not None  # _parse_prompt guarantees it
-            session = _WorldSession(key=new_session_key(seed, self.device), prompt=prompt)
-            self._sessions[session_id] = session
-        return session
+        return self._new_session(session_id, request, prompt) if session is None else session
 
     def _sync_prompt(self, state: Any, session: _WorldSession, prompt: str | None) -> None:
         if prompt is not None and prompt != session.prompt:
@@ -262,8 +238,7 @@ class WorldPipeline(PipelineBase):
             state.clear_cross_attention()
             session.prompt = prompt
         if not state.is_cross_attention_populated(MAIN, TEXT):
-            ids = self._to_device(prompt_ids(session.prompt, self.config.text_len))
-            k, v = text_cross_kv(self._graphdef, self._params, ids)
+            k, v = self._text_kv(session.prompt)
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
 
     def _start_block(self, state: Any, session: _WorldSession, action: np.ndarray | None) -> _InFlightBlock:
@@ -305,25 +280,26 @@ class WorldPipeline(PipelineBase):
 
     # -- entry points ---------------------------------------------------------------------------
     def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
-        """Host-side schema check the runner runs before touching the session (bad input changes nothing)."""
-        num_blocks = check_positive_int("inputs['num_blocks']", request.inputs.get("num_blocks", 1))
+        """Every host-side check of ``request``; the runner runs it before touching the session.
+
+        A request that continues an in-flight stepwise block carries nothing new to check
+        beyond ``num_blocks``.
+        """
+        self._num_blocks(request)
         session = self._sessions.get(session_id)
         if session is None or session.inflight is None:
-            self._parse_prompt(session_id, request.prompt)
-            block = 0 if session is None else session.blocks_emitted
-            self._parse_action(request.inputs.get("action"), min(block, num_blocks - 1), num_blocks)
+            self._parse_new_block(session_id, request)
 
     def forward(self, request: DiffusionRequest) -> WorldBlock:
         """Generate one block on the bound session (tick mode)."""
         state = self._bound_state()
         session_id = state.session_id
-        prompt = self._parse_prompt(session_id, request.prompt)
-        action = self._parse_action(request.inputs.get("action"), 0, 1)
         session = self._sessions.get(session_id)
         if session is not None and session.inflight is not None:
             raise RuntimeError(
                 f"WorldPipeline session {session_id!r} has an in-flight stepwise block; tick requests cannot "
                 "interleave with it")
+        prompt, action = self._parse_new_block(session_id, request)
         session = self._session(session_id, request, prompt)
         self._sync_prompt(state, session, prompt)
         self._start_block(state, session, action)
@@ -335,26 +311,15 @@ class WorldPipeline(PipelineBase):
         """One denoise step of the streaming request (session id = request id)."""
         state = self._bound_state()
         session_id = state.session_id
-        num_blocks = check_positive_int("inputs['num_blocks']", request.inputs.get("num_blocks", 1))
+        num_blocks = self._num_blocks(request)
         session = self._sessions.get(session_id)
-        starting = session is None or session.inflight is None
-        action = None
-        if starting:
-            prompt = self._parse_prompt(session_id, request.prompt)
-            block = 0 if session is None else session.blocks_emitted
-            action = self._parse_action(request.inputs.get("action"), block, num_blocks)
+        if session is None or session.inflight is None:
+            prompt, action = self._parse_new_block(session_id, request)
             session = self._session(session_id, request, prompt)
             self._sync_prompt(state, session, prompt)
             self._start_block(state, session, action)
-        assert session is not None
         block_out = self._advance(state, session)
         if block_out is None:
             return StepResult(finished=False)
         session.blocks_emitted += 1
         return StepResult(finished=session.blocks_emitted >= num_blocks, output=block_out)
-
-
-def _array_bytes(x: Any) -> int:
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return int(jax.random.key_data(x).nbytes)
-    return int(x.nbytes)

@@ -1,14 +1,23 @@
-"""A timed multi-session rollout of a reference pipeline (what ``ardiff-jax rollout`` runs).
+"""Timed multi-session generation with a reference pipeline (what ``ardiff-jax rollout`` runs).
 
 Round-robin over ``sessions`` session ids, one block per request, ``blocks`` rounds, on
-the default device. Compilation happens at engine load (the pipelines' warmup providers
-cover every program a rollout uses), so per-block latencies are steady-state numbers;
-the compile time is reported separately (sum of XLA backend compiles while loading).
+the default device, through :class:`~ardiff_jax.ARDiffusionEngine`. Compilation happens at
+engine load (the pipelines' warmup providers cover every program the run uses), so
+per-block latencies are steady-state numbers; the compile time is reported separately
+(sum of XLA backend compiles while loading).
+
+Not to be confused with :mod:`ardiff_jax.rollout`, the device-side ``lax.scan`` over a
+schedule of blocks: this module times host-driven engine requests.
+
+Everything that can be checked without weights is checked first
+(:func:`plan_timed_generation`): the options, the pipeline/preset pairing and the memory
+plan of the preset's KV spec, so an impossible run fails before building the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import statistics
 import time
 from collections.abc import Callable
@@ -17,21 +26,28 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from ardiff_jax.capability import spec_summary
-from ardiff_jax.models._cfg import CFGPipelineConfig, CFGWorldActionPipeline
-from ardiff_jax.models._config import DIT_PRESETS, dit_preset
-from ardiff_jax.models._world import WorldPipeline, WorldPipelineConfig
-from ardiff_jax.runtime._engine import ARDiffusionEngine
-from ardiff_jax.types import DiffusionRequest, EngineConfig
+from ardiff_jax._checks import check_non_negative_int, check_positive_int
+from ardiff_jax.capability import ARDiffusionKVCacheSpec, spec_summary
+from ardiff_jax.models import (
+    DIT_PRESETS,
+    CFGPipelineConfig,
+    CFGWorldActionPipeline,
+    WorldPipeline,
+    WorldPipelineConfig,
+    dit_preset,
+)
+from ardiff_jax.runtime import ARDiffusionEngine, MemoryPlan, free_memory_bytes, plan_memory
+from ardiff_jax.types import DiffusionRequest, EngineConfig, check_kv_dtype
 
-__all__ = ["RolloutOptions", "run_rollout"]
+__all__ = ["TimedGenerationOptions", "plan_timed_generation", "run_timed_generation"]
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_PIPELINES = {"world": (WorldPipeline, WorldPipelineConfig), "cfg": (CFGWorldActionPipeline, CFGPipelineConfig)}
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutOptions:
-    """What to roll out. ``available_memory_bytes=None`` measures the device's free memory."""
+class TimedGenerationOptions:
+    """What to run. ``available_memory_bytes=None`` measures the device's free memory."""
 
     pipeline: str = "world"
     preset: str = "tiny"
@@ -43,15 +59,42 @@ class RolloutOptions:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.pipeline not in ("world", "cfg"):
-            raise ValueError(f"pipeline must be 'world' or 'cfg', got {self.pipeline!r}")
+        """ValueError naming the first bad field (host only, no weights, no device work)."""
+        if self.pipeline not in _PIPELINES:
+            raise ValueError(f"pipeline must be one of {sorted(_PIPELINES)}, got {self.pipeline!r}")
         if self.preset not in DIT_PRESETS:
-            raise KeyError(f"unknown preset {self.preset!r}; choose from {sorted(DIT_PRESETS)}")
-        for name in ("sessions", "blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        EngineConfig(dtype=self.dtype, gpu_memory_fraction=self.gpu_memory_fraction)  # validates the dtype
+            raise ValueError(f"unknown preset {self.preset!r}; choose from {sorted(DIT_PRESETS)}")
+        check_positive_int("sessions", self.sessions)
+        check_positive_int("blocks", self.blocks)
+        check_non_negative_int("seed", self.seed)
+        check_kv_dtype(self.dtype)
+        fraction = self.gpu_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
+        if self.available_memory_bytes is not None:
+            check_positive_int("available_memory_bytes", self.available_memory_bytes)
+
+    def kv_spec(self) -> ARDiffusionKVCacheSpec:
+        """The KV spec the run's pipeline will report, from the preset alone (no weights)."""
+        pipeline_cls, config_cls = _PIPELINES[self.pipeline]
+        return pipeline_cls.kv_spec_for(dit_preset(self.preset), config_cls(session_capacity=self.sessions))
+
+
+def plan_timed_generation(options: TimedGenerationOptions) -> MemoryPlan:
+    """Validate ``options`` and plan KV memory from the preset's spec, before any weight exists.
+
+    Raises ValueError if an option is bad, the pipeline cannot run on the preset, or not
+    even one session fits the memory budget (the engine would refuse it after the model
+    was built, which for the large presets takes minutes and gigabytes).
+    """
+    options.validate()
+    spec = options.kv_spec()
+    if options.available_memory_bytes is None:
+        available, source = free_memory_bytes()
+    else:
+        available, source = options.available_memory_bytes, "explicit"
+    return plan_memory(spec, dtype=options.dtype, available_memory_bytes=available,
+                       gpu_memory_fraction=float(options.gpu_memory_fraction), memory_source=source)
 
 
 def _progress_bar(stream: TextIO, done: int, total: int, latency_ms: float, fps: float) -> None:
@@ -64,7 +107,7 @@ def _progress_bar(stream: TextIO, done: int, total: int, latency_ms: float, fps:
     stream.flush()
 
 
-def _make_requests(options: RolloutOptions, pipeline: Any) -> Callable[[int, int], DiffusionRequest]:
+def _make_requests(options: TimedGenerationOptions, pipeline: Any) -> Callable[[int, int], DiffusionRequest]:
     cfg = pipeline.config
     rng = np.random.default_rng(options.seed)
 
@@ -84,11 +127,12 @@ def _make_requests(options: RolloutOptions, pipeline: Any) -> Callable[[int, int
     return world if options.pipeline == "world" else cfg_request
 
 
-def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progress: TextIO | None = None
-                ) -> dict[str, Any]:
-    """Build the pipeline and engine, roll out, and return the JSON-ready summary."""
-    options.validate()
+def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | None = None,
+                         progress: TextIO | None = None) -> dict[str, Any]:
+    """Check the plan, build the pipeline and engine, generate, and return the JSON-ready summary."""
+    plan_timed_generation(options)  # fails before any weight is built
     config = dit_preset(options.preset)
+    pipeline_cls, config_cls = _PIPELINES[options.pipeline]
     compile_seconds: list[float] = []
 
     def listener(event: str, duration: float, **_: Any) -> None:
@@ -98,10 +142,7 @@ def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progre
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         load_start = time.perf_counter()
-        if options.pipeline == "world":
-            pipeline: Any = WorldPipeline(config, WorldPipelineConfig(session_capacity=options.sessions))
-        else:
-            pipeline = CFGWorldActionPipeline(config, CFGPipelineConfig(session_capacity=options.sessions))
+        pipeline = pipeline_cls(config, config_cls(session_capacity=options.sessions))
         engine = ARDiffusionEngine(pipeline, EngineConfig(
             dtype=options.dtype, available_memory_bytes=options.available_memory_bytes,
             gpu_memory_fraction=options.gpu_memory_fraction))
@@ -114,7 +155,7 @@ def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progre
         frames_per_block = config.frames_per_block
         total = options.sessions * options.blocks
         records = []
-        rollout_start = time.perf_counter()
+        run_start = time.perf_counter()
         for block in range(options.blocks):
             for session in range(options.sessions):
                 request = make_request(session, block)
@@ -122,12 +163,12 @@ def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progre
                 engine.generate(request)  # the runner waits for the device before returning
                 latency = time.perf_counter() - start
                 records.append({"session": session, "block": block, "latency_ms": latency * 1e3})
-                elapsed = time.perf_counter() - rollout_start
+                elapsed = time.perf_counter() - run_start
                 if progress is not None:
                     fps = len(records) * frames_per_block / elapsed
                     _progress_bar(progress, len(records), total, latency * 1e3, fps)
-        rollout_seconds = time.perf_counter() - rollout_start
-        rollout_compile = sum(compile_seconds) - load_compile
+        run_seconds = time.perf_counter() - run_start
+        run_compile = sum(compile_seconds) - load_compile
         plan = engine.memory_plan.as_dict()
         resident = engine.sessions
         engine.close()
@@ -136,6 +177,7 @@ def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progre
 
     latencies = [r["latency_ms"] for r in records]
     steady = [r["latency_ms"] for r in records if r["block"] > 0] or latencies
+    # The key names are the CLI's JSON output ("rollout" in them is the command's name).
     summary = {
         "pipeline": options.pipeline,
         "preset": options.preset,
@@ -147,9 +189,9 @@ def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progre
         "denoise_steps": pipeline.schedule.num_steps,
         "load_seconds": load_seconds,
         "compile_seconds": load_compile,
-        "compile_seconds_during_rollout": rollout_compile,
-        "rollout_seconds": rollout_seconds,
-        "frames_per_second": total * frames_per_block / rollout_seconds,
+        "compile_seconds_during_rollout": run_compile,
+        "rollout_seconds": run_seconds,
+        "frames_per_second": total * frames_per_block / run_seconds,
         "latency_ms": {"median": statistics.median(latencies), "median_after_first_block": statistics.median(steady),
                        "max": max(latencies), "min": min(latencies)},
         "blocks": records,
@@ -158,7 +200,7 @@ def run_rollout(options: RolloutOptions, *, stdout: TextIO | None = None, progre
         "plan": plan,
     }
     if stdout is not None:
-        print(f"{total} blocks ({total * frames_per_block} latent frames) in {rollout_seconds:.3f} s: "
+        print(f"{total} blocks ({total * frames_per_block} latent frames) in {run_seconds:.3f} s: "
               f"{summary['frames_per_second']:.1f} frames/s, median block {summary['latency_ms']['median']:.2f} ms; "
               f"load {load_seconds:.2f} s of which XLA compile {load_compile:.2f} s", file=stdout)
     return summary
