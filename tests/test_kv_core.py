@@ -1,4 +1,4 @@
-"""The pure functional core: cursor arithmetic, pool writes/reads, paged attention (DESIGN.md 2-3).
+"""The pure functional core: cursor arithmetic, pool writes/reads, paged attention.
 
 Tolerances: where the fast path (shared log-sum-exp over the run in physical order) is
 compared with a dense reference (softmax over the ordered concatenation), both run in
@@ -116,13 +116,15 @@ def test_visible_table_and_run_visibility_agree_numpy_and_jit(sink, window, rese
             assert len(set(pages[:count].tolist())) == count  # no page visible twice
             # run_visibility marks exactly the pages of the table, in physical order.
             assert set((np.flatnonzero(vis) + run_base).tolist()) == set(pages[:count].tolist())
-            # Reachable cursors (s = 0 sliding, s = c under reset_at_boundary) match CONTRACTS.md 3.4-3.5.
+            # Reachable cursors (s = 0 sliding, s = c under reset_at_boundary) match the reference
+            # (docs/reference_behaviour.md, "Visible window").
             if visible_start == (committed if reset else 0):
                 assert want == contract_visible(sink, window, reset, committed, f)
 
 
 def test_visible_table_worked_example():
-    # CONTRACTS.md 3.5: sink 1, window 5, 8 committed single frames, 1-frame forward -> sink, frames 4-7.
+    # docs/reference_behaviour.md, "Visible window": sink 1, window 5, 8 committed single frames,
+    # 1-frame forward -> sink, frames 4-7.
     layout = small_layout(1, 5)
     pages, frames = visible_table(layout, make_cursor(0, 8, 0), 1, np)
     assert frames.tolist() == [0, 4, 5, 6, 7, -1]

@@ -1,4 +1,7 @@
-"""Property: every forward reads exactly the frames CONTRACTS.md 3.4-3.5 says it reads.
+"""Property: every forward reads exactly the frames the reference runtime reads.
+
+The reference behaviour is written down in ``docs/reference_behaviour.md`` ("KV state",
+"Visible window").
 
 A plain-Python model keeps, per branch, the K/V arrays of every committed frame and derives
 the visible frames from the reference's own description: eager eviction of table indices
@@ -145,9 +148,10 @@ def test_attend_reads_exactly_the_contract_window(scenario):
 
 
 def test_contract_model_worked_examples():
-    # The model itself against CONTRACTS.md's worked examples (so the property compares with the contract).
-    assert contract_visible(1, 5, False, 8, 1) == [0, 4, 5, 6, 7]  # 3.5 / scenario 54
-    assert contract_visible(0, 3, False, 5, 1) == [3, 4]  # scenario 30: window 3, 3+2 frames -> 3 blocks
+    # The model itself against the worked examples of docs/reference_behaviour.md, "Visible window"
+    # (so the property compares with the reference).
+    assert contract_visible(1, 5, False, 8, 1) == [0, 4, 5, 6, 7]  # the worked example
+    assert contract_visible(0, 3, False, 5, 1) == [3, 4]  # window 3, 3+2 frames -> 3 blocks
     assert contract_visible(2, 3, True, 7, 1) == [0, 1]  # reset_at_boundary keeps the leading sink
     assert contract_visible(0, 2, False, 0, 2) == []
     assert contract_visible(3, 2, False, 2, 2) == [0, 1]  # filling the sink

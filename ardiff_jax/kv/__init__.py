@@ -4,6 +4,41 @@ Everything here is a pure function of pytrees plus a static, hashable :class:`KV
 it runs eagerly, under ``jax.jit``, inside ``lax.scan`` carries and in device-side
 rollouts. Host bookkeeping (which session owns which run, cursors, LRU) lives in
 :mod:`ardiff_jax.runtime`.
+
+Shapes
+------
+Every public function, class and method here that takes or returns arrays lists them in a
+``Shapes:`` section of its docstring, one line per argument (or group of arguments that
+share a shape) and one ``returns:`` line, each ``name: dtype[dims]``::
+
+    Shapes:
+      pages: i32[f]
+      k, v: float[L, f*T, H, D]
+      returns: KVPools; k, v: storage[L, P, T, H, D]
+
+A pytree result (``KVPools``, a tuple, ``VisibleHistory``) names its type; every array in
+it has the one shape given. Optional arguments are listed with the shape they have when
+given. ``tests/test_kv_shapes.py`` reads these sections and checks them against the code.
+
+dtypes:
+  ``i32``, ``f32``, ``bool``: exactly that dtype;
+  ``int``, ``float``: any integer / any floating dtype (``int`` where host numpy code
+  keeps the caller's integer type);
+  ``dtype``: the layout's logical KV dtype (``layout.dtype``);
+  ``storage``: the pools' dtype (``layout.storage_dtype``: the logical dtype, or ``uint16``
+  bit patterns of a 16-bit float on CPU);
+  ``q.dtype``: the dtype of argument ``q``.
+
+dims (sizes from the :class:`KVLayout` or from the call):
+  ``L`` layers, ``P`` real pages per pool (page id ``P`` is the null page), ``T`` tokens
+  per frame (one page), ``H`` KV heads, ``Hq`` query heads (a multiple of ``H``), ``D``
+  head size, ``K`` sink frames, ``W`` window (ring) frames, ``f`` current frames of one
+  forward or commit, ``E`` extra (action/state) tokens, ``S`` query tokens, ``n`` pages in
+  a table, ``N`` keys, ``V`` visible history frames (at most ``K + W``). ``[]`` is a
+  scalar; ``[...]`` is any shape, the same on both sides; ``f*T``, ``(K+W)*T`` are
+  products of those sizes. A scalar such as ``layer: i32[]`` may also be a Python int.
+  The attention functions also accept a leading batch axis of size 1 on ``q``, ``k``,
+  ``v`` and the extras (``[1, S, Hq, D]``); the output then keeps it.
 """
 
 from ardiff_jax.kv._attention import paged_attention, ref_attention, ref_paged_attention
@@ -13,6 +48,7 @@ from ardiff_jax.kv._backends import (
     attention_backends,
     check_attention_backend,
     register_attention_backend,
+    unregister_attention_backend,
 )
 from ardiff_jax.kv._caches import LayerKVCache, PagedKVCaches
 from ardiff_jax.kv._layout import (
@@ -28,6 +64,7 @@ from ardiff_jax.kv._tables import (
     CURSOR_FIELDS,
     VisibleHistory,
     advance_cursor,
+    advance_frames,
     block_pages,
     make_cursor,
     page_of_frame,
@@ -42,6 +79,7 @@ __all__ = [
     "attention_backends",
     "check_attention_backend",
     "register_attention_backend",
+    "unregister_attention_backend",
     "CURSOR_FIELDS",
     "KVLayout",
     "KVPools",
@@ -49,6 +87,7 @@ __all__ = [
     "PagedKVCaches",
     "VisibleHistory",
     "advance_cursor",
+    "advance_frames",
     "allocate_pools",
     "block_pages",
     "commit_block",

@@ -1,9 +1,9 @@
 """Non-causal attention over a paged session history, plus its dense reference.
 
 The key sequence of one forward is ``[sink frames][newest history frames][current block]
-[extra tokens]`` (CONTRACTS.md section 3.5): history comes from the pools, the current
-block and the extra (action/state register) tokens come from the arguments, so a
-non-committing forward writes nothing.
+[extra tokens]`` (``docs/reference_behaviour.md``, "Visible window"): history comes from
+the pools, the current block and the extra (action/state register) tokens come from the
+arguments, so a non-committing forward writes nothing.
 
 Fast path (:func:`paged_attention`): read the session's run of ``sink + window`` pages
 with one contiguous ``dynamic_slice``, mask the pages that hold no visible frame, and
@@ -18,7 +18,9 @@ order, concatenate ``[history][current][extra]`` and run textbook softmax attent
 float32 (:func:`ref_attention`). Tests compare the two.
 
 Query heads ``Hq`` must be a multiple of the KV heads ``H``; query head ``h`` reads KV
-head ``h // (Hq // H)``, as ``jax.nn.dot_product_attention`` groups heads.
+head ``h // (Hq // H)``, as ``jax.nn.dot_product_attention`` groups heads. ``q``, ``k``,
+``v`` and the extras may each carry a leading batch axis of size 1; the output keeps
+``q``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ardiff_jax.kv._layout import KVLayout, KVPools
+from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer
 from ardiff_jax.kv._ops import gather_pages, read_run
 from ardiff_jax.kv._tables import run_visibility, visible_table
 
@@ -47,29 +49,41 @@ def _drop_batch(name: str, x: jax.Array) -> tuple[jax.Array, bool]:
     return x, False
 
 
-def _check_kv(layout: KVLayout, name: str, x: jax.Array) -> None:
-    if x.shape[1:] != (layout.num_kv_heads, layout.head_size):
+def _check_floating(name: str, x: jax.Array) -> None:
+    # An integer query would come back truncated to integers; integer K/V would be cast silently.
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating-point array, got dtype {jnp.dtype(x.dtype).name}")
+
+
+def _check_kv(layout: KVLayout, name: str, x: jax.Array) -> jax.Array:
+    _check_floating(name, x)
+    x3, _ = _drop_batch(name, x)
+    if x3.shape[1:] != (layout.num_kv_heads, layout.head_size):
         raise ValueError(
             f"{name} must have {layout.num_kv_heads} KV heads of size {layout.head_size}, got shape {tuple(x.shape)}"
         )
+    return x3
 
 
-def _prepare(
+def check_attention_inputs(
     layout: KVLayout, q: jax.Array, k: jax.Array, v: jax.Array, extra_k: jax.Array | None,
     extra_v: jax.Array | None,
-) -> tuple[jax.Array, bool, jax.Array, jax.Array, int]:
-    """Validate shapes (at trace time) and merge current + extra K/V; returns current frames."""
-    q3, had_batch = _drop_batch("q", q)
-    k3, _ = _drop_batch("k", k)
-    v3, _ = _drop_batch("v", v)
+) -> int:
+    """Validate the arrays of one attention call (shapes and dtypes only: runs at trace time).
+
+    Returns the number of current frames ``f``. ValueError names the offending argument;
+    RuntimeError when current frames plus extra tokens exceed the scratch pages.
+    """
+    _check_floating("q", q)
+    q3, _ = _drop_batch("q", q)
     if q3.shape[-1] != layout.head_size:
         raise ValueError(f"q head size must be {layout.head_size}, got shape {tuple(q.shape)}")
     if q3.shape[1] % layout.num_kv_heads:
         raise ValueError(
             f"q heads ({q3.shape[1]}) must be a multiple of the KV heads ({layout.num_kv_heads})"
         )
-    _check_kv(layout, "k", k3)
-    _check_kv(layout, "v", v3)
+    k3 = _check_kv(layout, "k", k)
+    v3 = _check_kv(layout, "v", v)
     if k3.shape != v3.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     num_frames = layout.frames_in(k3.shape[0])
@@ -77,15 +91,11 @@ def _prepare(
         raise ValueError("extra_k and extra_v must be given together")
     num_extra = 0
     if extra_k is not None:
-        ek, _ = _drop_batch("extra_k", extra_k)
-        ev, _ = _drop_batch("extra_v", extra_v)
-        _check_kv(layout, "extra_k", ek)
-        _check_kv(layout, "extra_v", ev)
+        ek = _check_kv(layout, "extra_k", extra_k)
+        ev = _check_kv(layout, "extra_v", extra_v)
         if ek.shape != ev.shape:
             raise ValueError(f"extra_k and extra_v shapes differ: {tuple(ek.shape)} vs {tuple(ev.shape)}")
         num_extra = ek.shape[0]
-        k3 = jnp.concatenate([k3.astype(layout.dtype), ek.astype(layout.dtype)], axis=0)
-        v3 = jnp.concatenate([v3.astype(layout.dtype), ev.astype(layout.dtype)], axis=0)
     extra_pages = -(-num_extra // layout.tokens_per_frame)
     if num_frames + extra_pages > layout.scratch_pages:
         raise RuntimeError(
@@ -93,7 +103,23 @@ def _prepare(
             f"({extra_pages} pages) exceed {layout.scratch_pages} scratch pages per branch; declare "
             f"max_scratch_tokens_per_branch in the spec or raise AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
         )
-    return q3, had_batch, k3.astype(layout.dtype), v3.astype(layout.dtype), num_frames
+    return num_frames
+
+
+def _prepare(
+    layout: KVLayout, q: jax.Array, k: jax.Array, v: jax.Array, extra_k: jax.Array | None,
+    extra_v: jax.Array | None,
+) -> tuple[jax.Array, bool, jax.Array, jax.Array, int]:
+    """Validate, drop the batch axes and merge current + extra K/V in the logical dtype."""
+    num_frames = check_attention_inputs(layout, q, k, v, extra_k, extra_v)
+    q3, had_batch = _drop_batch("q", q)
+    keys, values = [_drop_batch("k", k)[0]], [_drop_batch("v", v)[0]]
+    if extra_k is not None:
+        keys.append(_drop_batch("extra_k", extra_k)[0])
+        values.append(_drop_batch("extra_v", extra_v)[0])
+    cur_k, cur_v = (jnp.concatenate([x.astype(layout.dtype) for x in xs], axis=0) if len(xs) > 1
+                    else xs[0].astype(layout.dtype) for xs in (keys, values))
+    return q3, had_batch, cur_k, cur_v, num_frames
 
 
 def _default_scale(layout: KVLayout, scale: Any) -> Any:
@@ -109,15 +135,15 @@ MAX_SCORE_BYTES = 256 * 2**20
 def paged_attention(
     layout: KVLayout,
     pools: KVPools,
-    cursor: jax.Array,  # i32[3]: (run_base, committed, visible_start)
-    layer: jax.Array | int,  # i32[]
-    q: jax.Array,  # [S, Hq, D] or [1, S, Hq, D]
-    k: jax.Array,  # [f*T, H, D] or [1, f*T, H, D]: the current block
-    v: jax.Array,  # [f*T, H, D] or [1, f*T, H, D]
-    extra_k: jax.Array | None = None,  # [E, H, D] or [1, E, H, D]: action/state tokens
+    cursor: jax.Array,  # (run_base, committed, visible_start)
+    layer: jax.Array | int,  # may be traced; a concrete layer is range-checked
+    q: jax.Array,
+    k: jax.Array,  # the current block
+    v: jax.Array,
+    extra_k: jax.Array | None = None,  # action/state tokens: attended to, never cached
     extra_v: jax.Array | None = None,
     *,
-    scale: Any = None,  # float or f32[]; default 1/sqrt(D)
+    scale: Any = None,  # Python float or f32[]; default 1/sqrt(D)
     max_score_bytes: int = MAX_SCORE_BYTES,
 ) -> jax.Array:
     """Non-causal attention of ``q`` over the visible history, the current block and extras.
@@ -125,7 +151,18 @@ def paged_attention(
     Returns an array of ``q``'s shape and dtype. Reads the pools, never writes them. When
     the float32 score matrix would exceed ``max_score_bytes`` (static), queries are processed
     in equal chunks with ``lax.map``; each query row's arithmetic is unchanged.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      cursor: i32[3]
+      layer: i32[]
+      q: float[S, Hq, D]
+      k, v: float[f*T, H, D]
+      extra_k, extra_v: float[E, H, D]
+      scale: f32[]
+      returns: q.dtype[S, Hq, D]
     """
+    layer = checked_layer(layout, layer)
     q3, had_batch, cur_k, cur_v, num_frames = _prepare(layout, q, k, v, extra_k, extra_v)
     seq_q, num_q_heads, head_size = q3.shape
     groups = num_q_heads // layout.num_kv_heads
@@ -133,8 +170,6 @@ def paged_attention(
     scale = _default_scale(layout, scale)
 
     run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
-    # Python ints are normalised by PagedKVCaches; a traced negative index must not clamp to 0.
-    layer = jnp.where(jnp.asarray(layer) < 0, jnp.asarray(layer) + layout.num_layers, layer)
     page_visible = run_visibility(layout, committed, visible_start, num_frames, jnp)
     # Invisible pages read as zeros (so whatever they hold, even NaN, contributes nothing)
     # and their scores are masked below.
@@ -172,14 +207,22 @@ def paged_attention(
 
 
 def ref_attention(
-    q: jax.Array,  # [S, Hq, D]
-    k: jax.Array,  # [N, H, D]
-    v: jax.Array,  # [N, H, D]
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     *,
-    mask: jax.Array | None = None,  # bool[N]: keys to attend to (default all)
-    scale: Any = None,
+    mask: jax.Array | None = None,  # keys to attend to (default all)
+    scale: Any = None,  # Python float or f32[]; default 1/sqrt(D)
 ) -> jax.Array:
-    """Textbook dense non-causal softmax attention in float32; output in ``q.dtype``."""
+    """Textbook dense non-causal softmax attention in float32; output in ``q.dtype``.
+
+    Shapes:
+      q: float[S, Hq, D]
+      k, v: float[N, H, D]
+      mask: bool[N]
+      scale: f32[]
+      returns: q.dtype[S, Hq, D]
+    """
     f32 = jnp.float32
     groups = q.shape[1] // k.shape[1]
     kq = jnp.repeat(k.astype(f32), groups, axis=1)
@@ -197,7 +240,7 @@ def ref_attention(
 def ref_paged_attention(
     layout: KVLayout,
     pools: KVPools,
-    cursor: jax.Array,  # i32[3]
+    cursor: jax.Array,
     layer: jax.Array | int,
     q: jax.Array,
     k: jax.Array,
@@ -207,7 +250,19 @@ def ref_paged_attention(
     *,
     scale: Any = None,
 ) -> jax.Array:
-    """Dense reference of :func:`paged_attention`: ordered gather + concat + float32 softmax."""
+    """Dense reference of :func:`paged_attention`: ordered gather + concat + float32 softmax.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      cursor: i32[3]
+      layer: i32[]
+      q: float[S, Hq, D]
+      k, v: float[f*T, H, D]
+      extra_k, extra_v: float[E, H, D]
+      scale: f32[]
+      returns: q.dtype[S, Hq, D]
+    """
+    layer = checked_layer(layout, layer)
     q3, had_batch, cur_k, cur_v, num_frames = _prepare(layout, q, k, v, extra_k, extra_v)
     pages, frames = visible_table(layout, cursor, num_frames, jnp)
     hist_k, hist_v = gather_pages(layout, pools, layer, pages)

@@ -10,9 +10,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ardiff_jax.kv._attention import ref_paged_attention
-from ardiff_jax.kv._backends import attention_backend
-from ardiff_jax.kv._layout import KVLayout, KVPools
+from ardiff_jax.kv._attention import check_attention_inputs, ref_paged_attention
+from ardiff_jax.kv._backends import attention_backend, check_attention_backend
+from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer
 from ardiff_jax.kv._tables import visible_table
 
 __all__ = ["PagedKVCaches", "LayerKVCache"]
@@ -27,18 +27,23 @@ class PagedKVCaches:
 
     ``len(caches) == num_layers``; ``caches[i]`` is a per-layer view. The pytree carries the
     pool arrays (read-only here: the runtime's donated commit is their only writer), the
-    branch cursor as ``i32[3]`` values and, as static metadata, the layout, the current
-    block length and the attention backend's name. Values change between forwards, sessions and fill levels; the treedef
-    does not, so one compiled model serves all of them.
+    branch cursor and, as static metadata, the layout, the current block length and the
+    attention backend's name. Values change between forwards, sessions and fill levels; the
+    treedef does not, so one compiled model serves all of them. A different backend is a
+    different treedef (one compilation per backend).
 
     Attributes:
       pools: the runtime's KV pools at the time of ``get_kv_caches``.
-      cursor: ``i32[3]`` = (first page of the branch's run, committed frames,
-        first visible non-sink frame).
+      cursor: (first page of the branch's run, committed frames, first visible non-sink frame).
       layout: static pool geometry.
-      seq_len: tokens of the current block this view was prepared for.
+      seq_len: tokens of the current block (``f*T``) this view was prepared for.
       backend: the registered attention backend :meth:`attend` calls (``"xla"`` by default;
-        see :func:`~ardiff_jax.kv.register_attention_backend`).
+        see :func:`~ardiff_jax.kv.register_attention_backend`). ValueError at construction
+        if it is not registered.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      cursor: i32[3]
     """
 
     pools: KVPools
@@ -47,15 +52,17 @@ class PagedKVCaches:
     seq_len: int = dataclasses.field(metadata=dict(static=True))
     backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
+    def __post_init__(self) -> None:
+        check_attention_backend(self.backend)
+
     # -- sequence protocol ------------------------------------------------------------------
     def __len__(self) -> int:
         return self.layout.num_layers
 
     def __getitem__(self, layer: int) -> LayerKVCache:
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"PagedKVCaches indices must be integers, got {layer!r}; use attend(layer, ...) for traced layers")
-        index = self._check_layer(int(layer))
-        return LayerKVCache(caches=self, layer=index)
+        if isinstance(layer, jax.core.Tracer):
+            raise TypeError("PagedKVCaches indices must be concrete integers; use attend(layer, ...) for traced layers")
+        return LayerKVCache(caches=self, layer=int(checked_layer(self.layout, layer)))
 
     def __iter__(self) -> Iterator[LayerKVCache]:
         return (LayerKVCache(caches=self, layer=i) for i in range(len(self)))
@@ -64,44 +71,55 @@ class PagedKVCaches:
     def num_current_frames(self) -> int:
         return self.seq_len // self.layout.tokens_per_frame
 
-    def _check_layer(self, layer: int) -> int:
-        num_layers = self.layout.num_layers
-        if not -num_layers <= layer < num_layers:
-            raise IndexError(f"layer {layer} out of range for {num_layers} layers")
-        return layer % num_layers
-
-    def _check_call(self, layer: Any, k: jax.Array) -> Any:
+    def _check_call(self, layer: Any, q: jax.Array, k: jax.Array, v: jax.Array, extra_k: jax.Array | None,
+                    extra_v: jax.Array | None) -> Any:
+        """Everything a backend may rely on (see ``AttentionBackend``); returns the normalised layer."""
         if self.pools.is_deleted():
             raise RuntimeError(
                 "PagedKVCaches refers to KV pools that were replaced by a later commit_paged_context (or deleted); "
                 "call state.get_kv_caches(...) again for a fresh view"
             )
+        layer = checked_layer(self.layout, layer)
+        check_attention_inputs(self.layout, q, k, v, extra_k, extra_v)
         length = k.shape[-3]
         if length != self.seq_len:
             raise ValueError(
                 f"current k/v have {length} tokens but this context was prepared for seq_len={self.seq_len}"
             )
-        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
-            return np.int32(self._check_layer(int(layer)))
         return layer
 
     # -- attention ----------------------------------------------------------------------------
     def attend(
         self,
-        layer: int | jax.Array,  # i32[]: may be traced (e.g. inside a scan over layers)
-        q: jax.Array,  # [S, Hq, D] or [1, S, Hq, D]
-        k: jax.Array,  # [seq_len, H, D] or [1, seq_len, H, D]: the current block
+        layer: int | jax.Array,  # may be traced (e.g. inside a scan over layers)
+        q: jax.Array,
+        k: jax.Array,  # the current block: seq_len == f*T tokens
         v: jax.Array,
         *,
-        extra_k: jax.Array | None = None,  # [E, H, D] or [1, E, H, D]: action/state tokens
+        extra_k: jax.Array | None = None,  # action/state tokens: attended to, never cached
         extra_v: jax.Array | None = None,
-        scale: Any = None,
+        scale: Any = None,  # Python float or f32[]; default 1/sqrt(D)
     ) -> jax.Array:
-        """Attention of ``q`` over ``[sink][newest history][current k, v][extra]``.
+        """Attention of ``q`` over ``[sink][newest history][current k, v][extra]`` via the backend.
 
-        Returns ``q``'s shape and dtype. Non-causal: every query sees every visible key.
+        Returns ``q``'s shape and dtype. Non-causal: every query sees every visible key. Each
+        array may carry a leading batch axis of size 1. Checked before the backend runs: a
+        concrete ``layer`` (Python, numpy or concrete jax integer) must lie in ``[-L, L)``
+        (IndexError); a traced one (a scan over layers) must be an integer scalar and cannot
+        be range-checked (out of range, it reads a clamped layer); a non-integer layer is a
+        TypeError; non-floating arrays and wrong shapes are a ValueError naming the argument.
+        A concrete jax layer is read back to the host for its check: pass Python ints on hot
+        eager paths.
+
+        Shapes:
+          layer: i32[]
+          q: float[S, Hq, D]
+          k, v: float[f*T, H, D]
+          extra_k, extra_v: float[E, H, D]
+          scale: f32[]
+          returns: q.dtype[S, Hq, D]
         """
-        layer = self._check_call(layer, k)
+        layer = self._check_call(layer, q, k, v, extra_k, extra_v)
         return attention_backend(self.backend)(
             self.layout, self.pools, self.cursor, layer, q, k, v, extra_k, extra_v, scale=scale
         )
@@ -110,8 +128,17 @@ class PagedKVCaches:
         self, layer: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
         extra_k: jax.Array | None = None, extra_v: jax.Array | None = None, scale: Any = None,
     ) -> jax.Array:
-        """Dense float32 reference of :meth:`attend` (ordered gather + concat + softmax)."""
-        layer = self._check_call(layer, k)
+        """Dense float32 reference of :meth:`attend` (ordered gather + concat + softmax), same checks.
+
+        Shapes:
+          layer: i32[]
+          q: float[S, Hq, D]
+          k, v: float[f*T, H, D]
+          extra_k, extra_v: float[E, H, D]
+          scale: f32[]
+          returns: q.dtype[S, Hq, D]
+        """
+        layer = self._check_call(layer, q, k, v, extra_k, extra_v)
         return _ref_paged_attention_jit(
             self.layout, self.pools, self.cursor, layer, q, k, v, extra_k, extra_v, scale=scale
         )
@@ -119,7 +146,11 @@ class PagedKVCaches:
     def visible_frames(self) -> np.ndarray:
         """Absolute indices of the visible history frames, in key order (host numpy).
 
-        Useful for position-dependent models (e.g. relative RoPE at read time).
+        Useful for position-dependent models (e.g. relative RoPE at read time). Reads the
+        concrete cursor, so it cannot run inside ``jax.jit``.
+
+        Shapes:
+          returns: i32[V]
         """
         _, frames = visible_table(self.layout, np.asarray(self.cursor), self.num_current_frames, np)
         return frames[frames >= 0]
@@ -128,7 +159,7 @@ class PagedKVCaches:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["caches"], meta_fields=["layer"])
 @dataclasses.dataclass(frozen=True)
 class LayerKVCache:
-    """One layer of a :class:`PagedKVCaches` (``caches[i]``)."""
+    """One layer of a :class:`PagedKVCaches` (``caches[i]``); ``layer`` is a static Python int."""
 
     caches: PagedKVCaches
     layer: int
@@ -137,11 +168,28 @@ class LayerKVCache:
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, extra_k: jax.Array | None = None,
         extra_v: jax.Array | None = None, scale: Any = None,
     ) -> jax.Array:
-        """See :meth:`PagedKVCaches.attend`."""
+        """See :meth:`PagedKVCaches.attend`.
+
+        Shapes:
+          q: float[S, Hq, D]
+          k, v: float[f*T, H, D]
+          extra_k, extra_v: float[E, H, D]
+          scale: f32[]
+          returns: q.dtype[S, Hq, D]
+        """
         return self.caches.attend(self.layer, q, k, v, extra_k=extra_k, extra_v=extra_v, scale=scale)
 
     def ref_attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, extra_k: jax.Array | None = None,
         extra_v: jax.Array | None = None, scale: Any = None,
     ) -> jax.Array:
+        """See :meth:`PagedKVCaches.ref_attend`.
+
+        Shapes:
+          q: float[S, Hq, D]
+          k, v: float[f*T, H, D]
+          extra_k, extra_v: float[E, H, D]
+          scale: f32[]
+          returns: q.dtype[S, Hq, D]
+        """
         return self.caches.ref_attend(self.layer, q, k, v, extra_k=extra_k, extra_v=extra_v, scale=scale)

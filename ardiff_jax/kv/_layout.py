@@ -10,9 +10,10 @@ are dropped (``mode="drop"``) and gathers of it return zeros (``mode="fill"``). 
 ids are never used because they wrap even under ``mode="drop"``.
 
 Storage dtype is a per-backend layout decision: XLA:CPU widens a bf16/f16 pool to f32
-around every scatter (17-27x the write floor, PERFORMANCE_ANCHORS.md section 8), so on
-CPU 16-bit float pools are stored as ``uint16`` bit patterns and bitcast at the boundary
-(free). Accelerators store the logical dtype directly.
+around every scatter, which makes a block write many times slower than the bytes it moves
+(measured in ``benchmarks/bench_kv.py``), so on CPU 16-bit float pools are stored as
+``uint16`` bit patterns and bitcast at the boundary (free). Accelerators store the logical
+dtype directly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from ardiff_jax._checks import check_flag, check_non_negative_int, check_positive_int, is_integer
 
 __all__ = ["KVLayout", "KVPools", "allocate_pools", "default_storage_dtype", "to_storage", "from_storage"]
 
@@ -42,6 +46,11 @@ def default_storage_dtype(dtype: Any, platform: str) -> str:
 class KVLayout:
     """Static, hashable geometry of the paged pools: the static argument of every kernel.
 
+    Integer fields are stored as Python ``int`` and ``reset_at_boundary`` as ``bool``: numpy
+    scalars (``np.int64(2)``, ``np.bool_(True)``) are converted, so a layout built from numpy
+    values is equal to, hashes like, and shares compiled programs with one built from Python
+    values. ``bool`` is refused where an integer is expected.
+
     Attributes:
       num_layers: ``L``, self-attention layers.
       num_pages: ``P``, real pages in each pool (the null page is ``P``).
@@ -51,7 +60,7 @@ class KVLayout:
       sink_frames: ``K``, protected prefix frames per run.
       window_frames: ``W``, ring frames per run.
       frames_per_block: ``F``, frames a committing forward adds.
-      scratch_pages: ``S``, pages of scratch per branch: the largest
+      scratch_pages: pages of scratch per branch: the largest
         ``current frames + ceil(extra tokens / T)`` one forward may carry.
       reset_at_boundary: after each commit only the sink stays visible.
       max_model_len: the largest committed length of one branch, in tokens.
@@ -78,11 +87,10 @@ class KVLayout:
         object.__setattr__(self, "storage_dtype", _dtype_name(self.storage_dtype))
         for field in ("num_layers", "num_pages", "tokens_per_frame", "num_kv_heads", "head_size", "window_frames",
                       "frames_per_block", "scratch_pages", "max_model_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVLayout {field} must be a positive integer, got {value!r}")
-        if isinstance(self.sink_frames, bool) or not isinstance(self.sink_frames, int) or self.sink_frames < 0:
-            raise ValueError(f"KVLayout sink_frames must be a non-negative integer, got {self.sink_frames!r}")
+            object.__setattr__(self, field, check_positive_int(f"KVLayout {field}", getattr(self, field)))
+        object.__setattr__(self, "sink_frames", check_non_negative_int("KVLayout sink_frames", self.sink_frames))
+        object.__setattr__(self, "reset_at_boundary",
+                           check_flag("KVLayout reset_at_boundary", self.reset_at_boundary))
         if self.num_pages % self.run_pages:
             raise ValueError(
                 f"KVLayout num_pages ({self.num_pages}) must be a multiple of sink_frames + window_frames "
@@ -164,8 +172,11 @@ class KVPools:
     """The two preallocated pools, threaded through jitted functions.
 
     Attributes:
-      k: ``storage[L, P, T, H, D]``
-      v: ``storage[L, P, T, H, D]``
+      k: keys of every layer and page.
+      v: values of every layer and page.
+
+    Shapes:
+      k, v: storage[L, P, T, H, D]
     """
 
     k: jax.Array
@@ -182,12 +193,44 @@ class KVPools:
                 x.delete()
 
 
+def checked_layer(layout: KVLayout, layer: Any) -> Any:
+    """``layer`` checked against ``layout.num_layers`` and normalised into ``[0, L)``.
+
+    A concrete layer (Python or numpy integer, or a concrete jax / numpy integer scalar) is
+    range-checked like a Python sequence index (negative counts from the end; IndexError
+    otherwise) and returned as ``np.int32``. A traced layer (inside a ``lax.scan`` over the
+    layers) cannot be range-checked on the host: it must be an integer scalar, negative
+    values are wrapped once, and an index outside ``[-L, L)`` reads a clamped layer. Booleans
+    and non-integers are a TypeError.
+    """
+    num_layers = layout.num_layers
+    if isinstance(layer, jax.core.Tracer):
+        if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise TypeError(f"layer must be an integer scalar, got a traced {layer.dtype}{list(layer.shape)}")
+        return jnp.where(layer < 0, layer + num_layers, layer).astype(jnp.int32)
+    concrete_array = (isinstance(layer, (jax.Array, np.ndarray)) and layer.shape == ()
+                      and jnp.issubdtype(layer.dtype, jnp.integer))
+    if not (is_integer(layer) or concrete_array):
+        raise TypeError(f"layer must be an integer (Python, numpy or a jax integer scalar), got {layer!r}")
+    value = int(layer)
+    if not -num_layers <= value < num_layers:
+        raise IndexError(f"layer {value} out of range for {num_layers} layers")
+    return np.int32(value % num_layers)
+
+
 def _is_deleted(x: Any) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
 
 
 def allocate_pools(layout: KVLayout, device: jax.Device | None = None) -> KVPools:
-    """Allocate zeroed pools once (``jnp.zeros``: ``jnp.empty`` is uninitialised in jax 0.11)."""
+    """Allocate zeroed pools once.
+
+    ``jnp.zeros``, not ``jnp.empty``: newer jax versions may hand back uninitialised memory,
+    and a pool's contents must not depend on what the device held before.
+
+    Shapes:
+      returns: KVPools; k, v: storage[L, P, T, H, D]
+    """
     device = device if device is not None else jax.devices()[0]
     k = jnp.zeros(layout.pool_shape, layout.storage_dtype, device=device)
     v = jnp.zeros(layout.pool_shape, layout.storage_dtype, device=device)
@@ -195,7 +238,12 @@ def allocate_pools(layout: KVLayout, device: jax.Device | None = None) -> KVPool
 
 
 def to_storage(layout: KVLayout, x: jax.Array) -> jax.Array:
-    """Cast ``x`` to the logical dtype and reinterpret it as the storage dtype."""
+    """Cast ``x`` to the logical dtype and reinterpret it as the storage dtype.
+
+    Shapes:
+      x: float[...]
+      returns: storage[...]
+    """
     x = x.astype(layout.dtype)
     if layout.storage_dtype != layout.dtype:
         x = jax.lax.bitcast_convert_type(x, jnp.dtype(layout.storage_dtype))
@@ -203,7 +251,12 @@ def to_storage(layout: KVLayout, x: jax.Array) -> jax.Array:
 
 
 def from_storage(layout: KVLayout, x: jax.Array) -> jax.Array:
-    """Reinterpret stored pages as the logical dtype (a free bitcast)."""
+    """Reinterpret stored pages as the logical dtype (a free bitcast).
+
+    Shapes:
+      x: storage[...]
+      returns: dtype[...]
+    """
     if layout.storage_dtype != layout.dtype:
         x = jax.lax.bitcast_convert_type(x, jnp.dtype(layout.dtype))
     return x

@@ -7,11 +7,10 @@ not a copy of the pool.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
-from ardiff_jax.kv._layout import KVLayout, KVPools, from_storage, to_storage
+from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer, from_storage, to_storage
 
 __all__ = ["write_block", "commit_block", "gather_pages", "read_run"]
 
@@ -19,17 +18,17 @@ __all__ = ["write_block", "commit_block", "gather_pages", "read_run"]
 def write_block(
     layout: KVLayout,
     pools: KVPools,
-    pages: jax.Array,  # i32[f]: destination page per frame; an id outside [0, P) drops the frame
-    k: jax.Array,  # [L, f*T, H, D]
-    v: jax.Array,  # [L, f*T, H, D]
+    pages: jax.Array,  # destination page per frame; an id outside [0, P) drops the frame
+    k: jax.Array,
+    v: jax.Array,
 ) -> KVPools:
     """Write ``f`` frames of K/V for every layer into ``pages``: one in-place update per frame.
 
     Why not one scatter (``pool.at[:, pages].set``): its update window keeps the layer axis,
-    so XLA:CPU first transposes the block to ``[f, L, 1, T, H, D]`` (a block-sized temporary)
-    and then runs a generic scatter loop, measured 1.4-2.1x the write floor at the medium
-    geometry. A ``dynamic_update_slice`` per frame writes ``L`` contiguous runs straight from
-    the block with no temporary (0.9x the floor, ``benchmarks/bench_kv.py``).
+    so XLA:CPU first transposes the block into a block-sized temporary and then runs a
+    generic scatter loop. A ``dynamic_update_slice`` per frame writes ``L`` contiguous runs
+    straight from the block with no temporary, at about the cost of the bytes it moves
+    (measured in ``benchmarks/bench_kv.py``).
 
     ``dynamic_update_slice`` clamps an out-of-range start where a scatter would drop it, so a
     dropped frame writes the clamped page's *current* contents back: a no-op that XLA fuses
@@ -38,10 +37,15 @@ def write_block(
 
     Inside one jitted program (a device-side rollout), write a block *before* attending to
     the same pools, not after: XLA cannot order an earlier read of a buffer before an
-    in-place update of it and copies the whole pool (measured on XLA:CPU, jax 0.10.2:
-    temporaries = pool bytes for read-then-write, one block for write-then-read). Writing
-    first is exact: :func:`~ardiff_jax.kv.block_pages` are never visible to the forward
-    that commits them (its cursor still holds the old committed count).
+    in-place update of it and copies the whole pool (measured in ``benchmarks/bench_kv.py``).
+    Writing first is exact: :func:`~ardiff_jax.kv.block_pages` are never visible to the
+    forward that commits them (its cursor still holds the old committed count).
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      pages: i32[f]
+      k, v: float[L, f*T, H, D]
+      returns: KVPools; k, v: storage[L, P, T, H, D]
     """
     num_frames = pages.shape[0]
     block_shape = (layout.num_layers, num_frames, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
@@ -68,13 +72,20 @@ commit_block = jax.jit(write_block, static_argnums=0, donate_argnums=1)
 def gather_pages(
     layout: KVLayout,
     pools: KVPools,
-    layer: jax.Array | int,  # i32[]
-    pages: jax.Array,  # i32[n], null page P allowed
+    layer: jax.Array | int,  # may be traced; a concrete layer is range-checked
+    pages: jax.Array,  # page ids in key order; the null page P is allowed
 ) -> tuple[jax.Array, jax.Array]:
-    """Gather ``n`` pages of one layer in table order: ``(k, v)``, each ``dtype[n*T, H, D]``.
+    """Gather ``n`` pages of one layer in table order: ``(k, v)`` in the logical dtype.
 
     Null pages read as zeros (``mode="fill"``), so padded tables are safe to gather.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      layer: i32[]
+      pages: i32[n]
+      returns: (k, v), each dtype[n*T, H, D]
     """
+    layer = checked_layer(layout, layer)
     n = pages.shape[0]
     out_shape = (n * layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
 
@@ -88,18 +99,26 @@ def gather_pages(
 def read_run(
     layout: KVLayout,
     pools: KVPools,
-    layer: jax.Array | int,  # i32[]
-    run_base: jax.Array | int,  # i32[]: first page of the run
-    page_mask: jax.Array | None = None,  # bool[K+W]: pages to keep; the others read as zeros
+    layer: jax.Array | int,  # may be traced; a concrete layer is range-checked
+    run_base: jax.Array | int,  # first page of the run
+    page_mask: jax.Array | None = None,  # pages to keep, in physical order; the others read as zeros
 ) -> tuple[jax.Array, jax.Array]:
-    """Read one run (sink + ring pages) of one layer contiguously: ``dtype[(K+W)*T, H, D]`` each.
+    """Read one run (sink + ring pages) of one layer contiguously: ``(k, v)`` in the logical dtype.
 
     A contiguous ``dynamic_slice`` instead of a gather: the run's pages are adjacent, and
     attention masks the invisible ones (see :func:`~ardiff_jax.kv.run_visibility`).
     ``page_mask`` zeroes whole pages in the *storage* dtype, before the bitcast: a select on
     bf16 is widened to f32 by XLA:CPU (the run materialised at twice its size), a select on
     the uint16 bits fuses into the read.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      layer: i32[]
+      run_base: i32[]
+      page_mask: bool[K+W]
+      returns: (k, v), each dtype[(K+W)*T, H, D]
     """
+    layer = checked_layer(layout, layer)
     sizes = (1, layout.run_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
     out_shape = (layout.run_pages * layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
     start = (layer, run_base, 0, 0, 0)

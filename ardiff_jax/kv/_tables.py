@@ -17,8 +17,8 @@ Frame ``g`` of a run lives at page ``base + g`` if ``g < sink`` else at
 visible history is the sink ``[0, min(committed, sink))`` followed by the newest
 ``window - f`` non-sink frames ``[lo, committed)`` where
 ``lo = max(sink, visible_start, committed - (window - f))``: the current frames use up
-window slots, so at most ``sink + window`` video frames are visible including them
-(CONTRACTS.md section 3.5).
+window slots, so at most ``sink + window`` video frames are visible including them (the
+reference runtime's rule: ``docs/reference_behaviour.md``, "Visible window").
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "run_visibility",
     "block_pages",
     "advance_cursor",
+    "advance_frames",
 ]
 
 #: Layout of the ``i32[3]`` cursor vector passed into jitted code.
@@ -46,12 +47,22 @@ CURSOR_FIELDS = ("run_base", "committed", "visible_start")
 
 
 def make_cursor(run_base: int, committed: int, visible_start: int) -> np.ndarray:
-    """``i32[3]`` cursor (one leaf: cheaper to pass into jit than three scalars)."""
+    """The cursor vector, fields in :data:`CURSOR_FIELDS` order (host numpy).
+
+    One leaf: cheaper to pass into jit than three scalars.
+
+    Shapes:
+      returns: i32[3]
+    """
     return np.array([run_base, committed, visible_start], dtype=np.int32)
 
 
 class VisibleHistory(NamedTuple):
-    """Visible committed frames: ``[0, num_sink)`` then ``[window_start, window_start + num_window)``."""
+    """Visible committed frames: ``[0, num_sink)`` then ``[window_start, window_start + num_window)``.
+
+    Shapes:
+      num_sink, window_start, num_window: int[]
+    """
 
     num_sink: Any
     window_start: Any
@@ -59,7 +70,13 @@ class VisibleHistory(NamedTuple):
 
 
 def page_of_frame(layout: KVLayout, run_base: Any, frame: Any, xp: Any = np) -> Any:
-    """Page id holding absolute frame ``frame`` of the run starting at ``run_base``."""
+    """Page id holding absolute frame ``frame`` of the run starting at ``run_base``.
+
+    Shapes:
+      run_base: int[]
+      frame: int[...]
+      returns: int[...]
+    """
     sink, window = layout.sink_frames, layout.window_frames
     ring = run_base + sink + xp.mod(frame - sink, window)
     return xp.where(frame < sink, run_base + frame, ring)
@@ -67,7 +84,12 @@ def page_of_frame(layout: KVLayout, run_base: Any, frame: Any, xp: Any = np) -> 
 
 def visible_history(layout: KVLayout, committed: Any, visible_start: Any, num_current_frames: int,
                     xp: Any = np) -> VisibleHistory:
-    """The committed frames visible to a forward of ``num_current_frames`` current frames."""
+    """The committed frames visible to a forward of ``num_current_frames`` (``f``) current frames.
+
+    Shapes:
+      committed, visible_start: int[]
+      returns: VisibleHistory; each int[]
+    """
     sink, window = layout.sink_frames, layout.window_frames
     num_sink = xp.minimum(committed, sink)
     window_start = xp.maximum(xp.maximum(visible_start, sink), committed - (window - num_current_frames))
@@ -76,11 +98,15 @@ def visible_history(layout: KVLayout, committed: Any, visible_start: Any, num_cu
 
 
 def visible_table(layout: KVLayout, cursor: Any, num_current_frames: int, xp: Any = np) -> tuple[Any, Any]:
-    """Ordered visible history: ``(pages i32[K+W], frames i32[K+W])``.
+    """Ordered visible history of a forward of ``num_current_frames`` (``f``): ``(pages, frames)``.
 
     Entries are ``[sink frames][newest history frames, oldest to newest]`` then padding;
     padded entries hold the null page ``P`` and frame ``-1``. Appending the current block
     and the extra tokens gives the reference key order ``[sink][history][current][extra]``.
+
+    Shapes:
+      cursor: int[3]
+      returns: (pages, frames), each i32[K+W]
     """
     run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
     hist = visible_history(layout, committed, visible_start, num_current_frames, xp)
@@ -94,10 +120,14 @@ def visible_table(layout: KVLayout, cursor: Any, num_current_frames: int, xp: An
 
 def run_visibility(layout: KVLayout, committed: Any, visible_start: Any, num_current_frames: int,
                    xp: Any = np) -> Any:
-    """``bool[K+W]``: which pages of a run (in physical order) hold a visible frame.
+    """Which pages of a run (in physical order) hold a frame visible to ``f`` current frames.
 
     The fast attention path reads a run contiguously and masks with this; it selects
     exactly the frames of :func:`visible_table`, in ring order instead of time order.
+
+    Shapes:
+      committed, visible_start: int[]
+      returns: bool[K+W]
     """
     sink, window = layout.sink_frames, layout.window_frames
     hist = visible_history(layout, committed, visible_start, num_current_frames, xp)
@@ -112,21 +142,42 @@ def run_visibility(layout: KVLayout, committed: Any, visible_start: Any, num_cur
 
 
 def block_pages(layout: KVLayout, run_base: Any, committed: Any, num_frames: int, xp: Any = np) -> Any:
-    """``i32[num_frames]``: pages a commit of ``num_frames`` frames writes.
+    """Pages a commit of ``num_frames`` (``f``) frames writes, in frame order.
 
     In the sliding mode these are the ring pages of the oldest resident frames, exactly the
     ones the commit evicts; none of them is visible to the committing forward itself.
+
+    Shapes:
+      run_base, committed: int[]
+      returns: i32[f]
     """
     frames = committed + xp.arange(num_frames, dtype=np.int32)
     return page_of_frame(layout, run_base, frames, xp).astype(np.int32)
 
 
 def advance_cursor(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np) -> Any:
-    """The cursor after committing ``num_frames`` frames (``i32[3]``).
+    """The cursor after committing ``num_frames`` frames.
 
     Eviction is eager and metadata-only: the new block overwrote the oldest ring pages, and
     under ``reset_at_boundary`` every non-sink frame stops being visible.
+
+    Shapes:
+      cursor: int[3]
+      returns: i32[3]
     """
-    committed = cursor[1] + num_frames
-    visible_start = committed if layout.reset_at_boundary else cursor[2]
+    committed, visible_start = advance_frames(layout, cursor[1], cursor[2], num_frames)
     return xp.stack([xp.asarray(cursor[0]), xp.asarray(committed), xp.asarray(visible_start)]).astype(np.int32)
+
+
+def advance_frames(layout: KVLayout, committed: Any, visible_start: Any, num_frames: int) -> tuple[Any, Any]:
+    """``(committed, visible_start)`` after committing ``num_frames`` frames: the one advance rule.
+
+    Plain arithmetic, so it serves Python ints on the host (exact, no array round trip) and
+    ``i32[]`` values inside ``jit`` alike; :func:`advance_cursor` is its array form.
+
+    Shapes:
+      committed, visible_start: int[]
+      returns: (committed, visible_start), each int[]
+    """
+    committed = committed + num_frames
+    return committed, (committed if layout.reset_at_boundary else visible_start)
