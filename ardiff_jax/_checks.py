@@ -72,13 +72,22 @@ def check_not_traced(name: str, *values: Any) -> None:
     Runtime entry points (``generate``, ``commit_paged_context``, ...) mutate host state; run
     under ``jax.jit`` they would store a tracer that every later call then trips over. Call
     them outside ``jit`` and jit only the model (pass ``PagedKVCaches`` into it).
+
+    Plain values and arrays are checked with one ``isinstance`` each (this runs on every
+    tick); only containers are flattened.
     """
     import jax  # local: keeps this module importable without initialising a backend
 
+    tracer = jax.core.Tracer
     for value in values:
-        for leaf in jax.tree_util.tree_leaves(value):
-            if isinstance(leaf, jax.core.Tracer):
-                raise TypeError(
-                    f"{name} was called with a traced value (inside jax.jit, vmap or grad); runtime calls update "
-                    "host bookkeeping and must run outside any transformation: jit the model, not the runtime call"
-                )
+        if isinstance(value, tracer):
+            leaves: Any = (value,)
+        elif isinstance(value, (list, tuple, dict)) or hasattr(value, "__dataclass_fields__"):
+            leaves = jax.tree_util.tree_leaves(value)
+        else:
+            continue
+        if any(isinstance(leaf, tracer) for leaf in leaves):
+            raise TypeError(
+                f"{name} was called with a traced value (inside jax.jit, vmap or grad); runtime calls update "
+                "host bookkeeping and must run outside any transformation: jit the model, not the runtime call"
+            )

@@ -16,6 +16,7 @@ context, and a ``max_model_len`` below one block could never commit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -223,12 +224,12 @@ class ARDiffusionKVCacheSpec:
             )
 
     # -- derived properties ---------------------------------------------------------------
-    @property
+    @functools.cached_property  # read on every forward; the spec is frozen, so computing it once is exact
     def num_local_kv_branches(self) -> int:
         """Worker-local storage slots per session: ``max(local_index) + 1``."""
         return max(branch.local_index for branch in self.kv_branches) + 1
 
-    @property
+    @functools.cached_property
     def kv_branch_names(self) -> tuple[str, ...]:
         return tuple(branch.name for branch in self.kv_branches)
 

@@ -44,7 +44,8 @@ __all__ = ["BlockFn", "rollout_blocks", "rollout_sessions"]
 BlockFn = Callable[[PagedKVCaches, Any], tuple[Any, jax.Array, jax.Array]]
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_fn", "num_frames"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("layout", "block_fn", "num_frames", "backend"),
+                   donate_argnames=("pools",))
 def rollout_blocks(
     layout: KVLayout,
     pools: KVPools,
@@ -54,10 +55,13 @@ def rollout_blocks(
     session_index: jax.Array,  # i32[num_steps]: which session each step advances
     *,
     num_frames: int,
+    backend: str = "xla",
 ) -> tuple[KVPools, jax.Array, Any]:
     """Run ``num_steps`` committing blocks, each on the session ``session_index[i]``.
 
     DONATES ``pools``. Returns ``(pools, cursors, ys)``; ``ys`` stacks each step's ``y``.
+    ``backend`` names the attention backend of the views ``block_fn`` receives
+    (:func:`rollout_sessions` passes its cache's).
     Shapes depend only on the layout, ``num_frames`` and the step count, so every fill
     level, ring wrap and session mix runs the same program.
     """
@@ -74,7 +78,7 @@ def rollout_blocks(
         pools = write_block(layout, pools, pending_pages, pending_k, pending_v)
         index, x = inputs
         cursor = cursors[index]
-        caches = PagedKVCaches(pools=pools, cursor=cursor, layout=layout, seq_len=seq_len)
+        caches = PagedKVCaches(pools=pools, cursor=cursor, layout=layout, seq_len=seq_len, backend=backend)
         y, k, v = block_fn(caches, x)
         pages = block_pages(layout, cursor[0], cursor[1], num_frames, jnp)
         cursors = cursors.at[index].set(advance_cursor(layout, cursor, num_frames, jnp))
@@ -133,7 +137,8 @@ def rollout_sessions(
         planned[index] = commit_frames(spec, layout, planned[index], branch, int(num_frames))
     cursors = np.stack([branch_cursor_array(spec, layout, value, branch) for value in before])
     cache.check_pools()
-    pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index, num_frames=num_frames)
+    pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index, num_frames=num_frames,
+                                  backend=cache.attention_backend)
     cache._replace_pools(pools)
     # Bookkeeping after the device call returned: the device advanced the cursors with the same arithmetic.
     for state, value in zip(states, planned):

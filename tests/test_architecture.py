@@ -302,3 +302,31 @@ def test_listeners_run_outside_the_runner_lock():
     engine.generate(DiffusionRequest("r", extra_args={"session_id": "s"}, inputs={"commit": False}))
     engine.close_session("s")
     assert [kind for kind, _, _ in seen] == ["created", "released"]
+
+
+def test_device_rollout_uses_the_caches_attention_backend():
+    from ardiff_jax.kv import paged_attention, register_attention_backend, unregister_attention_backend
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append("traced")
+        return paged_attention(*args, **kwargs)
+
+    register_attention_backend("recording_rollout", recording)
+    try:
+        spec = make_cache().spec
+        cache = ARDiffusionKVCache(spec, dtype=jnp.float32, available_memory_bytes=10**7, gpu_memory_fraction=1.0,
+                                   attention_backend="recording_rollout")
+        state = cache.create_state("a")
+
+        def attending(caches, x):
+            q = x[0]
+            out = caches.attend(0, q, q, q)
+            return out, x, x
+
+        xs = jnp.ones((2, L, 2 * T, H, D), jnp.float32)
+        rollout_sessions(cache, [state], jax.tree_util.Partial(attending), xs, [0, 0], branch="main", num_frames=2)
+        assert calls and state.adapter("main").committed_frames == 4
+    finally:
+        unregister_attention_backend("recording_rollout")

@@ -201,19 +201,9 @@ class ARDiffusionModelRunner:
         self._listeners.append(listener)
 
     # -- locking and events ----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> _RunnerLock:
         """The runner lock; events queued inside are delivered once the outermost holder let go."""
-        with self._lock:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-                events: list[SessionEvent] = []
-                if self._lock_depth == 0:
-                    events, self._queued_events = self._queued_events, []
-        self._deliver(events)
+        return _RunnerLock(self)
 
     def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
         self._queued_events.append(SessionEvent(kind, session_id, reason))
@@ -255,7 +245,7 @@ class ARDiffusionModelRunner:
         """Run one request on its session; returns what ``pipeline.forward`` returned."""
         if not isinstance(request, DiffusionRequest):
             raise TypeError(f"execute_model expects a DiffusionRequest, got {type(request).__name__}")
-        check_not_traced("engine.generate / execute_model", _request_leaves(request))
+        check_not_traced("engine.generate / execute_model", *_request_values(request))
         with self._locked():
             self._check_open()
             self._check_not_reentrant("execute_model")
@@ -306,7 +296,7 @@ class ARDiffusionModelRunner:
                     f"{len(scheduler_output.scheduled)}"
                 )
             for request in scheduler_output.scheduled:
-                check_not_traced("engine.step / execute_stepwise", _request_leaves(request))
+                check_not_traced("engine.step / execute_stepwise", *_request_values(request))
             for request_id in sorted(scheduler_output.finished_req_ids):
                 self._stepwise_started.pop(request_id, None)
                 if request_id in self._table:
@@ -510,9 +500,32 @@ class ARDiffusionModelRunner:
                            free_before - self._kv_cache.num_free_slots)
 
 
-def _request_leaves(request: DiffusionRequest) -> tuple[Any, ...]:
-    # MappingProxyType is not a pytree node: hand jax plain dicts.
-    return dict(request.inputs), dict(request.extra_args), request.prompt
+class _RunnerLock:
+    """``with runner._locked():`` (a class, not a generator: it is entered on every tick)."""
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: ARDiffusionModelRunner) -> None:
+        self._runner = runner
+
+    def __enter__(self) -> None:
+        runner = self._runner
+        runner._lock.acquire()
+        runner._lock_depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        runner = self._runner
+        runner._lock_depth -= 1
+        events: list[SessionEvent] = []
+        if runner._lock_depth == 0:
+            events, runner._queued_events = runner._queued_events, []
+        runner._lock.release()
+        runner._deliver(events)
+
+
+def _request_values(request: DiffusionRequest) -> tuple[Any, ...]:
+    # The requests's mappings are read-only proxies (not pytree nodes): hand over their values.
+    return (*request.inputs.values(), *request.extra_args.values(), request.prompt)
 
 
 def _find_retained(pipeline: Any, state: ARDiffusionKVState) -> str | None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ardiff_jax._checks import check_positive_int
 from ardiff_jax.capability import ARDiffusionKVCacheSpec
-from ardiff_jax.kv import KVLayout, advance_cursor, make_cursor
+from ardiff_jax.kv import KVLayout, advance_frames, make_cursor
 
 __all__ = [
     "BranchCursor",
@@ -172,13 +172,15 @@ def commit_frames(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: Sessi
             f"AR-Diffusion branches {owner!r} and {branch!r} of session {session.session_id!r} share local_index "
             f"{local_index}: only one of them may hold committed KV on one worker (give them distinct local "
             "indices, or run each on its own worker)")
-    advanced = advance_cursor(layout, np.array([0, cursor.committed_frames, cursor.visible_start_frame], np.int64),
-                              num_frames, np)
-    new_cursor = BranchCursor(committed_frames=int(advanced[1]), visible_start_frame=int(advanced[2]))
-    owners = dict(session.run_owners)
-    owners[local_index] = branch
-    return dataclasses.replace(session, cursors={**session.cursors, branch: new_cursor},
-                               run_owners=tuple(sorted(owners.items())))
+    committed, visible_start = advance_frames(layout, cursor.committed_frames, cursor.visible_start_frame,
+                                              num_frames)
+    new_cursor = BranchCursor(committed_frames=committed, visible_start_frame=visible_start)
+    owners = session.run_owners
+    if owner != branch:
+        owners = tuple(sorted({**dict(owners), local_index: branch}.items()))
+    return SessionKV(session_id=session.session_id, slot=session.slot,
+                     cursors={**session.cursors, branch: new_cursor},
+                     cross_attention=session.cross_attention, run_owners=owners)
 
 
 def publish_cross_attention(session: SessionKV, branch: str, cache_name: str, kv: CrossAttentionKV) -> SessionKV:

@@ -19,14 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ardiff_jax._checks import check_int, check_not_traced
-from ardiff_jax.kv import PagedKVCaches, block_pages
+from ardiff_jax._checks import check_int, check_not_traced, is_integer
+from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor
 from ardiff_jax.runtime._legacy import LegacyStateAPI, branch_of, deprecated
 from ardiff_jax.runtime._session import (
     BranchCursor,
     CrossAttentionKV,
     SessionKV,
-    branch_cursor_array,
     clear_cross_attention,
     commit_frames,
     new_session_kv,
@@ -259,7 +258,7 @@ class ARDiffusionKVState(LegacyStateAPI):
             )
 
     def _run_base(self, local_index: int) -> int:
-        return run_base(self._cache.spec, self._cache.layout, self._value.slot, local_index)
+        return run_base(self._cache.spec, self._cache.layout, self._value.slot, local_index)  # one rule, in _session
 
     def has_pending_context(self, kv_branch: str) -> bool:
         """Whether ``kv_branch`` has a forward context from ``get_kv_caches`` not yet committed or discarded."""
@@ -280,8 +279,10 @@ class ARDiffusionKVState(LegacyStateAPI):
         layout = self._cache.layout
         if seq_len is None:
             raise ValueError("AR-Diffusion get_kv_caches requires seq_len (tokens of the current block)")
-        check_not_traced("ARDiffusionKVState.get_kv_caches", seq_len)
-        seq_len = check_int("AR-Diffusion seq_len", seq_len)
+        if not is_integer(seq_len):
+            check_not_traced("ARDiffusionKVState.get_kv_caches", seq_len)
+            raise ValueError(f"AR-Diffusion seq_len must be an integer, got {seq_len!r}")
+        seq_len = int(seq_len)
         if not isinstance(commit_current, (bool, np.bool_)):
             raise ValueError(f"AR-Diffusion commit_current must be a bool, got {commit_current!r}")
         num_frames = layout.frames_in(seq_len)
@@ -298,7 +299,9 @@ class ARDiffusionKVState(LegacyStateAPI):
                 "discard_paged_context(branch) first"
             )
         self._cache.check_pools()
-        cursor = branch_cursor_array(self._cache.spec, layout, self._value, adapter.kv_branch)
+        branch_cursor = adapter.cursor
+        cursor = make_cursor(self._run_base(adapter.local_index), branch_cursor.committed_frames,
+                             branch_cursor.visible_start_frame)
         caches = PagedKVCaches(pools=self._cache.pools, cursor=cursor, layout=layout, seq_len=seq_len,
                                backend=self._cache.attention_backend)
         self._pending[kv_branch] = _PendingContext(seq_len, num_frames, bool(commit_current))
