@@ -279,3 +279,38 @@ def test_numpy_integers_are_integers():
 def test_spec_refuses_none_and_impossible_values_clearly(overrides, match):
     with pytest.raises(ValueError, match=match):
         small_spec(**overrides)
+
+
+# -- reference gaps ------------------------------------------------------------------------------------
+
+
+def _scratch_state():
+    # scratch pages = frames_per_block 2 + ceil(3 declared extra tokens / 2 tokens per frame) = 4
+    spec = small_spec(tokens_per_frame=2, frames_per_block=2, window_frames=6, max_scratch_tokens_per_branch=3,
+                      num_kv_heads=1, head_size=4)
+    cache = ARDiffusionKVCache(spec, **F32)
+    assert cache.layout.scratch_pages == 4
+    return cache, cache.create_state("s")
+
+
+def test_committing_forwards_charge_scratch_only_for_their_extra_tokens():
+    cache, state = _scratch_state()
+    rng = np.random.default_rng(0)
+    frames = 4  # 4 frames + 2 pages of extra tokens = 6 > 4 scratch pages: refused before, accepted now
+    kv = jnp.asarray(rng.normal(size=(2, frames * 2, 1, 4)), jnp.float32)
+    extra = jnp.asarray(rng.normal(size=(3, 1, 4)), jnp.float32)
+    caches = state.get_kv_caches("main", seq_len=frames * 2, commit_current=True)
+    out = caches.attend(0, kv[0], kv[0], kv[0], extra_k=extra, extra_v=extra)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(caches.ref_attend(0, kv[0], kv[0], kv[0], extra_k=extra,
+                                                                             extra_v=extra)), rtol=1e-5, atol=1e-6)
+    state.commit_paged_context("main", kv=(kv, kv))
+    assert state.adapter("main").committed_frames == frames
+
+
+def test_non_committing_forwards_charge_frames_and_extra_tokens():
+    cache, state = _scratch_state()
+    before = state.snapshot()
+    with pytest.raises(RuntimeError, match="non-committing forward of 3 frames"):
+        state.get_kv_caches("main", seq_len=6, commit_current=False)  # 3 + 2 > 4
+    assert state.snapshot() == before and not state.has_pending_context("main")
+    state.get_kv_caches("main", seq_len=4, commit_current=False)  # 2 + 2 = 4 fits

@@ -375,6 +375,7 @@ def test_attend_rejects_wrong_current_length_and_layer():
 @pytest.mark.parametrize("fn", ["attend", "ref_attend"])
 def test_too_many_extra_tokens_exhaust_scratch(fn):
     # scratch pages = frames_per_block 2 + ceil(3 extra tokens / 2 tokens per frame) = 4.
+    # (The current frames' share of scratch is checked on the host by get_kv_caches: tests/test_hardening.py.)
     cache = make_cache(tokens_per_frame=2, frames_per_block=2, max_scratch_tokens_per_branch=3)
     assert cache.layout.scratch_pages == 4
     state = cache.create_state("s")
@@ -383,8 +384,9 @@ def test_too_many_extra_tokens_exhaust_scratch(fn):
     q, k = randn(rng, 2, 2, 4), randn(rng, 4, 2, 4)
     ok = getattr(caches, fn)(0, q, k, k, extra_k=randn(rng, 4, 2, 4), extra_v=randn(rng, 4, 2, 4))  # 2 + 2 pages
     assert ok.shape == q.shape
+    # Extra tokens use scratch from offset 0 of a committing forward: 9 tokens = 5 pages never fit 4.
     with pytest.raises(RuntimeError, match="scratch blocks exhausted"):
-        getattr(caches, fn)(0, q, k, k, extra_k=randn(rng, 5, 2, 4), extra_v=randn(rng, 5, 2, 4))
+        getattr(caches, fn)(0, q, k, k, extra_k=randn(rng, 9, 2, 4), extra_v=randn(rng, 9, 2, 4))
     assert not cache.pools.is_deleted()
 
 

@@ -72,7 +72,7 @@ def check_attention_inputs(
     """Validate the arrays of one attention call (shapes and dtypes only: runs at trace time).
 
     Returns the number of current frames ``f``. ValueError names the offending argument;
-    RuntimeError when current frames plus extra tokens exceed the scratch pages.
+    RuntimeError when the extra tokens alone exceed the scratch pages.
     """
     _check_floating("q", q)
     q3, _ = _drop_batch("q", q)
@@ -96,12 +96,17 @@ def check_attention_inputs(
         if ek.shape != ev.shape:
             raise ValueError(f"extra_k and extra_v shapes differ: {tuple(ek.shape)} vs {tuple(ev.shape)}")
         num_extra = ek.shape[0]
+    # Scratch accounting (docs/reference_behaviour.md, "Scratch"): extra tokens always use scratch
+    # from offset 0 of a committing forward, so they must fit it by themselves. Whether the
+    # current frames use scratch too depends on commit_current, which one compiled program
+    # serving both kinds of forward cannot know: the runtime checks that part on the host
+    # (ARDiffusionKVState.get_kv_caches).
     extra_pages = -(-num_extra // layout.tokens_per_frame)
-    if num_frames + extra_pages > layout.scratch_pages:
+    if extra_pages > layout.scratch_pages:
         raise RuntimeError(
-            f"AR-Diffusion scratch blocks exhausted: {num_frames} current frames + {num_extra} extra tokens "
-            f"({extra_pages} pages) exceed {layout.scratch_pages} scratch pages per branch; declare "
-            f"max_scratch_tokens_per_branch in the spec or raise AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
+            f"AR-Diffusion scratch blocks exhausted: {num_extra} extra tokens ({extra_pages} pages) exceed "
+            f"{layout.scratch_pages} scratch pages per branch; declare max_scratch_tokens_per_branch in the spec "
+            "or raise AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
         )
     return num_frames
 

@@ -130,6 +130,8 @@ class ARDiffusionKVState(LegacyStateAPI):
         # runner may release it.
         self._runner_managed = False
         self._bound = False
+        # Scratch pages a forward's action/state tokens may need (the spec's declared maximum).
+        self._extra_pages = -(-cache.spec.max_scratch_tokens_per_branch // cache.spec.tokens_per_frame)
 
     def _fresh_adapters(self) -> dict[str, ARDiffusionRequestAdapter]:
         spec = self._cache.spec
@@ -286,11 +288,13 @@ class ARDiffusionKVState(LegacyStateAPI):
         if not isinstance(commit_current, (bool, np.bool_)):
             raise ValueError(f"AR-Diffusion commit_current must be a bool, got {commit_current!r}")
         num_frames = layout.frames_in(seq_len)
-        if num_frames > layout.scratch_pages:
+        # A committing forward's frames go to the managed pages it commits into; a denoise probe's
+        # frames and the declared extra tokens both use scratch (docs/reference_behaviour.md, "Scratch").
+        if not commit_current and num_frames + self._extra_pages > layout.scratch_pages:
             raise RuntimeError(
-                f"AR-Diffusion scratch blocks exhausted: {num_frames} frames exceed {layout.scratch_pages} scratch "
-                f"pages per branch; raise AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
-            )
+                f"AR-Diffusion scratch blocks exhausted: a non-committing forward of {num_frames} frames plus "
+                f"{self._extra_pages} pages of declared extra tokens exceeds {layout.scratch_pages} scratch pages per "
+                "branch; raise AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH")
         pending = self._pending.get(kv_branch)
         if pending is not None and pending.commit_current:
             raise RuntimeError(
