@@ -184,7 +184,7 @@ class KVPools:
 
     def is_deleted(self) -> bool:
         """True when either pool buffer was donated or deleted (concrete arrays only)."""
-        return any(_is_deleted(x) for x in (self.k, self.v))
+        return _is_deleted(self.k) or _is_deleted(self.v)  # no generator: checked on every engine tick
 
     def delete(self) -> None:
         """Free both device buffers now (notebooks: release memory without a restart)."""

@@ -510,9 +510,11 @@ class ARDiffusionKVState(LegacyStateAPI):
             return
         self._closed = True
         self._pending = {}
-        slot = self._value.slot
-        self._value = dataclasses.replace(self._value, cross_attention={})
-        self._cache._release_slot(self, slot)
+        value = self._value
+        if value.cross_attention:  # drop the arrays now: a closed handle must not keep device memory alive
+            self._value = SessionKV(session_id=value.session_id, slot=value.slot, cursors=value.cursors,
+                                    cross_attention={}, run_owners=value.run_owners)
+        self._cache._release_slot(self, value.slot)
 
     # -- introspection -----------------------------------------------------------------------
     def describe(self) -> Mapping[str, Any]:
