@@ -440,7 +440,7 @@ class ARDiffusionModelRunner:
 
     def _synchronize(self, output: Any) -> None:
         """Wait for the pool writes and the output, so device errors surface inside the fail-closed scope."""
-        jax.block_until_ready(self._kv_cache.pools)  # their liveness was checked at unbind
+        self._kv_cache.block_until_ready()
         for leaf in jax.tree_util.tree_leaves(output):
             if isinstance(leaf, jax.Array):
                 leaf.block_until_ready()
