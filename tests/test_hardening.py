@@ -213,6 +213,32 @@ def test_pipelines_cannot_release_runner_managed_states():
     assert engine.runner.pipeline.log.count(("close_hook", "s")) == 1
 
 
+class HoardingPipeline(RecordingPipeline):
+    """Keeps every bound state in a list (a container the runner's attribute check does not see)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hoard = []
+
+    def forward(self, request):
+        self.hoard.append(self.current_state)
+        return super().forward(request)
+
+
+def test_a_state_kept_in_a_container_cannot_close_a_live_session():
+    engine = make_engine(HoardingPipeline())
+    engine.generate(request("s"))
+    kept = engine.runner.pipeline.hoard[0]
+    before = fingerprint(engine)
+    with pytest.raises(RuntimeError, match="managed by the runner"):
+        kept.close()
+    with pytest.raises(RuntimeError, match="outside its runner invocation"):
+        kept.get_kv_caches("main", seq_len=3)
+    assert fingerprint(engine) == before and engine.sessions == ("s",)
+    engine.generate(request("s"))  # the session is alive and keeps its history
+    assert engine.runner.session_table.get("s").describe()["branches"]["main"]["committed_frames"] == 6
+
+
 def test_reentering_the_engine_from_forward_is_refused():
     pipeline = ClosingPipeline(spec=small_spec(session_capacity=1))
     engine = make_engine(pipeline)
