@@ -36,6 +36,7 @@ from ardiff_jax.kv import (
     block_pages,
     write_block,
 )
+from ardiff_jax._checks import check_not_traced
 from ardiff_jax.runtime import ARDiffusionKVCache, ARDiffusionKVState, branch_cursor_array, commit_frames
 
 __all__ = ["BlockFn", "rollout_blocks", "rollout_sessions"]
@@ -114,6 +115,7 @@ def rollout_sessions(
     the stacked ``ys``.
     """
     layout, spec = cache.layout, cache.spec
+    check_not_traced("rollout_sessions", xs, session_index)
     session_index = np.asarray(session_index)
     if session_index.ndim != 1 or session_index.size == 0 or not np.issubdtype(session_index.dtype, np.integer):
         raise ValueError(f"session_index must be a non-empty 1-d sequence of integers, got {session_index!r}")
@@ -139,6 +141,8 @@ def rollout_sessions(
     cache.check_pools()
     pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index, num_frames=num_frames,
                                   backend=cache.attention_backend)
+    # Under an enclosing jax transformation nothing ran (and nothing was donated): refuse before publishing.
+    check_not_traced("rollout_sessions (inside jax.jit or another transformation)", pools.k)
     cache._replace_pools(pools)
     # Bookkeeping after the device call returned: the device advanced the cursors with the same arithmetic.
     for state, value in zip(states, planned):

@@ -158,9 +158,9 @@ def test_device_rollout_advances_cursors_exactly_as_the_commit_rule(reset_at_bou
     order = np.array([0, 1, 1, 0, 1, 0, 0], np.int32)
     cursors = np.stack([branch_cursor_array(spec, layout, value, "main") for value in values])
     xs = jnp.ones((len(order), L, 2 * T, H, D), jnp.float32)
-    _, device_cursors, _ = rollout_blocks(layout, cache.pools, cursors, jax.tree_util.Partial(block_fn), xs, order,
-                                          num_frames=2)
-    cache._replace_pools(_)  # the pools were donated; keep the cache consistent for its finaliser
+    pools, device_cursors, _ = rollout_blocks(layout, cache.pools, cursors, jax.tree_util.Partial(block_fn), xs,
+                                              order, num_frames=2)
+    cache._replace_pools(pools)  # the old pools were donated; hand the cache the new ones
     for index in order:
         values[index] = commit_frames(spec, layout, values[index], "main", 2)
     expected = np.stack([branch_cursor_array(spec, layout, value, "main") for value in values])

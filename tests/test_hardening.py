@@ -340,3 +340,177 @@ def test_non_committing_forwards_charge_frames_and_extra_tokens():
         state.get_kv_caches("main", seq_len=6, commit_current=False)  # 3 + 2 > 4
     assert state.snapshot() == before and not state.has_pending_context("main")
     state.get_kv_caches("main", seq_len=4, commit_current=False)  # 2 + 2 = 4 fits
+
+
+# -- found by review: each case failed before its fix ---------------------------------------------------
+
+
+def test_device_rollout_under_jit_is_refused_and_the_cache_keeps_working():
+    from ardiff_jax.rollout import rollout_sessions
+
+    cache = ARDiffusionKVCache(small_spec(), **F32)
+    state = cache.create_state("s")
+    spec = cache.spec
+    kv = block_values(spec, spec.frames_per_block, seed=0)
+
+    def block_fn(caches, x):
+        return x, kv, kv
+
+    for traced_xs in (True, False):
+        @jax.jit
+        def inside(x):
+            xs = x if traced_xs else jnp.ones((2, 3))
+            return rollout_sessions(cache, [state], jax.tree_util.Partial(block_fn), xs, [0, 0], branch="main",
+                                    num_frames=spec.frames_per_block)
+
+        with pytest.raises(TypeError, match="traced value"):
+            inside(jnp.ones((2, 3)))
+    assert state.adapter("main").committed_frames == 0 and not isinstance(cache.pools.k, jax.core.Tracer)
+    state.get_kv_caches("main", seq_len=spec.frames_per_block * spec.tokens_per_frame, commit_current=True)
+    state.commit_paged_context("main", kv=(kv, kv))  # the cache still works
+
+
+def test_restore_refuses_inconsistent_values_and_accepts_reordered_ones():
+    import dataclasses as dc
+
+    from ardiff_jax import ARDiffusionKVBranchSpec
+    from ardiff_jax.runtime import BranchCursor
+
+    shared = small_spec(kv_branches=(ARDiffusionKVBranchSpec("positive", 0), ARDiffusionKVBranchSpec("negative", 0)),
+                        max_model_len=30)
+    cache = ARDiffusionKVCache(shared, **F32)
+    state = cache.create_state("s")
+    kv = block_values(shared, shared.frames_per_block, seed=1)
+    state.get_kv_caches("positive", seq_len=3, commit_current=True)
+    state.commit_paged_context("positive", kv=(kv, kv))
+    snap = state.snapshot()
+    bad = {
+        "owner dropped": dc.replace(snap, run_owners=()),
+        "owner unknown": dc.replace(snap, run_owners=((0, "nope"),)),
+        "owner at another index": dc.replace(snap, run_owners=((1, "positive"),)),
+        "visible start in sliding mode": dc.replace(snap, cursors={**snap.cursors,
+                                                                   "positive": BranchCursor(3, 1)}),
+        "beyond max_model_len": dc.replace(snap, cursors={**snap.cursors, "positive": BranchCursor(31, 0)}),
+        "negative frames": dc.replace(snap, cursors={**snap.cursors, "positive": BranchCursor(-3, 0)}),
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError):
+            state.restore(value)
+        assert state.snapshot() == snap, name
+    reordered = jax.tree_util.tree_map(lambda x: x, snap)  # jax sorts the dict keys
+    assert list(reordered.cursors) != list(snap.cursors)
+    state.restore(reordered)
+    assert list(state.snapshot().cursors) == ["positive", "negative"] and state.snapshot() == snap
+
+
+def test_snapshots_cannot_change_the_session():
+    cache = ARDiffusionKVCache(small_spec(), **F32)
+    state = cache.create_state("s")
+    snap = state.snapshot()
+    with pytest.raises(TypeError):
+        snap.cursors["main"] = snap.cursors["main"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        snap.cross_attention[("text", "main")] = None  # type: ignore[index]
+
+
+def test_reset_cannot_reopen_a_state_of_a_closed_cache():
+    cache = ARDiffusionKVCache(small_spec(), **F32)
+    state = cache.create_state("s")
+    state.close()
+    cache.close()
+    with pytest.raises(RuntimeError, match="ARDiffusionKVCache is closed"):
+        state.reset()
+    assert state.closed and cache.memory_report()["open_sessions"] == 0
+
+
+def test_listeners_see_events_in_order_even_when_a_listener_calls_the_engine():
+    engine = make_engine()
+    seen_by_second = []
+
+    def first(event):
+        if (event.kind, event.session_id) == ("created", "s1"):
+            engine.close_session("s1")  # nested call: its event is queued behind this one
+
+    engine.runner.add_session_listener(first)
+    engine.runner.add_session_listener(lambda event: seen_by_second.append((event.kind, event.session_id)))
+    engine.generate(request("s1"))
+    assert seen_by_second == [("created", "s1"), ("released", "s1")]
+
+
+def test_the_kv_cache_of_an_engine_is_closed_through_the_engine():
+    engine = make_engine()
+    engine.generate(request("a"))
+    with pytest.raises(RuntimeError, match="close the engine"):
+        engine.runner.kv_cache.close()
+    assert engine.sessions == ("a",)
+    engine.generate(request("a"))  # untouched
+    engine.close()
+    assert engine.runner.kv_cache.closed
+
+
+def test_a_runner_whose_warmup_is_interrupted_frees_its_pipeline():
+    from runner_pipelines import WarmupPipeline
+
+    class Interrupted(WarmupPipeline):
+        def ar_diffusion_warmup_requests(self, session_id):
+            raise KeyboardInterrupt
+
+    pipeline = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        make_engine(pipeline)
+    pipeline.ar_diffusion_warmup_requests = lambda session_id: iter(())  # type: ignore[method-assign]
+    make_engine(pipeline).generate(request("s"))  # the interrupted runner no longer holds the pipeline
+
+
+class ReenteringHooks(RecordingPipeline):
+    engine = None
+
+    def close_ar_diffusion_session(self, session_id):
+        super().close_ar_diffusion_session(session_id)
+        if self.engine is not None and session_id == "a":
+            self.engine.generate(request("z"))
+
+
+def test_pipeline_hooks_cannot_call_back_into_the_engine():
+    pipeline = ReenteringHooks()
+    engine = make_engine(pipeline)
+    pipeline.engine = engine
+    engine.generate(request("a"))
+    with pytest.raises(RuntimeError, match="inside the close hook of session 'a'"):
+        engine.close_session("a")
+    assert engine.sessions == ()  # the KV went first, and "z" was never created
+    engine.generate(request("a"))
+    engine.close()  # the nested call fails inside close() too; its error is logged, nothing is left resident
+    assert engine.sessions == () and ("close_hook", "z") not in pipeline.log
+
+
+def test_a_refused_stepwise_tick_releases_nothing():
+    from runner_pipelines import StepPipeline
+
+    class Validating(StepPipeline):
+        def validate_ar_diffusion_request(self, session_id, request):
+            if request.inputs.get("bad"):
+                raise ValueError("bad request")
+
+    engine = make_engine(Validating(), step_execution=True)
+    engine.step(StepSchedulerOutput(scheduled=(DiffusionRequest("old", inputs={"results": ("none", "none")}),)))
+    log = list(engine.runner.pipeline.log)
+    with pytest.raises(ValueError, match="bad request"):
+        engine.step(StepSchedulerOutput(scheduled=(DiffusionRequest("new", inputs={"bad": True}),),
+                                        finished_req_ids={"old"}))
+    assert engine.sessions == ("old",) and engine.runner.pipeline.log == log
+
+
+def test_legacy_staged_layers_do_not_survive_reset():
+    import warnings
+
+    cache = ARDiffusionKVCache(small_spec(), **F32)
+    state = cache.create_state("s")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for layer in range(2):
+            state.write_cross_attention_kv("text", layer, "main", jnp.ones((8, 1, 4)), jnp.ones((8, 1, 4)))
+        state.reset()
+        with pytest.raises(ValueError, match="never written"):
+            state.mark_cross_attention_populated("main", "text")
+    assert not state.is_cross_attention_populated("main", "text")

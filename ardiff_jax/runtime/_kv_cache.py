@@ -203,6 +203,7 @@ class ARDiffusionKVCache:
 
     def _reopen(self, state: ARDiffusionKVState) -> int:
         """Give a closed state a slot again (``state.reset`` reopens a closed state)."""
+        self._check_open()
         slot = self._take_slot(state.session_id)
         self._states[state.session_id] = state
         return slot
@@ -223,6 +224,8 @@ class ARDiffusionKVCache:
     def check_pools(self) -> None:
         """RuntimeError if the cache is closed or the pools were donated or deleted behind the manager's back."""
         self._check_open()
+        if isinstance(self._pools.k, jax.core.Tracer):  # pragma: no cover - rollout_sessions refuses this first
+            raise RuntimeError("AR-Diffusion KV pools were replaced by traced values (a runtime call under jax.jit)")
         if self._pools.is_deleted():
             raise RuntimeError(
                 "AR-Diffusion KV pools were deleted or donated outside the KV manager (a model must not donate "
@@ -236,6 +239,8 @@ class ARDiffusionKVCache:
 
     def _replace_pools(self, pools: KVPools) -> None:
         """Take back the pools a donated device program returned (device-side rollouts)."""
+        if isinstance(pools.k, jax.core.Tracer) or isinstance(pools.v, jax.core.Tracer):
+            raise TypeError("AR-Diffusion pools must be concrete arrays; a runtime call ran under a jax transformation")
         self._pools = pools
 
     def block_until_ready(self) -> None:
@@ -257,6 +262,11 @@ class ARDiffusionKVCache:
         """Close every session and free the pools now (notebooks: release device memory). Idempotent."""
         if self._closed:
             return
+        managed = [sid for sid, state in self._states.items() if state._runner_managed]
+        if managed:
+            raise RuntimeError(
+                f"ARDiffusionKVCache sessions {managed} belong to a runner; close the engine (engine.close()), which "
+                "releases them with their hooks and then closes this cache")
         for state in list(self._states.values()):
             state._release()
         self._pools.delete()

@@ -135,7 +135,11 @@ class ARDiffusionModelRunner:
         self._lock = threading.RLock()
         self._lock_depth = 0
         self._queued_events: list[SessionEvent] = []
-        self._executing: str | None = None  # the session whose forward/step is running
+        # Events leave the lock in lock order and are delivered by one thread at a time.
+        self._delivery: collections.deque[SessionEvent] = collections.deque()
+        self._delivery_lock = threading.Lock()
+        self._delivering = False
+        self._executing: str | None = None  # what pipeline code is running ("the forward of session 's'", ...)
         self._listeners: list[Callable[[SessionEvent], None]] = []
         self._perf_e2e_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._stepwise_started: dict[str, float] = {}
@@ -148,7 +152,11 @@ class ARDiffusionModelRunner:
         self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
         logger.info("%s", self._kv_cache.plan)
         _BOUND_PIPELINES[id(pipeline)] = self
-        self._warmup()
+        try:
+            self._warmup()
+        except BaseException:  # e.g. KeyboardInterrupt while compiling: free the pools and the pipeline
+            self.close()
+            raise
 
     # -- read-only views ---------------------------------------------------------------------
     @property
@@ -193,8 +201,9 @@ class ARDiffusionModelRunner:
     def add_session_listener(self, listener: Callable[[SessionEvent], None]) -> None:
         """Call ``listener(SessionEvent)`` on every session creation and release.
 
-        Listeners run after the runner released its lock, in event order; one that raises is
-        logged and does not affect the runtime or the other listeners.
+        Listeners run after the runner released its lock, one event at a time and in the order
+        the runner produced the events (whichever thread happens to deliver them); one that
+        raises is logged and does not affect the runtime or the other listeners.
         """
         if not callable(listener):
             raise TypeError(f"session listeners must be callable, got {type(listener).__name__}")
@@ -208,20 +217,48 @@ class ARDiffusionModelRunner:
     def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
         self._queued_events.append(SessionEvent(kind, session_id, reason))
 
-    def _deliver(self, events: list[SessionEvent]) -> None:
-        for event in events:
-            for listener in list(self._listeners):
-                try:
-                    listener(event)
-                except Exception:  # a metrics hook must never break the runtime
-                    logger.exception("AR-Diffusion session listener failed on %s", event)
+    def _deliver_queued(self) -> None:
+        """Deliver queued events in order; only one thread (and frame) delivers at a time.
+
+        A listener that calls the engine, or another thread finishing a call meanwhile, only
+        appends to the queue: the active deliverer drains it, so every listener sees every
+        event exactly once and in the order the runner produced them.
+        """
+        with self._delivery_lock:
+            if self._delivering:
+                return
+            self._delivering = True
+        try:
+            while True:
+                with self._delivery_lock:
+                    if not self._delivery:
+                        self._delivering = False
+                        return
+                    event = self._delivery.popleft()
+                for listener in list(self._listeners):
+                    try:
+                        listener(event)
+                    except Exception:  # a metrics hook must never break the runtime
+                        logger.exception("AR-Diffusion session listener failed on %s", event)
+        except BaseException:
+            with self._delivery_lock:
+                self._delivering = False
+            raise
 
     def _check_not_reentrant(self, entry_point: str) -> None:
         if self._executing is not None:
             raise RuntimeError(
-                f"{entry_point} was called from inside the forward of session {self._executing!r}; the runner runs "
-                "one request at a time and a nested call could release the session that is running. Return from "
-                "forward first")
+                f"{entry_point} was called from inside {self._executing}; the runner runs one request at a time and "
+                "a nested call could release the session that is running. Return from the pipeline call first")
+
+    @contextlib.contextmanager
+    def _running_pipeline_code(self, what: str) -> Iterator[None]:
+        """Mark pipeline code as running so that calls back into the runner are refused."""
+        previous, self._executing = self._executing, what
+        try:
+            yield
+        finally:
+            self._executing = previous
 
     # -- request / tick mode -------------------------------------------------------------------
     @staticmethod
@@ -297,6 +334,7 @@ class ARDiffusionModelRunner:
                 )
             for request in scheduler_output.scheduled:
                 check_not_traced("engine.step / execute_stepwise", *_request_values(request))
+                self._validate_request(request.request_id, request)  # a refused tick changes nothing
             for request_id in sorted(scheduler_output.finished_req_ids):
                 self._stepwise_started.pop(request_id, None)
                 if request_id in self._table:
@@ -305,9 +343,9 @@ class ARDiffusionModelRunner:
                 return None
             request = scheduler_output.scheduled[0]
             session_id = request.request_id
-            self._validate_request(session_id, request)
-            self._stepwise_started.setdefault(session_id, time.perf_counter())
+            started = time.perf_counter()
             state = self._get_or_create_session(session_id)
+            self._stepwise_started.setdefault(session_id, started)
             try:
                 with self._bound(session_id, state, stepwise=True):
                     result = self._pipeline.step(request)
@@ -369,7 +407,8 @@ class ARDiffusionModelRunner:
     def _validate_request(self, session_id: str, request: DiffusionRequest) -> None:
         """The pipeline's optional host-side check, before any session or KV changes."""
         if self._request_validator is not None:
-            self._request_validator(session_id, request)
+            with self._running_pipeline_code(f"the request validation of session {session_id!r}"):
+                self._request_validator(session_id, request)
 
     def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
         state = self._table.get(session_id)
@@ -398,7 +437,9 @@ class ARDiffusionModelRunner:
             self._emit("released", session_id, reason)
         hook = self._pipeline.reset_ar_diffusion_session if reset_model else self._pipeline.close_ar_diffusion_session
         try:
-            hook(session_id)
+            with self._running_pipeline_code(f"the {'reset' if reset_model else 'close'} hook of session "
+                                             f"{session_id!r}"):
+                hook(session_id)
         except Exception as error:
             errors.append(error)
         log = logger.info if reason in ("lru_eviction", "forward_exception", "pools_lost") else logger.debug
@@ -414,14 +455,14 @@ class ARDiffusionModelRunner:
     def _bound(self, session_id: str, state: ARDiffusionKVState, *, stepwise: bool = False) -> Iterator[None]:
         """Bind ``state`` to the pipeline for exactly one invocation, then check what the pipeline left."""
         state._bound = True
-        self._executing = session_id
+        previous, self._executing = self._executing, f"the forward of session {session_id!r}"
         self._table.pin(session_id)
         try:
             with self._pipeline.bind_ar_diffusion_state(session_id, state):
                 yield
         finally:
             state._bound = False
-            self._executing = None
+            self._executing = previous
             self._table.unpin(session_id)
         where = _find_retained(self._pipeline, state)
         if where is not None:
@@ -453,7 +494,10 @@ class ARDiffusionModelRunner:
             # Release them all (close hooks) and start from fresh zeroed pools.
             for other in self._table.lru_order:
                 self._release_session(other, reset_model=False, reason="pools_lost", suppress_errors=True)
-            self._kv_cache.reallocate_pools()
+            try:
+                self._kv_cache.reallocate_pools()
+            except Exception:  # the caller re-raises the original error; this one is only logged
+                logger.exception("AR-Diffusion could not reallocate the KV pools after losing them")
             logger.error("AR-Diffusion KV pools were lost during session %r; all sessions were released",
                          session_id)
 
@@ -516,11 +560,15 @@ class _RunnerLock:
     def __exit__(self, *exc: Any) -> None:
         runner = self._runner
         runner._lock_depth -= 1
-        events: list[SessionEvent] = []
-        if runner._lock_depth == 0:
-            events, runner._queued_events = runner._queued_events, []
+        pending = False
+        if runner._lock_depth == 0 and runner._queued_events:
+            with runner._delivery_lock:  # still under the runner lock: the delivery queue keeps lock order
+                runner._delivery.extend(runner._queued_events)
+            runner._queued_events = []
+            pending = True
         runner._lock.release()
-        runner._deliver(events)
+        if pending:
+            runner._deliver_queued()
 
 
 def _request_values(request: DiffusionRequest) -> tuple[Any, ...]:

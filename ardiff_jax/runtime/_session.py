@@ -17,7 +17,7 @@ previous value in place.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -33,6 +33,7 @@ __all__ = [
     "CrossAttentionKV",
     "SessionKV",
     "branch_cursor_array",
+    "check_session_kv",
     "clear_cross_attention",
     "commit_frames",
     "new_session_kv",
@@ -74,11 +75,6 @@ class BranchCursor:
     visible_start_frame: Any
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["cursors", "cross_attention"],
-    meta_fields=["session_id", "slot", "run_owners"],
-)
 @dataclasses.dataclass(frozen=True)
 class SessionKV:
     """The KV bookkeeping of one session: an immutable pytree.
@@ -93,7 +89,10 @@ class SessionKV:
         branch holds committed KV in each worker-local run. Branches may share a local
         index (CFG-parallel layouts); only the owner may commit into a shared run.
 
-    The mappings are never mutated: the functions below build new ones.
+    The two mappings are read-only views of private copies, so nobody holding a value (a
+    snapshot, say) can change the session through it; the functions below build new values.
+    As a pytree, the cursors and cross caches are the children (their dict keys sorted, as
+    jax sorts them) and the id, slot and run owners are static.
     """
 
     session_id: str
@@ -101,6 +100,11 @@ class SessionKV:
     cursors: Mapping[str, BranchCursor]
     cross_attention: Mapping[tuple[str, str], CrossAttentionKV]
     run_owners: tuple[tuple[int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cursors", types.MappingProxyType(dict(self.cursors)))
+        object.__setattr__(self, "cross_attention", types.MappingProxyType(dict(self.cross_attention)))
+        object.__setattr__(self, "run_owners", tuple(tuple(pair) for pair in self.run_owners))
 
     def cursor(self, branch: str) -> BranchCursor:
         try:
@@ -114,6 +118,20 @@ class SessionKV:
     @property
     def cross_attention_bytes(self) -> int:
         return sum(kv.k.nbytes + kv.v.nbytes for kv in self.cross_attention.values())
+
+
+def _flatten_session(session: SessionKV) -> tuple[tuple[Any, Any], tuple[str, int, tuple[tuple[int, str], ...]]]:
+    return (dict(session.cursors), dict(session.cross_attention)), (session.session_id, session.slot,
+                                                                    session.run_owners)
+
+
+def _unflatten_session(static: tuple[str, int, tuple[tuple[int, str], ...]], children: Any) -> SessionKV:
+    session_id, slot, run_owners = static
+    return SessionKV(session_id=session_id, slot=slot, cursors=children[0], cross_attention=children[1],
+                     run_owners=run_owners)
+
+
+jax.tree_util.register_pytree_node(SessionKV, _flatten_session, _unflatten_session)
 
 
 _EMPTY = BranchCursor(committed_frames=0, visible_start_frame=0)
@@ -192,3 +210,59 @@ def publish_cross_attention(session: SessionKV, branch: str, cache_name: str, kv
 def clear_cross_attention(session: SessionKV) -> SessionKV:
     """The session without any cross-attention cache (self-attention KV kept)."""
     return dataclasses.replace(session, cross_attention={})
+
+
+def check_session_kv(spec: ARDiffusionKVCacheSpec, value: SessionKV) -> SessionKV:
+    """``value`` if it is a session this spec could have produced, else ValueError naming what is off.
+
+    Checked: exactly the spec's branches; every cursor an integer with
+    ``0 <= visible_start <= committed`` (``visible_start == committed`` under
+    ``reset_at_boundary``, ``0`` otherwise) within the optional ``max_model_len``; run owners
+    that name real branches at their own local index, and own every run that holds
+    committed frames; cross caches with known names, known branches and ``[L, N, Hc, D]``
+    arrays. Returns the value with its cursors in the spec's branch order.
+    """
+    if not isinstance(value, SessionKV):
+        raise TypeError(f"expected a SessionKV (from state.snapshot()), got {type(value).__name__}")
+    names = spec.kv_branch_names
+    if set(value.cursors) != set(names):
+        raise ValueError(f"session branches {sorted(value.cursors)} differ from the spec's {sorted(names)}")
+    for name in names:
+        cursor = value.cursors[name]
+        if not isinstance(cursor, BranchCursor):
+            raise ValueError(f"cursor of branch {name!r} must be a BranchCursor, got {cursor!r}")
+        committed, start = cursor.committed_frames, cursor.visible_start_frame
+        for field, number in (("committed_frames", committed), ("visible_start_frame", start)):
+            if isinstance(number, bool) or not isinstance(number, (int, np.integer)) or number < 0:
+                raise ValueError(f"cursor {name!r} {field} must be a non-negative integer, got {number!r}")
+        expected_start = committed if spec.reset_at_boundary else 0
+        if start != expected_start:
+            raise ValueError(f"cursor {name!r} is inconsistent: visible_start_frame {start} with {committed} committed "
+                             f"frames (expected {expected_start} {'under' if spec.reset_at_boundary else 'without'} "
+                             "reset_at_boundary)")
+        if spec.max_model_len is not None and committed * spec.tokens_per_frame > spec.max_model_len:
+            raise ValueError(f"cursor {name!r} holds {committed} frames, beyond max_model_len "
+                             f"({spec.max_model_len} tokens)")
+    owners = dict(value.run_owners)
+    if len(owners) != len(value.run_owners) or list(owners) != sorted(owners):
+        raise ValueError(f"run owners must be unique and sorted by local index, got {value.run_owners}")
+    for local_index, owner in owners.items():
+        if owner not in names or spec.branch(owner).local_index != local_index:
+            raise ValueError(f"run owner {owner!r} of local index {local_index} is not a branch at that index")
+    for name in names:
+        local_index = spec.branch(name).local_index
+        if value.cursors[name].committed_frames > 0 and owners.get(local_index) != name:
+            raise ValueError(f"branch {name!r} holds committed frames but does not own run {local_index} "
+                             f"(owner: {owners.get(local_index)!r})")
+    for key, kv in value.cross_attention.items():
+        cache_name, branch = key
+        if cache_name not in spec.cross_attention_lengths or branch not in names:
+            raise ValueError(f"cross-attention cache {key} names an unknown cache or branch")
+        expected = (spec.num_layers, spec.cross_attention_lengths[cache_name], spec.cross_attention_heads(cache_name),
+                    spec.head_size)
+        if not isinstance(kv, CrossAttentionKV) or tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected:
+            raise ValueError(f"cross-attention cache {cache_name!r} of branch {branch!r} must be CrossAttentionKV of "
+                             f"[L, N, Hc, D] = {expected}")
+    return SessionKV(session_id=value.session_id, slot=value.slot,
+                     cursors={name: value.cursors[name] for name in names},
+                     cross_attention=value.cross_attention, run_owners=value.run_owners)

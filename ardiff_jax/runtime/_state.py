@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ardiff_jax._checks import check_int, check_not_traced, is_integer
+from ardiff_jax._checks import check_not_traced, is_integer
 from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor
 from ardiff_jax.runtime._legacy import LegacyStateAPI, branch_of, deprecated
 from ardiff_jax.runtime._session import (
     BranchCursor,
     CrossAttentionKV,
     SessionKV,
+    check_session_kv,
     clear_cross_attention,
     commit_frames,
     new_session_kv,
@@ -199,35 +200,21 @@ class ARDiffusionKVState(LegacyStateAPI):
 
         Only bookkeeping moves: the pages of this state's slot must already hold the KV that
         ``value`` describes (the same slot with no commit since the snapshot, or pages copied
-        in by the caller). Validated before anything changes: same session id, the same
-        logical branches, known cross-attention names with ``[L, N, Hc, D]`` arrays.
+        in by the caller). Validated before anything changes
+        (:func:`~ardiff_jax.runtime.check_session_kv`): the same session id and branches,
+        cursors this spec could produce, consistent run owners, well-shaped cross caches.
         """
         self._check_usable()
         if not isinstance(value, SessionKV):
             raise TypeError(f"restore expects a SessionKV (from state.snapshot()), got {type(value).__name__}")
         if value.session_id != self._session_id:
             raise ValueError(f"snapshot of session {value.session_id!r} cannot restore session {self._session_id!r}")
-        if tuple(value.cursors) != self.kv_branch_names:
-            raise ValueError(f"snapshot branches {list(value.cursors)} differ from this cache's "
-                             f"{list(self.kv_branch_names)}")
         if self._pending:
             raise RuntimeError(f"AR-Diffusion session {self._session_id!r} has pending forward contexts on "
                                f"{sorted(self._pending)}; commit or discard them before restoring")
-        spec = self._cache.spec
-        for (cache_name, branch), kv in value.cross_attention.items():
-            self._check_cross_name(cache_name)
-            expected = (spec.num_layers, spec.cross_attention_lengths[cache_name],
-                        spec.cross_attention_heads(cache_name), spec.head_size)
-            if branch not in value.cursors or tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected:
-                raise ValueError(f"snapshot cross-attention cache {cache_name!r} of branch {branch!r} must be "
-                                 f"[L, N, Hc, D] = {expected}")
-        for name, cursor in value.cursors.items():
-            committed = check_int(f"snapshot cursor {name!r} committed_frames", cursor.committed_frames)
-            start = check_int(f"snapshot cursor {name!r} visible_start_frame", cursor.visible_start_frame)
-            if committed < 0 or not 0 <= start <= committed:
-                raise ValueError(f"snapshot cursor {name!r} is inconsistent: committed {committed}, visible start "
-                                 f"{start}")
-        self._publish(dataclasses.replace(value, slot=self._value.slot))
+        checked = check_session_kv(self._cache.spec, value)
+        self._publish(SessionKV(session_id=checked.session_id, slot=self._value.slot, cursors=checked.cursors,
+                                cross_attention=checked.cross_attention, run_owners=checked.run_owners))
 
     # -- guards --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -489,6 +476,7 @@ class ARDiffusionKVState(LegacyStateAPI):
         self._value = reset_session_kv(self._cache.spec, self._value, keep)
         self._adapters = self._fresh_adapters()
         self._pending = {}
+        self.__dict__.pop("_legacy_staged", None)  # layers staged by the deprecated API belong to the old window
 
     def close(self) -> None:
         """Release the slot and every cross-attention cache. Idempotent.
@@ -510,6 +498,7 @@ class ARDiffusionKVState(LegacyStateAPI):
             return
         self._closed = True
         self._pending = {}
+        self.__dict__.pop("_legacy_staged", None)
         value = self._value
         if value.cross_attention:  # drop the arrays now: a closed handle must not keep device memory alive
             self._value = SessionKV(session_id=value.session_id, slot=value.slot, cursors=value.cursors,
