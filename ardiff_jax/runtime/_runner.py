@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -139,7 +139,7 @@ class ARDiffusionModelRunner:
         self._delivery: collections.deque[SessionEvent] = collections.deque()
         self._delivery_lock = threading.Lock()
         self._delivering = False
-        self._executing: str | None = None  # what pipeline code is running ("the forward of session 's'", ...)
+        self._executing: Any = None  # the pipeline call now running (its str() names it), or None
         self._listeners: list[Callable[[SessionEvent], None]] = []
         self._perf_e2e_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._stepwise_started: dict[str, float] = {}
@@ -215,7 +215,8 @@ class ARDiffusionModelRunner:
         return _RunnerLock(self)
 
     def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
-        self._queued_events.append(SessionEvent(kind, session_id, reason))
+        if self._listeners:  # no listener, no event: session churn pays nothing for the mechanism
+            self._queued_events.append(SessionEvent(kind, session_id, reason))
 
     def _deliver_queued(self) -> None:
         """Deliver queued events in order; only one thread (and frame) delivers at a time.
@@ -252,7 +253,7 @@ class ARDiffusionModelRunner:
                 "a nested call could release the session that is running. Return from the pipeline call first")
 
     @contextlib.contextmanager
-    def _running_pipeline_code(self, what: str) -> Iterator[None]:
+    def _running_pipeline_code(self, what: Any) -> Iterator[None]:
         """Mark pipeline code as running so that calls back into the runner are refused."""
         previous, self._executing = self._executing, what
         try:
@@ -407,7 +408,7 @@ class ARDiffusionModelRunner:
     def _validate_request(self, session_id: str, request: DiffusionRequest) -> None:
         """The pipeline's optional host-side check, before any session or KV changes."""
         if self._request_validator is not None:
-            with self._running_pipeline_code(f"the request validation of session {session_id!r}"):
+            with self._running_pipeline_code(_ValidationCall(session_id)):
                 self._request_validator(session_id, request)
 
     def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
@@ -436,12 +437,13 @@ class ARDiffusionModelRunner:
                 errors.append(error)
             self._emit("released", session_id, reason)
         hook = self._pipeline.reset_ar_diffusion_session if reset_model else self._pipeline.close_ar_diffusion_session
+        previous, self._executing = self._executing, _HookCall(reset_model, session_id)
         try:
-            with self._running_pipeline_code(f"the {'reset' if reset_model else 'close'} hook of session "
-                                             f"{session_id!r}"):
-                hook(session_id)
+            hook(session_id)
         except Exception as error:
             errors.append(error)
+        finally:
+            self._executing = previous
         log = logger.info if reason in ("lru_eviction", "forward_exception", "pools_lost") else logger.debug
         log("AR-Diffusion session %r released (%s; was resident: %s)", session_id, reason, state is not None)
         if errors:
@@ -454,16 +456,16 @@ class ARDiffusionModelRunner:
     @contextlib.contextmanager
     def _bound(self, session_id: str, state: ARDiffusionKVState, *, stepwise: bool = False) -> Iterator[None]:
         """Bind ``state`` to the pipeline for exactly one invocation, then check what the pipeline left."""
+        # No pin needed here: while pipeline code runs, every runner entry point is refused, so
+        # nothing can evict the bound session (pins are for a serving layer's own use).
         state._bound = True
-        previous, self._executing = self._executing, f"the forward of session {session_id!r}"
-        self._table.pin(session_id)
+        previous, self._executing = self._executing, _ForwardCall(session_id)
         try:
             with self._pipeline.bind_ar_diffusion_state(session_id, state):
                 yield
         finally:
             state._bound = False
             self._executing = previous
-            self._table.unpin(session_id)
         where = _find_retained(self._pipeline, state)
         if where is not None:
             raise RuntimeError(
@@ -542,6 +544,30 @@ class ARDiffusionModelRunner:
         if self._kv_cache.num_free_slots != free_before:  # pragma: no cover - defensive
             logger.warning("AR-Diffusion warmup left %d slot(s) in use",
                            free_before - self._kv_cache.num_free_slots)
+
+
+class _ForwardCall(NamedTuple):
+    """What pipeline code is running, named lazily (formatting a string on every tick costs time)."""
+
+    session_id: str
+
+    def __str__(self) -> str:
+        return f"the forward of session {self.session_id!r}"
+
+
+class _HookCall(NamedTuple):
+    reset: bool
+    session_id: str
+
+    def __str__(self) -> str:
+        return f"the {'reset' if self.reset else 'close'} hook of session {self.session_id!r}"
+
+
+class _ValidationCall(NamedTuple):
+    session_id: str
+
+    def __str__(self) -> str:
+        return f"the request validation of session {self.session_id!r}"
 
 
 class _RunnerLock:

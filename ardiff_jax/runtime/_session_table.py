@@ -12,6 +12,7 @@ Entries are opaque to the table (the runner stores its ``ARDiffusionKVState`` ha
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
@@ -70,6 +71,8 @@ class SessionTable(Generic[Entry]):
         excess = len(self._entries) + 1 - self._capacity
         if excess <= 0:
             return []
+        if not self._pins:  # the common case: the oldest `excess` sessions, without a pin lookup each
+            return list(itertools.islice(self._entries, excess))
         victims = [sid for sid in self._entries if not self._pins[sid]][:excess]
         if len(victims) < excess:
             pinned = [sid for sid in self._entries if self._pins[sid]]
