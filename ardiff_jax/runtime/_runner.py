@@ -134,6 +134,7 @@ class ARDiffusionModelRunner:
                                    if isinstance(pipeline, SupportsARDiffusionRequestValidation) else None)
         self._lock = threading.RLock()
         self._lock_depth = 0
+        self._runner_lock = _RunnerLock(self)  # stateless beyond the runner: one instance serves every call
         self._queued_events: list[SessionEvent] = []
         # Events leave the lock in lock order and are delivered by one thread at a time.
         self._delivery: collections.deque[SessionEvent] = collections.deque()
@@ -212,7 +213,7 @@ class ARDiffusionModelRunner:
     # -- locking and events ----------------------------------------------------------------------
     def _locked(self) -> _RunnerLock:
         """The runner lock; events queued inside are delivered once the outermost holder let go."""
-        return _RunnerLock(self)
+        return self._runner_lock
 
     def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
         if self._listeners:  # no listener, no event: session churn pays nothing for the mechanism
