@@ -54,8 +54,9 @@ def bench_spec(geometry: str, *, window_frames: int | None = None, sink_frames: 
 
     One branch ("main") because the cache cost per branch is what we compare (CFG just
     doubles it); no cross-attention caches and no scratch tokens because they are not part
-    of the per-block self-attention KV work. ``max_model_len`` is raised so long steady
-    state runs never hit the session length limit.
+    of the per-block self-attention KV work. ``max_model_len`` is set far out: sessions are
+    unbounded by default now, but trees before that change capped them at ``2**20`` tokens,
+    and ``compare_revisions`` runs this code against such trees too.
     """
     from ardiff_jax.capability import ARDiffusionKVBranchSpec
     from ardiff_jax.geometries import example_spec

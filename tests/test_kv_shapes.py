@@ -330,7 +330,7 @@ def test_storage_round_trip_and_donated_commit_agree(geometry_name):
 # -- KVLayout: a static, hashable argument ------------------------------------------------------------------
 
 LAYOUT_FIELDS = dict(num_layers=2, num_pages=8, tokens_per_frame=2, num_kv_heads=2, head_size=4, sink_frames=1,
-                     window_frames=3, frames_per_block=2, scratch_pages=4, reset_at_boundary=True, max_model_len=64)
+                     window_frames=3, frames_per_block=2, scratch_pages=4, reset_at_boundary=True)
 
 
 def test_layout_converts_numpy_scalars_to_python_values():

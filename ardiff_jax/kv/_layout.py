@@ -61,9 +61,11 @@ class KVLayout:
       window_frames: ``W``, ring frames per run.
       frames_per_block: ``F``, frames a committing forward adds.
       scratch_pages: pages of scratch per branch: the largest
-        ``current frames + ceil(extra tokens / T)`` one forward may carry.
+        ``current frames + ceil(extra tokens / T)`` one non-committing forward may carry.
+
+    A session's length is not part of the layout: the ring stores a bounded window, and the
+    optional cap on a branch's committed length is the spec's ``max_model_len``.
       reset_at_boundary: after each commit only the sink stays visible.
-      max_model_len: the largest committed length of one branch, in tokens.
       dtype: logical KV dtype (name).
       storage_dtype: dtype of the pool arrays (name); ``uint16`` holds 16-bit float bits.
     """
@@ -78,7 +80,6 @@ class KVLayout:
     frames_per_block: int
     scratch_pages: int
     reset_at_boundary: bool = False
-    max_model_len: int = 2**20
     dtype: str = "float32"
     storage_dtype: str = "float32"
 
@@ -86,7 +87,7 @@ class KVLayout:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         object.__setattr__(self, "storage_dtype", _dtype_name(self.storage_dtype))
         for field in ("num_layers", "num_pages", "tokens_per_frame", "num_kv_heads", "head_size", "window_frames",
-                      "frames_per_block", "scratch_pages", "max_model_len"):
+                      "frames_per_block", "scratch_pages"):
             object.__setattr__(self, field, check_positive_int(f"KVLayout {field}", getattr(self, field)))
         object.__setattr__(self, "sink_frames", check_non_negative_int("KVLayout sink_frames", self.sink_frames))
         object.__setattr__(self, "reset_at_boundary",
