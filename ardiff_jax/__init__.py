@@ -14,7 +14,8 @@ What a user starts with (``ardiff_jax.__all__``):
 Everything else is documented under its subpackage: :mod:`ardiff_jax.kv` (the functional
 core), :mod:`ardiff_jax.runtime` (KV manager, session value, runner, session table),
 :mod:`ardiff_jax.types` (requests, results, ticks), :mod:`ardiff_jax.rollout` (device-side
-rollouts) and :mod:`ardiff_jax.models` (reference models). Names that earlier releases
+rollouts), :mod:`ardiff_jax.models` (reference models) and :mod:`ardiff_jax.envs` (procedural
+worlds to train them on). Names that earlier releases
 exported from here stay importable from here.
 """
 

@@ -50,12 +50,12 @@ Dynamics (``next_state``; a pure function of what the frame shows)
 
    * if ``(r + dr, c)`` is solid, ``dr`` flips; if ``(r, c + dc)`` is solid, ``dc`` flips
      (both solid, an inside corner: both flip);
-   * if neither is solid but the diagonal ``(r + dr, c + dc)`` is (an obstacle's outer
-     corner), both flip;
-   * the ball then moves along the bounced velocity if that cell is free; otherwise back
-     the way it came, ``(r - dr, c - dc)`` with velocity ``(-dr, -dc)``, if that is free;
-     otherwise it stays where it is with velocity ``(-dr, -dc)`` (boxed in: it turns
-     round, visibly, and tries again next step).
+   * the ball then moves one cell along the bounced velocity if that cell is free;
+   * otherwise (an obstacle's outer corner dead ahead, or a wall where the bounce leads)
+     it goes back the way it came, to ``(r - dr, c - dc)`` with velocity ``(-dr, -dc)``,
+     if that cell is free;
+   * otherwise (boxed in) it stays where it is with velocity ``(-dr, -dc)``: it turns
+     round, visibly, and tries again next step.
 
 Reset (``initial_state``)
 -------------------------

@@ -37,27 +37,19 @@ WALL_COLOUR = (0, 0, 255)
 AGENT_COLOUR = (0, 255, 0)
 
 _MAX_SEED = 2**63  # exclusive: seeds fit int64, so clip_world_seeds can return an int64 array
-_MAX_ATTEMPTS = 32  # the package docstring quotes this number
+_MAX_ATTEMPTS = 32  # ardiff_jax.envs' docstring quotes this number
 # (d_row, d_col) per action, indexed by action.
 _ACTION_OFFSETS = np.array([[0, 0], [-1, 0], [1, 0], [0, -1], [0, 1]], np.int64)
 # Cell codes: what a cell shows. Ball codes are 3 + velocity index (see _velocity_index).
 _BACKGROUND, _WALL, _AGENT, _BALL = 0, 1, 2, 3
 
 
-def ball_colour(velocity: tuple[int, int]) -> tuple[int, int, int]:
-    """The ball's colour for ``velocity = (d_row, d_col)``: its direction is read from the frame.
-
-    Red is always 255 (nothing else on screen has red); green 255 iff moving down, blue 255
-    iff moving right.
-    """
-    d_row, d_col = _check_velocity("velocity", velocity)
-    return (255, 255 if d_row > 0 else 0, 255 if d_col > 0 else 0)
-
-
 # Rendering palette indexed by cell code; ball velocity index v = 2 * (d_row > 0) + (d_col > 0).
 _VELOCITIES = np.array([[-1, -1], [-1, 1], [1, -1], [1, 1]], np.int64)
+# Red 255 marks the ball (nothing else on screen has red); green 255 iff it moves down, blue
+# 255 iff it moves right.
 _PALETTE = np.array([BACKGROUND_COLOUR, WALL_COLOUR, AGENT_COLOUR,
-                     *(ball_colour(tuple(int(x) for x in v)) for v in _VELOCITIES)], np.uint8)
+                     *((255, 255 * (d_row > 0), 255 * (d_col > 0)) for d_row, d_col in _VELOCITIES)], np.uint8)
 # Pixel offsets inside the ball's cell that stay background: its four corners.
 _BALL_CORNERS = np.array([[0, 0], [0, CELL_SIZE - 1], [CELL_SIZE - 1, 0], [CELL_SIZE - 1, CELL_SIZE - 1]], np.int64)
 
@@ -101,6 +93,12 @@ def _check_velocity(name: str, value: Any) -> tuple[int, int]:
     if not all(is_integer(d) and int(d) in (-1, 1) for d in (d_row, d_col)):
         raise ValueError(f"{name} must be a (d_row, d_col) pair, each -1 or 1, got {value!r}")
     return int(d_row), int(d_col)
+
+
+def ball_colour(velocity: tuple[int, int]) -> tuple[int, int, int]:
+    """The ball's colour for ``velocity = (d_row, d_col)``: how a frame shows the ball's direction."""
+    d_row, d_col = _check_velocity("velocity", velocity)
+    return tuple(int(x) for x in _PALETTE[_BALL + 2 * (d_row > 0) + (d_col > 0)])
 
 
 # -- the state -------------------------------------------------------------------------------------
@@ -202,7 +200,7 @@ def _render_worlds(worlds: _Worlds, out: np.ndarray | None = None) -> np.ndarray
 
 
 def _step_worlds(worlds: _Worlds, actions: np.ndarray) -> _Worlds:
-    """One step of every world in the batch; ``actions: int[B]`` (see the module docstring)."""
+    """One step of every world in the batch; ``actions: int[B]`` (rules: :mod:`ardiff_jax.envs`)."""
     walls, agent, ball, velocity = worlds
     rows = np.arange(walls.shape[0])
 
@@ -216,10 +214,7 @@ def _step_worlds(worlds: _Worlds, actions: np.ndarray) -> _Worlds:
     def blocked(cells: np.ndarray) -> np.ndarray:  # i64[B, 2] -> bool[B]
         return solid[rows, cells[:, 0], cells[:, 1]]
 
-    vertical = blocked(ball + velocity * [1, 0])
-    horizontal = blocked(ball + velocity * [0, 1])
-    outer_corner = blocked(ball + velocity) & ~vertical & ~horizontal
-    flip = np.stack([vertical | outer_corner, horizontal | outer_corner], axis=1)
+    flip = np.stack([blocked(ball + velocity * [1, 0]), blocked(ball + velocity * [0, 1])], axis=1)
     bounced = np.where(flip, -velocity, velocity)
     forward_free = ~blocked(ball + bounced)
     back_free = ~blocked(ball - velocity)
@@ -232,7 +227,8 @@ def _step_worlds(worlds: _Worlds, actions: np.ndarray) -> _Worlds:
 # -- reset: a counter-based hash of the seed -------------------------------------------------------
 
 _U64 = np.uint64
-_SPLITMIX_GAMMA, _SPLITMIX_M1, _SPLITMIX_M2 = _U64(0x9E3779B97F4A7C15), _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_SPLITMIX_GAMMA = _U64(0x9E3779B97F4A7C15)
+_SPLITMIX_M1, _SPLITMIX_M2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
 # Stream tags keep the hash draws for different purposes independent.
 _OBSTACLE_STREAM, _BALL_STREAM, _CLIP_STREAM, _ACTION_STREAM = 1, 2, 3, 4
 
@@ -303,7 +299,7 @@ def _try_layouts(seeds: np.ndarray, n: int, attempt: int, num_obstacles: int) ->
 
 
 def _initial_worlds(seeds: np.ndarray, size: int, max_attempts: int = _MAX_ATTEMPTS) -> _Worlds:
-    """The reset state of each world seed (u64[B]); see "Reset" in the module docstring."""
+    """The reset state of each world seed (u64[B]); see "Reset" in :mod:`ardiff_jax.envs`."""
     n = size // CELL_SIZE
     num_obstacles = (n - 2) ** 2 // 9
     batch = len(seeds)
@@ -334,7 +330,7 @@ def initial_state(seed: int, size: int = 32) -> SpriteWorldState:
 
 
 def next_state(state: SpriteWorldState, action: int) -> SpriteWorldState:
-    """The state after ``action`` (an index into ``ACTION_NAMES``); rules in the module docstring."""
+    """The state after ``action`` (an index into ``ACTION_NAMES``); the rules: :mod:`ardiff_jax.envs`."""
     if not isinstance(state, SpriteWorldState):
         raise ValueError(f"state must be a SpriteWorldState, got {state!r}")
     action = _check_action(action)
@@ -474,7 +470,8 @@ def clip_world_seeds(seed: int, batch: int) -> np.ndarray:
     """The world seed of each clip :func:`sprite_world_clips` draws for ``seed``.
 
     Hashed from ``(seed, clip index)`` rather than ``seed + index`` so that the clips of
-    nearby seeds (a training and a validation seed, say) share no worlds by construction.
+    nearby seeds (a training and a validation seed, say) do not share worlds, as
+    ``seed + index`` would make them do.
 
     Shapes:
       returns: i64[batch]
