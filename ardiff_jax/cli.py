@@ -3,6 +3,13 @@
 ``ardiff-jax plan`` prints the memory plan of a shipped example geometry against the
 free memory of this machine (or an explicit budget), without allocating anything.
 
+``ardiff-jax demo`` plays the trained SpriteWorld model in several sessions through the
+engine, next to the simulator, and writes GIFs, a contact sheet and a JSON summary of its
+tracking error and speed (``ardiff_jax.demo``).
+
+``ardiff-jax train`` trains that model (``ardiff_jax.training``; needs the ``train`` extra)
+with checkpoints and resumption, and exports weights with ``--export``.
+
 ``ardiff-jax rollout`` runs a timed multi-session generation with a reference pipeline
 (round-robin over sessions, one block per request) through the engine on the default
 device, with a progress bar on stderr, and writes a JSON summary (per-block latencies,
@@ -103,6 +110,31 @@ def _output_path(text: str) -> str:
     return text
 
 
+def _output_dir(text: str) -> str:
+    """A directory that exists and is writable, or can be created under a writable parent."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{existing!r} is not writable, so {text!r} cannot be written")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0 or value >= 2**31:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**31), got {text!r}")
+    return value
+
+
 def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="KV dtype (default: bfloat16)")
     budget = parser.add_mutually_exclusive_group()
@@ -195,6 +227,101 @@ def _run_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- train ---------------------------------------------------------------------------------------
+
+
+def _add_train(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train the SpriteWorld model (optax, orbax checkpoints, resumable)")
+    train.add_argument("--out", required=True, type=_output_dir, help="run directory: checkpoints/, losses.json, loss_curve.png")
+    train.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: TrainConfig's)")
+    train.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step")
+    train.add_argument("--seed", type=_non_negative_int, default=0, help="weights, data and noise seed")
+    train.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints")
+    train.add_argument("--no-resume", action="store_true", help="start over even if the run has checkpoints")
+    train.add_argument("--export", default=None, help="write the final weights here (.npz + .json sidecar)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+    import datetime
+    import shlex
+
+    import jax
+
+    try:
+        from ardiff_jax.training import TrainConfig, train
+    except ImportError as error:
+        return _refuse("train", str(error))
+    overrides = {name: value for name, value in (("steps", args.steps), ("batch_size", args.batch_size),
+                                                 ("checkpoint_every", args.checkpoint_every)) if value is not None}
+    config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
+    result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress)
+    tail = [loss for _, loss in result.losses[-50:]]
+    print(f"trained {config.preset} for {len(result.losses)} steps in {result.wall_seconds:.0f} s "
+          f"(final loss, mean of last {len(tail)}: {sum(tail) / len(tail):.4f}); run in {args.out}")
+    if args.export:
+        from ardiff_jax.models import SPRITE_WORLD_SCHEDULE, save_weights
+
+        metadata = {
+            "command": "ardiff-jax train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == [
+                "train"] else "ardiff-jax train (library call)",
+            "train_config": config.as_dict(),
+            "steps": len(result.losses),
+            "wall_seconds": round(result.wall_seconds, 1),
+            "final_loss_mean_last_50": sum(tail) / len(tail),
+            "schedule": list(SPRITE_WORLD_SCHEDULE.timesteps),
+            "jax_version": jax.__version__,
+            "device": str(jax.devices()[0]),
+            "cpu_count": os.cpu_count(),
+            "date": datetime.date.today().isoformat(),
+        }
+        path = save_weights(result.modules, args.export, metadata)
+        print(f"weights written to {path} and {path.with_suffix('.json')}")
+    return 0
+
+
+# -- demo ----------------------------------------------------------------------------------------
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser("demo", help="play the trained SpriteWorld model in several sessions and check it "
+                                              "against the simulator")
+    demo.add_argument("--out", required=True, type=_output_dir, help="directory for GIFs, contact sheet, summary.json")
+    demo.add_argument("--sessions", type=_positive_int, default=4, help="sessions (worlds), driven round-robin")
+    demo.add_argument("--frames", type=_positive_int, default=64, help="generated frames per session")
+    demo.add_argument("--capacity", type=_positive_int, default=None,
+                      help="session capacity of the engine (below --sessions: LRU eviction shows)")
+    demo.add_argument("--seed", type=_non_negative_int, default=0, help="first world seed; actions are seeded too")
+    demo.add_argument("--no-untrained", action="store_true", help="skip the untrained-model baseline")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from ardiff_jax.demo import run_demo
+
+    summary = run_demo(args.out, sessions=args.sessions, num_frames=args.frames, capacity=args.capacity,
+                       seed=args.seed, compare_untrained=not args.no_untrained, progress=not args.no_progress)
+    quality, speed = summary["quality"], summary["speed"]
+    print(f"{summary['sessions']} sessions x {quality['generated_frames_per_session']} frames on {summary['device']} "
+          f"(capacity {summary['session_capacity']}, {summary['lru_evictions']} LRU evictions)")
+    line = (f"tracking error (mean |pixel| 0-255, second half): model {quality['model_second_half']:.2f}, "
+            f"repeat-first-frame {quality['repeat_first_frame_second_half']:.2f}")
+    if "untrained_second_half" in quality:
+        line += f", untrained {quality['untrained_second_half']:.2f}"
+    print(line)
+    print(f"model / repeat = {quality['ratio_to_repeat_first_frame']:.3f}; second / first half = "
+          f"{quality['drift_second_over_first_half']:.2f}")
+    print(f"speed: {speed['frames_per_second_one_session']:.1f} frames/s one session, "
+          f"{speed['frames_per_second_interleaved']:.1f} frames/s over {speed['interleaved_sessions']} interleaved; "
+          f"latency p50 {speed['latency_ms']['p50']:.1f} ms, p99 {speed['latency_ms']['p99']:.1f} ms")
+    print(f"wrote GIFs, contact_sheet.png, summary.json and session_*.npz to {args.out} "
+          f"({summary['wall_seconds']:.1f} s)")
+    return 0
+
+
 def _refuse(command: str, message: str) -> int:
     print(f"ardiff-jax {command}: error: {message}", file=sys.stderr)
     return 2
@@ -205,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_plan(subparsers)
     _add_rollout(subparsers)
+    _add_train(subparsers)
+    _add_demo(subparsers)
     return parser
 
 

@@ -13,7 +13,13 @@ Weights are random (fixed seeds): these models exercise the runtime end to end a
 benchmarks real shapes; they do not generate meaningful video.
 """
 
-from ardiff_jax.models._attention import DenseAttention, SelfAttentionBackend, dot_attention
+from ardiff_jax.models._attention import (
+    DenseAttention,
+    MaskedAttention,
+    SelfAttentionBackend,
+    block_causal_mask,
+    dot_attention,
+)
 from ardiff_jax.models._cfg import (
     CFGPipelineConfig,
     CFGWorldActionPipeline,
@@ -21,12 +27,30 @@ from ardiff_jax.models._cfg import (
     cfg_commit,
     cfg_step,
 )
-from ardiff_jax.models._common import FewStepSchedule
+from ardiff_jax.models._common import DiTModules, FewStepSchedule
 from ardiff_jax.models._config import DIT_PRESETS, CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, DiTOutput, tokenize_prompt
+from ardiff_jax.models._pixels import action_registers, frames_to_latents, latents_to_frames
+from ardiff_jax.models._pretrained import (
+    PRETRAINED_MODELS,
+    load_weights,
+    pretrained,
+    pretrained_metadata,
+    save_weights,
+)
+from ardiff_jax.models._sprite import SPRITE_WORLD_SCHEDULE, SpriteBlock, SpriteWorldPipeline, SpriteWorldPipelineConfig
 from ardiff_jax.models._world import WorldBlock, WorldPipeline, WorldPipelineConfig, world_step
 
 __all__ = [
+    "save_weights",
+    "pretrained_metadata",
+    "pretrained",
+    "load_weights",
+    "SpriteWorldPipelineConfig",
+    "SpriteWorldPipeline",
+    "SpriteBlock",
+    "SPRITE_WORLD_SCHEDULE",
+    "PRETRAINED_MODELS",
     "DIT_PRESETS",
     "ByteTextEncoder",
     "CFGPipelineConfig",
@@ -34,17 +58,23 @@ __all__ = [
     "CausalDiT",
     "CausalDiTConfig",
     "DenseAttention",
+    "DiTModules",
     "DiTOutput",
     "FewStepSchedule",
+    "MaskedAttention",
     "ObservationSchema",
     "SelfAttentionBackend",
     "WorldBlock",
     "WorldPipeline",
     "WorldPipelineConfig",
+    "action_registers",
+    "block_causal_mask",
     "cfg_commit",
     "cfg_step",
     "dit_preset",
     "dot_attention",
+    "frames_to_latents",
+    "latents_to_frames",
     "tokenize_prompt",
     "world_step",
 ]

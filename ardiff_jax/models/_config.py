@@ -10,6 +10,8 @@ Presets:
 * ``tiny``: CPU tests in seconds; its KV geometry is ``ardiff_jax.geometries.tiny()``.
 * ``medium``: 8 layers, 4 heads x 128, 220 tokens/frame (22x40 latent); the geometry of
   ``ardiff_jax.geometries.medium()``.
+* ``sprite_world``: the trained SpriteWorld model (``ardiff_jax.models.pretrained``):
+  32x32 RGB pixel-space frames, 4 layers, one frame per block, 1-frame sink + 3-frame window.
 * ``wan_1_3b``: Wan2.1-T2V-1.3B (30 layers, 12 heads x 128, dim 1536, FFN 8960, 1560
   tokens/frame = 60x104 latent, 3-frame blocks, 512 x 4096 text); the geometry of
   ``ardiff_jax.geometries.wan_1_3b()``. On CPU instantiate it shape-wise only
@@ -175,7 +177,23 @@ def wan_1_3b() -> CausalDiTConfig:
     )
 
 
-DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {"tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b}
+def sprite_world() -> CausalDiTConfig:
+    """The trained SpriteWorld model: 32x32 RGB frames in pixel space, one token per 4x4 cell.
+
+    4 layers, 4 heads x 24, 64 tokens/frame, one frame per block, a 1-frame sink (the
+    observation) plus a 3-frame window, one action register token (one-hot over the 5
+    actions); not text-conditioned (one padding text token). ``docs/models.md`` explains
+    each choice.
+    """
+    return CausalDiTConfig(
+        name="sprite_world", num_layers=4, dim=96, num_heads=4, ffn_dim=384, latent_channels=3, latent_height=32,
+        latent_width=32, patch_size=4, text_len=1, text_dim=16, frames_per_block=1, window_frames=3, sink_frames=1,
+        num_register_tokens=1, register_dim=5, freq_dim=64,
+    )
+
+
+DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {
+    "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world}
 
 
 def dit_preset(name: str, **overrides: object) -> CausalDiTConfig:

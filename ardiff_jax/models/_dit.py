@@ -85,11 +85,11 @@ def unpatchify(tokens: jax.Array, frames: int, channels: int, height: int, width
 
 
 def timestep_embedding(dim: int, timestep: jax.Array) -> jax.Array:
-    """Wan's sinusoidal embedding of a scalar timestep: ``f32[dim]`` = ``[cos, sin]``."""
+    """Wan's sinusoidal embedding: ``f32[...]`` timesteps -> ``f32[..., dim]`` = ``[cos, sin]``."""
     half = dim // 2
     freqs = jnp.power(10000.0, -jnp.arange(half, dtype=_F32) / half)
-    angle = jnp.asarray(timestep, _F32) * freqs
-    return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)])
+    angle = jnp.asarray(timestep, _F32)[..., None] * freqs
+    return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=-1)
 
 
 def _inv_freq(axis_dim: int, theta: float) -> jax.Array:
@@ -264,7 +264,7 @@ class DiTBlock(nnx.Module):
     def __call__(
         self,
         x: jax.Array,  # f32[V + E, dim]: the residual stream stays float32, as in Wan
-        e0: jax.Array,  # f32[6, dim]: projected timestep embedding
+        e0: jax.Array,  # f32[6, dim] (one timestep) or f32[V + E, 6, dim] (one per token)
         num_video: int,
         angles: jax.Array,  # f32[V, D/2]
         layer: jax.Array,  # i32[]
@@ -275,7 +275,7 @@ class DiTBlock(nnx.Module):
         cfg = self.config
         eps = cfg.eps
         mod = self.modulation[...].astype(_F32) + e0
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[i] for i in range(6))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[..., i, :] for i in range(6))
         h = (_layer_norm(x, eps) * (1 + scale_msa) + shift_msa).astype(cfg.dtype)
         y, block_kv = self.self_attn(h, num_video, angles, layer, attention)
         x = x + y.astype(_F32) * gate_msa
@@ -358,6 +358,56 @@ class CausalDiT(nnx.Module):
         context = self.embed_image(image_features)
         return self._per_layer(lambda attn: attn.project_image(context))
 
+    # -- the pieces every forward shares ---------------------------------------------------------
+    def _time(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``f32[...]`` timesteps -> ``(e f32[..., dim], e0 f32[..., 6, dim])``: head and block modulation."""
+        cfg = self.config
+        e = self.time_out(jax.nn.silu(self.time_in(timestep_embedding(cfg.freq_dim, timestep).astype(cfg.dtype))))
+        e = e.astype(_F32)
+        e0 = self.time_projection(jax.nn.silu(e).astype(cfg.dtype)).astype(_F32)
+        return e, e0.reshape(*e.shape[:-1], 6, cfg.dim)
+
+    def _check_latents(self, latents: jax.Array, leading: int) -> None:
+        cfg = self.config
+        expected = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
+        if latents.ndim != leading + 3 or tuple(latents.shape[leading:]) != expected:
+            lead = "B, f" if leading == 2 else "f"
+            raise ValueError(f"latents must be [{lead}, {expected[0]}, {expected[1]}, {expected[2]}], "
+                             f"got {latents.shape}")
+
+    def _embed_registers(self, registers: jax.Array) -> jax.Array:
+        """``[..., E, register_dim]`` -> ``f32[..., E, dim]`` (linear map plus a learned per-slot position)."""
+        cfg = self.config
+        if not cfg.num_register_tokens:
+            raise ValueError("this CausalDiT has no register tokens (config.num_register_tokens == 0)")
+        if registers.shape[-2:] != (cfg.num_register_tokens, cfg.register_dim):
+            raise ValueError(
+                f"registers must be [..., {cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
+        return self.register_in(registers.astype(cfg.dtype)).astype(_F32) + self.register_pos[...].astype(_F32)
+
+    def _layers(self, x: jax.Array, e0: jax.Array, num_video: int, angles: jax.Array,
+                attention: SelfAttentionBackend, text_kv: tuple[jax.Array, jax.Array],
+                image_kv: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Every DiT block over the token stream ``x [V + E, dim]``; returns ``(x, k [L, V, H, D], v)``."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer_step(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            layer, state, layer_text, layer_image = xs
+            block = nnx.merge(graphdef, state)
+            return block(x, e0, num_video, angles, layer, attention, layer_text, layer_image)
+
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        x, (block_k, block_v) = jax.lax.scan(layer_step, x, (layers, stacked, text_kv, image_kv))
+        return x, block_k, block_v
+
+    def _head(self, x: jax.Array, e: jax.Array) -> jax.Array:
+        """The modulated output head: ``x [S, dim]``, ``e [dim]`` or ``[S, dim]`` -> ``f32[S, C*p*p]``."""
+        cfg = self.config
+        mod = self.head_modulation[...].astype(_F32) + e[..., None, :]
+        shift, scale = mod[..., 0, :], mod[..., 1, :]
+        h = (_layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(cfg.dtype)
+        return h
+
     # -- forward -------------------------------------------------------------------------------
     def __call__(
         self,
@@ -370,43 +420,79 @@ class CausalDiT(nnx.Module):
         *,
         attention: SelfAttentionBackend,
     ) -> DiTOutput:
+        """One AR block (inference): history comes from ``attention`` (the paged view or a dense reference)."""
         cfg = self.config
+        self._check_latents(latents, 1)
         frames = latents.shape[0]
-        expected = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
-        if latents.ndim != 4 or tuple(latents.shape[1:]) != expected:
-            raise ValueError(f"latents must be [f, {expected[0]}, {expected[1]}, {expected[2]}], got {latents.shape}")
         num_video = frames * cfg.tokens_per_frame
         x = self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
-        num_registers = 0
         if registers is not None:
-            if not cfg.num_register_tokens:
-                raise ValueError("this CausalDiT has no register tokens (config.num_register_tokens == 0)")
-            if registers.shape != (cfg.num_register_tokens, cfg.register_dim):
+            if registers.ndim != 2:
                 raise ValueError(
                     f"registers must be [{cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
-            num_registers = registers.shape[0]
-            reg = self.register_in(registers.astype(cfg.dtype)).astype(_F32) + self.register_pos[...].astype(_F32)
-            x = jnp.concatenate([x, reg])
-
-        e = self.time_out(jax.nn.silu(self.time_in(timestep_embedding(cfg.freq_dim, timestep).astype(cfg.dtype))))
-        e = e.astype(_F32)
-        e0 = self.time_projection(jax.nn.silu(e).astype(cfg.dtype)).astype(_F32).reshape(6, cfg.dim)
+            x = jnp.concatenate([x, self._embed_registers(registers)])
+        e, e0 = self._time(timestep)
         angles = rope_angles(cfg, frame_start, frames)
+        x, block_k, block_v = self._layers(x, e0, num_video, angles, attention, text_kv, image_kv)
+        h = self._head(x, e)
+        video = unpatchify(self.head(h[:num_video]).astype(_F32), frames, cfg.latent_channels, cfg.latent_height,
+                           cfg.latent_width, cfg.patch_size)
+        reg_out = self.register_head(h[num_video:]).astype(_F32) if registers is not None else None
+        return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v)
 
-        graphdef, stacked = nnx.split(self.blocks)
+    def forward_blocks(
+        self,
+        latents: jax.Array,  # [B, f, C, H, W]: B block instances (e.g. clean context copies and noisy targets)
+        timesteps: jax.Array,  # f32[B]: each instance's diffusion time
+        frame_starts: jax.Array,  # i32[B]: each instance's absolute first frame (RoPE)
+        text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
+        image_kv: tuple[jax.Array, jax.Array] | None = None,  # [L, Ni, H, D] each
+        registers: jax.Array | None = None,  # [B, E, register_dim]
+        *,
+        attention: SelfAttentionBackend,
+    ) -> DiTOutput:
+        """Many block instances in one pass (training mode): the same modules as :meth:`__call__`.
 
-        def layer_step(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            layer, state, layer_text, layer_image = xs
-            block = nnx.merge(graphdef, state)
-            return block(x, e0, num_video, angles, layer, attention, layer_text, layer_image)
+        Tokens are laid out as every instance's video tokens (instance-major), then every
+        instance's register tokens; each token is modulated by its own instance's timestep
+        and rotated at its own frame position. Which token sees which is entirely the
+        backend's business: with :class:`~ardiff_jax.models.MaskedAttention` built by
+        :func:`~ardiff_jax.models.block_causal_mask`, instance ``i`` sees exactly what the
+        paged runtime shows block ``i`` at inference (sink, sliding window, itself, its
+        registers), which is what makes training and cached inference agree.
 
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        x, (block_k, block_v) = jax.lax.scan(layer_step, x, (layers, stacked, text_kv, image_kv))
-
-        shift, scale = self.head_modulation[...].astype(_F32) + e[None]
-        h = (_layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(cfg.dtype)
-        video = unpatchify(self.head(h[:num_video]).astype(_F32), frames, *expected, cfg.patch_size)
-        reg_out = self.register_head(h[num_video:]).astype(_F32) if num_registers else None
+        Shapes:
+          returns: DiTOutput with ``video f32[B, f, C, H, W]``, ``registers f32[B, E, R]`` or
+          None, ``k, v [L, B*f*T, H, D]``.
+        """
+        cfg = self.config
+        self._check_latents(latents, 2)
+        num_instances, frames = latents.shape[:2]
+        tokens = frames * cfg.tokens_per_frame
+        num_video = num_instances * tokens
+        flat = latents.reshape(num_instances * frames, *latents.shape[2:]).astype(cfg.dtype)
+        x = self.patch_embedding(patchify(flat, cfg.patch_size)).astype(_F32)
+        e, e0 = self._time(jnp.asarray(timesteps, _F32))  # [B, dim], [B, 6, dim]
+        e_tokens, e0_tokens = jnp.repeat(e, tokens, axis=0), jnp.repeat(e0, tokens, axis=0)
+        if registers is not None:
+            if registers.ndim != 3 or registers.shape[0] != num_instances:
+                raise ValueError(f"registers must be [{num_instances}, {cfg.num_register_tokens}, {cfg.register_dim}], "
+                                 f"got {registers.shape}")
+            reg = self._embed_registers(registers)  # [B, E, dim]
+            x = jnp.concatenate([x, reg.reshape(-1, cfg.dim)])
+            num_reg = registers.shape[1]
+            e_tokens = jnp.concatenate([e_tokens, jnp.repeat(e, num_reg, axis=0)])
+            e0_tokens = jnp.concatenate([e0_tokens, jnp.repeat(e0, num_reg, axis=0)])
+        angles = jax.vmap(lambda start: rope_angles(cfg, start, frames))(jnp.asarray(frame_starts))
+        x, block_k, block_v = self._layers(x, e0_tokens, num_video, angles.reshape(num_video, -1), attention,
+                                           text_kv, image_kv)
+        h = self._head(x, e_tokens)
+        patches = self.head(h[:num_video]).astype(_F32).reshape(num_instances, tokens, cfg.patch_dim)
+        video = jax.vmap(lambda p: unpatchify(p, frames, cfg.latent_channels, cfg.latent_height, cfg.latent_width,
+                                              cfg.patch_size))(patches)
+        reg_out = None
+        if registers is not None:
+            reg_out = self.register_head(h[num_video:]).astype(_F32).reshape(num_instances, -1, cfg.register_dim)
         return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v)
 
     @property

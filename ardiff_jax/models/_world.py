@@ -261,6 +261,10 @@ class WorldPipeline(PipelineBase):
             state.get_cross_attention_kv(MAIN, TEXT), inflight.registers,
         )
 
+    def _finish_block(self, x0: jax.Array) -> jax.Array:
+        """The clean block as it is committed and returned (a subclass may project it, e.g. quantise)."""
+        return x0
+
     def _advance(self, state: Any, session: _WorldSession) -> WorldBlock | None:
         """Run the in-flight block's next denoise step; after the last one, commit and return the block."""
         inflight = session.inflight
@@ -271,6 +275,7 @@ class WorldPipeline(PipelineBase):
             inflight.x_t = x_next
             return None
         # The block is clean: one forward at t = 0 computes the K/V the runtime commits.
+        x0 = self._finish_block(x0)
         _, _, k, v = self._forward(state, session, inflight, x0, self.schedule.num_steps, commit=True)
         state.commit_paged_context(MAIN, kv=(k, v))
         session.inflight = None

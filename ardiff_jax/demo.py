@@ -1,0 +1,282 @@
+"""``ardiff-jax demo``: the trained SpriteWorld model, played through the engine and checked against the simulator.
+
+The demo opens several sessions (each its own SpriteWorld seed) on one
+:class:`~ardiff_jax.ARDiffusionEngine`, drives every session and its simulator with the same
+seeded random actions, round-robin, one block per request, far past the attention window,
+and reports how closely the generated frames track the simulator:
+
+* **tracking error**: mean absolute per-pixel error (0-255 scale, over ``H x W x 3``)
+  between generated and simulated frames, over the first and second half of the rollout;
+* the same figure for **repeat the first frame** (a model that never moves anything) and
+  for the **untrained** model (same architecture, random weights, same engine path);
+* frames/s of one session alone and of the interleaved sessions, per-request latency
+  percentiles, and the memory plan.
+
+With more sessions than the engine's capacity, LRU eviction drops a session's KV. The
+world is fully observable, so the demo restarts an evicted session from its own last
+generated frame (a new observation prefill) and counts the restarts; with host offload
+(a later feature) the session would resume exactly instead.
+
+Outputs (:func:`write_demo_outputs`): one GIF per session (generated | simulator), a
+contact-sheet PNG (generated rows above simulator rows), ``summary.json``, and
+``session_<i>.npz`` with ``frames``, ``truth`` and ``actions``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
+from ardiff_jax.models import SpriteWorldPipeline, pretrained, pretrained_metadata
+from ardiff_jax.runtime import ARDiffusionEngine
+from ardiff_jax.types import DiffusionRequest, EngineConfig
+
+__all__ = ["SessionTrack", "drive_sessions", "random_actions", "tracking_errors", "quality_summary", "run_demo",
+           "write_demo_outputs"]
+
+
+@dataclasses.dataclass
+class SessionTrack:
+    """One session's rollout next to its simulator.
+
+    Attributes:
+      seed: the SpriteWorld seed.
+      frames: ``u8[N + 1, H, W, 3]`` frame 0 is the observation, frames 1.. generated.
+      truth: ``u8[N + 1, H, W, 3]`` the simulator's frames (``truth[0] == frames[0]``).
+      actions: ``i32[N + 1]`` the action before each frame (``actions[0]`` is the no-op before reset).
+      latencies_ms: per-request latency (one request per block).
+      restarts: times the session was evicted and restarted from its last frame.
+    """
+
+    seed: int
+    frames: np.ndarray
+    truth: np.ndarray
+    actions: np.ndarray
+    latencies_ms: list[float]
+    restarts: int = 0
+
+
+def random_actions(seed: int, num_frames: int, repeat_probability: float = 0.75) -> np.ndarray:
+    """``i32[num_frames + 1]``: a no-op, then actions that repeat the previous one with ``repeat_probability``."""
+    rng = np.random.default_rng(seed)
+    actions = np.zeros(num_frames + 1, np.int32)
+    for t in range(1, num_frames + 1):
+        repeat = t > 1 and rng.random() < repeat_probability
+        actions[t] = actions[t - 1] if repeat else rng.integers(len(ACTION_NAMES))
+    return actions
+
+
+def drive_sessions(engine: ARDiffusionEngine, seeds: Sequence[int], num_frames: int, *, action_seed: int = 0,
+                   on_block: Callable[[int, float], None] | None = None) -> list[SessionTrack]:
+    """Drive one session per SpriteWorld seed and its simulator with the same actions, round-robin.
+
+    Every session gets ``num_frames`` generated frames after its observation (a multiple of
+    the pipeline's ``frames_per_block``). ``on_block(session_index, latency_ms)`` is called
+    after every request (progress bars hook in here).
+    """
+    pipeline = engine.runner.pipeline
+    f = pipeline.config.frames_per_block
+    if num_frames % f:
+        raise ValueError(f"num_frames ({num_frames}) must be a multiple of frames_per_block ({f})")
+    size = pipeline.config.latent_height
+    worlds = [SpriteWorld(seed, size=size) for seed in seeds]
+    tracks = []
+    for i, world in enumerate(worlds):
+        first = world.reset()
+        tracks.append(SessionTrack(seed=int(world.seed), frames=[first], truth=[first],
+                                   actions=random_actions(action_seed * 7919 + i, num_frames), latencies_ms=[]))
+    ids = [f"world-{i}-seed-{track.seed}" for i, track in enumerate(tracks)]
+    for block in range(num_frames // f):
+        for i, (track, world) in enumerate(zip(tracks, worlds, strict=True)):
+            actions = track.actions[1 + block * f: 1 + (block + 1) * f]
+            inputs: dict[str, Any] = {"actions": actions}
+            if ids[i] not in engine.sessions:  # new, or evicted by LRU: (re)start from the last frame
+                inputs["observation"] = np.stack(track.frames[-f:])
+                track.restarts += block > 0
+            start = time.perf_counter()
+            out = engine.generate(DiffusionRequest(f"{ids[i]}-b{block}", extra_args={"session_id": ids[i]},
+                                                   inputs=inputs))
+            latency = (time.perf_counter() - start) * 1e3
+            track.latencies_ms.append(latency)
+            track.frames.extend(out.frames)
+            track.truth.extend(world.step(int(a)) for a in actions)
+            if on_block is not None:
+                on_block(i, latency)
+    for session_id in ids:
+        if session_id in engine.sessions:
+            engine.close_session(session_id)
+    for track in tracks:
+        track.frames, track.truth = np.stack(track.frames), np.stack(track.truth)
+    return tracks
+
+
+def tracking_errors(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """``f32[N]``: mean absolute per-pixel error (0-255) of each frame against the simulator."""
+    return np.abs(frames.astype(np.float32) - truth.astype(np.float32)).mean(axis=(1, 2, 3))
+
+
+def _halves(errors: np.ndarray) -> tuple[float, float]:
+    """Means over the first and second half of the generated frames (frame 0, the observation, excluded)."""
+    generated = errors[1:]
+    half = len(generated) // 2
+    return float(generated[:half].mean()), float(generated[half:].mean())
+
+
+def quality_summary(tracks: Sequence[SessionTrack], untrained: Sequence[SessionTrack] | None = None) -> dict[str, Any]:
+    """The demo's quality figures (see the module docstring), per session and averaged."""
+    per_session = []
+    for i, track in enumerate(tracks):
+        model_first, model_second = _halves(tracking_errors(track.frames, track.truth))
+        repeat = np.broadcast_to(track.truth[:1], track.truth.shape)
+        repeat_first, repeat_second = _halves(tracking_errors(repeat, track.truth))
+        row = {"seed": track.seed, "model_first_half": model_first, "model_second_half": model_second,
+               "repeat_first_frame_second_half": repeat_second, "repeat_first_frame_first_half": repeat_first,
+               "restarts": track.restarts}
+        if untrained is not None:
+            row["untrained_second_half"] = _halves(tracking_errors(untrained[i].frames, untrained[i].truth))[1]
+        per_session.append(row)
+
+    def mean(key: str) -> float:
+        return float(statistics.fmean(row[key] for row in per_session))
+
+    summary: dict[str, Any] = {
+        "metric": "mean absolute per-pixel error against the simulator, 0-255 scale",
+        "generated_frames_per_session": int(len(tracks[0].frames) - 1),
+        "model_first_half": mean("model_first_half"),
+        "model_second_half": mean("model_second_half"),
+        "repeat_first_frame_second_half": mean("repeat_first_frame_second_half"),
+    }
+    summary["ratio_to_repeat_first_frame"] = summary["model_second_half"] / max(
+        summary["repeat_first_frame_second_half"], 1e-9)
+    summary["drift_second_over_first_half"] = summary["model_second_half"] / max(summary["model_first_half"], 1e-9)
+    if untrained is not None:
+        summary["untrained_second_half"] = mean("untrained_second_half")
+    summary["sessions"] = per_session
+    return summary
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    array = np.asarray(values, np.float64)
+    return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)} | {"max": float(array.max())}
+
+
+def _scaled(frame: np.ndarray, scale: int) -> np.ndarray:
+    return np.repeat(np.repeat(frame, scale, axis=0), scale, axis=1)
+
+
+def write_demo_outputs(out_dir: str | Path, tracks: Sequence[SessionTrack], summary: dict[str, Any], *,
+                       gif_scale: int = 4, sheet_columns: int = 16) -> list[Path]:
+    """Write the GIFs, the contact sheet, ``summary.json`` and the ``.npz`` files; returns their paths."""
+    from PIL import Image  # the core install ships Pillow; imported here so importing the module stays light
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, track in enumerate(tracks):
+        gap = np.full((track.frames.shape[1] * gif_scale, 2 * gif_scale, 3), 255, np.uint8)
+        pictures = [Image.fromarray(np.concatenate([_scaled(g, gif_scale), gap, _scaled(t, gif_scale)], axis=1))
+                    for g, t in zip(track.frames, track.truth, strict=True)]
+        gif = out / f"session_{i}.gif"
+        pictures[0].save(gif, save_all=True, append_images=pictures[1:], duration=100, loop=0)
+        npz = out / f"session_{i}.npz"
+        np.savez_compressed(npz, frames=track.frames, truth=track.truth, actions=track.actions)
+        written += [gif, npz]
+    # Contact sheet: per session, generated frames above simulator frames at evenly spaced times.
+    num_frames = len(tracks[0].frames)
+    columns = np.linspace(0, num_frames - 1, min(sheet_columns, num_frames)).round().astype(int)
+    scale, pad = 2, 2
+    rows = []
+    for track in tracks:
+        for source in (track.frames, track.truth):
+            cells = [np.pad(_scaled(source[c], scale), ((pad, pad), (pad, pad), (0, 0)), constant_values=255)
+                     for c in columns]
+            rows.append(np.concatenate(cells, axis=1))
+        rows.append(np.full((3 * pad, rows[-1].shape[1], 3), 128, np.uint8))  # separates sessions
+    sheet = out / "contact_sheet.png"
+    Image.fromarray(np.concatenate(rows[:-1], axis=0)).save(sheet)
+    summary_path = out / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return [*written, sheet, summary_path]
+
+
+def _single_session_fps(engine: ARDiffusionEngine, seed: int, num_frames: int) -> float:
+    tracks = drive_sessions(engine, [seed], num_frames, action_seed=seed)
+    steady = tracks[0].latencies_ms[1:]  # the first request also prefills the observation
+    f = engine.runner.pipeline.config.frames_per_block
+    return 1e3 * f / statistics.fmean(steady)
+
+
+def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, capacity: int | None = None,
+             seed: int = 0, compare_untrained: bool = True, progress: bool = True,
+             available_memory_bytes: int = 2**28) -> dict[str, Any]:
+    """Run the demo (see the module docstring) and write its outputs into ``out_dir``; returns the summary.
+
+    ``capacity`` below ``sessions`` makes LRU eviction happen (default: room for all).
+    """
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    capacity = sessions if capacity is None else capacity
+    pipeline = pretrained("sprite_world", session_capacity=capacity)
+    config = EngineConfig(dtype="float32", available_memory_bytes=available_memory_bytes, gpu_memory_fraction=1.0)
+    engine = ARDiffusionEngine(pipeline, config)
+    seeds = [seed + i for i in range(sessions)]
+    f = pipeline.config.frames_per_block
+    total_blocks = sessions * num_frames // f
+    evictions = []
+    engine.runner.add_session_listener(
+        lambda event: evictions.append(event.session_id) if event.reason == "lru_eviction" else None)
+    with tqdm(total=total_blocks * f * (2 if compare_untrained else 1), unit="frame", disable=not progress,
+              desc="trained model") as bar:
+        warm = time.perf_counter()
+        _single_session_fps(engine, seed + 1000, 2 * f)  # compile before timing anything
+        compile_seconds = time.perf_counter() - warm
+        run_start = time.perf_counter()
+        tracks = drive_sessions(engine, seeds, num_frames, action_seed=seed,
+                                on_block=lambda i, ms: bar.update(f))
+        interleaved_fps = total_blocks * f / (time.perf_counter() - run_start)
+        single_fps = _single_session_fps(engine, seed + 2000, min(num_frames, 32))
+        untrained_tracks = None
+        if compare_untrained:
+            bar.set_description("untrained model")
+            untrained = SpriteWorldPipeline(pipeline.config, pipeline.pipeline_config)
+            with ARDiffusionEngine(untrained, config) as untrained_engine:
+                untrained_tracks = drive_sessions(untrained_engine, seeds, num_frames, action_seed=seed,
+                                                  on_block=lambda i, ms: bar.update(f))
+    plan = engine.memory_plan.as_dict()
+    planned_capacity = engine.session_capacity
+    engine.close()
+    metadata = pretrained_metadata("sprite_world")
+    summary = {
+        "model": "sprite_world",
+        "device": str(jax.devices()[0]),
+        "sessions": sessions,
+        "session_capacity": planned_capacity,
+        "frames_per_block": f,
+        "attention_window_frames": pipeline.config.sink_frames + pipeline.config.window_frames,
+        "denoise_steps": pipeline.schedule.num_steps,
+        "quality": quality_summary(tracks, untrained_tracks),
+        "speed": {
+            "frames_per_second_one_session": single_fps,
+            "frames_per_second_interleaved": interleaved_fps,
+            "interleaved_sessions": sessions,
+            "latency_ms": _percentiles([ms for t in tracks for ms in t.latencies_ms[1:]]),
+            "compile_seconds": compile_seconds,
+        },
+        "lru_evictions": len(evictions),
+        "restarts_after_eviction": sum(t.restarts for t in tracks),
+        "memory_plan": plan,
+        "weights": {k: metadata.get(k) for k in ("num_params", "sha256")} | {"training": metadata.get("training")},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    write_demo_outputs(out_dir, tracks, summary)
+    return summary

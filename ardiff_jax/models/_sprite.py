@@ -1,0 +1,241 @@
+"""``SpriteWorldPipeline``: the trained, action-conditioned SpriteWorld model behind the runtime.
+
+It is a :class:`~ardiff_jax.models.WorldPipeline` (one KV branch ``"main"``, few-step
+denoising, register tokens in scratch, the same jitted step program) with a request schema
+made for playing a world:
+
+* ``inputs["observation"]``: ``u8[n, H, W, 3]`` or ``u8[H, W, 3]``, the real first frame(s)
+  (``SpriteWorld.reset()``), **required on a session's first request** and refused later.
+  The frames are committed as context before the first block, one clean ``t = 0`` forward
+  per block, like DreamZero's observation prefill; the first of them becomes the attention
+  sink. ``n`` must be a multiple of ``frames_per_block``. A streaming (stepwise) request
+  carries it on every call; it is prefilled once, before the request's first block.
+* ``inputs["observation_actions"]``: optional ``int[n]``, the action before each observation
+  frame (default no-ops, which is what precedes a reset frame).
+* ``inputs["actions"]``: ``int[frames_per_block]``, **required on every request**: the action
+  applied before each frame of the block, aligned with ``SpriteWorld.step`` (frame ``i`` of
+  the block is the world after ``actions[i]``). A streaming (stepwise) request of
+  ``inputs["num_blocks"]`` blocks may give ``int[num_blocks, frames_per_block]``.
+* ``inputs["seed"]``: the session's noise seed (default: derived from the session id).
+* ``prompt``: ``None`` (or ``""``): the model is not text-conditioned.
+
+Each request returns a :class:`SpriteBlock` whose ``frames`` are the decoded RGB frames. The
+block is committed as those frames (quantised to ``uint8`` levels, then re-encoded), so the
+model continues from exactly what the user saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ardiff_jax._checks import is_integer
+from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
+from ardiff_jax.models._common import FewStepSchedule
+from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._pixels import action_registers, frames_to_latents, latents_to_frames
+from ardiff_jax.models._world import MAIN, WorldBlock, WorldPipeline, WorldPipelineConfig, _WorldSession, world_step
+from ardiff_jax.types import DiffusionRequest, StepResult
+
+__all__ = ["SpriteWorldPipeline", "SpriteWorldPipelineConfig", "SpriteBlock", "SPRITE_WORLD_SCHEDULE"]
+
+#: The few-step schedule the shipped model samples with (``docs/models.md``: why two steps).
+SPRITE_WORLD_SCHEDULE = FewStepSchedule((1000.0, 500.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpriteWorldPipelineConfig(WorldPipelineConfig):
+    """:class:`WorldPipelineConfig` with the SpriteWorld model's sampling schedule as the default."""
+
+    schedule: FewStepSchedule = SPRITE_WORLD_SCHEDULE
+
+
+class SpriteBlock(NamedTuple):
+    """One generated block of a SpriteWorld session.
+
+    Attributes:
+      frames: ``u8[f, H, W, 3]`` the decoded RGB frames.
+      latents: ``f32[f, 3, H, W]`` the clean pixel-space latents (``[-1, 1]``).
+      first_frame: absolute index of the block's first frame in its session (observation frames count).
+      block_index: blocks this session generated before this one.
+    """
+
+    frames: np.ndarray
+    latents: jax.Array
+    first_frame: int
+    block_index: int
+
+
+class _ParsedBlock(NamedTuple):
+    registers: np.ndarray  # f32[E, R]
+    observation: np.ndarray | None  # f32[n, 3, H, W]
+    observation_registers: np.ndarray | None  # f32[n, E, R]
+
+
+@jax.jit
+def quantise_latents(latents: jax.Array) -> jax.Array:
+    """``f32[..., 3, H, W]`` -> the latents of the ``uint8`` frames they decode to (what the user sees)."""
+    return frames_to_latents(latents_to_frames(latents, jnp), jnp)
+
+
+def _check_actions(name: str, value: Any, length: int) -> np.ndarray:
+    array = np.asarray(value)
+    if array.shape != (length,) or not (array.dtype.kind in "iu" or (array.size == 0 or all(
+            is_integer(a) for a in array.tolist()))):
+        raise ValueError(f"{name} must be int[{length}] (one action per frame), got {array.dtype}{list(array.shape)}")
+    array = array.astype(np.int64)
+    if array.size and (array.min() < 0 or array.max() >= len(ACTION_NAMES)):
+        raise ValueError(f"{name} must be actions in [0, {len(ACTION_NAMES)}) {ACTION_NAMES}, got {array.tolist()}")
+    return array
+
+
+class SpriteWorldPipeline(WorldPipeline):
+    """The SpriteWorld world model: observation prefill, integer actions in, RGB frames out.
+
+    Build it with :func:`ardiff_jax.models.pretrained` (``pretrained("sprite_world")``) for the
+    shipped weights, or directly with ``modules=`` for weights of your own. See the module
+    docstring for the request schema.
+    """
+
+    pipeline_config_type = SpriteWorldPipelineConfig
+    supports_step_execution = True
+
+    def __init__(self, config: CausalDiTConfig | str = "sprite_world",
+                 pipeline_config: SpriteWorldPipelineConfig | None = None, *, modules: Any = None,
+                 device: jax.Device | None = None) -> None:
+        super().__init__(config, pipeline_config, modules=modules, device=device)
+
+    @classmethod
+    def check_compatible(cls, config: CausalDiTConfig, pipeline_config: Any) -> None:
+        problems = []
+        if config.latent_channels != 3 or config.latent_height != config.latent_width:
+            problems.append("square RGB pixel latents (latent_channels 3, latent_height == latent_width)")
+        if config.num_register_tokens != config.frames_per_block:
+            problems.append("one register token per frame (num_register_tokens == frames_per_block)")
+        if config.register_dim != len(ACTION_NAMES):
+            problems.append(f"register_dim == {len(ACTION_NAMES)} (one-hot actions)")
+        if config.image_len:
+            problems.append("no image branch (image_len 0)")
+        if problems:
+            raise ValueError(f"SpriteWorldPipeline needs a CausalDiTConfig with {'; '.join(problems)}; got {config}")
+
+    @property
+    def frame_size(self) -> int:
+        """Side of the square RGB frames this model reads and writes (``SpriteWorld(size=...)``)."""
+        return self.config.latent_height
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
+        """One block from a real observation: compiles the prefill, step and decode programs."""
+        observation = SpriteWorld(0, size=self.frame_size).reset()
+        yield DiffusionRequest("sprite-warmup-0", extra_args={"session_id": session_id, "reset": True},
+                               inputs={"observation": observation,
+                                       "actions": np.zeros(self.config.frames_per_block, np.int64)})
+
+    # -- request parsing (host only) -------------------------------------------------------------
+    def _check_prompt_and_seed(self, session_id: str, request: DiffusionRequest, prompt: Any) -> str | None:
+        if prompt not in (None, ""):
+            raise ValueError("SpriteWorldPipeline is not text-conditioned: prompt must be None (or '')")
+        if request.inputs.get("seed") is not None:
+            super()._check_prompt_and_seed(session_id, request, "")
+        return "" if session_id not in self._sessions else None
+
+    def _parse_observation(self, request: DiffusionRequest) -> tuple[np.ndarray, np.ndarray]:
+        cfg = self.config
+        size, f = self.frame_size, cfg.frames_per_block
+        obs = np.asarray(request.inputs["observation"])
+        if obs.ndim == 3:
+            obs = obs[None]
+        if obs.dtype != np.uint8 or obs.ndim != 4 or obs.shape[1:] != (size, size, 3) or obs.shape[0] == 0:
+            raise ValueError(f"inputs['observation'] must be uint8[n, {size}, {size}, 3] or uint8[{size}, {size}, 3] "
+                             f"frames (SpriteWorld(size={size}).reset()), got {obs.dtype}{list(obs.shape)}")
+        if obs.shape[0] % f:
+            raise ValueError(f"inputs['observation'] must hold a multiple of frames_per_block ({f}) frames, "
+                             f"got {obs.shape[0]}")
+        given = request.inputs.get("observation_actions")
+        actions = (np.zeros(obs.shape[0], np.int64) if given is None
+                   else _check_actions("inputs['observation_actions']", given, obs.shape[0]))
+        return obs, actions
+
+    def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[str | None, _ParsedBlock]:
+        prompt = self._check_prompt_and_seed(session_id, request, request.prompt)
+        cfg = self.config
+        if "actions" not in request.inputs:
+            raise ValueError(f"SpriteWorldPipeline requests need inputs['actions']: int[{cfg.frames_per_block}], "
+                             f"the action before each frame of the block ({', '.join(ACTION_NAMES)})")
+        num_blocks = self._num_blocks(request)
+        given = np.asarray(request.inputs["actions"])
+        if given.ndim == 2:  # a streaming request: one row of actions per block
+            if given.shape[0] != num_blocks:
+                raise ValueError(f"inputs['actions'] must be int[{cfg.frames_per_block}] or "
+                                 f"int[num_blocks={num_blocks}, {cfg.frames_per_block}], got {list(given.shape)}")
+            session = self._sessions.get(session_id)
+            given = given[min(0 if session is None else session.blocks_emitted, num_blocks - 1)]
+        actions = _check_actions("inputs['actions']", given, cfg.frames_per_block)
+        registers = action_registers(actions, cfg.register_dim)
+        new_session = session_id not in self._sessions
+        if new_session and request.inputs.get("observation") is None:
+            raise ValueError(f"SpriteWorldPipeline session {session_id!r} has no observation yet: its first request "
+                             "needs inputs['observation'] (SpriteWorld.reset() frames; the session may have been "
+                             "evicted or reset)")
+        # A streaming (stepwise) request carries the same inputs on every call: its observation
+        # was prefilled before its first block, and later blocks of that request skip it.
+        streaming = not new_session and self._sessions[session_id].blocks_emitted > 0
+        if not new_session and not streaming and request.inputs.get("observation") is not None:
+            raise ValueError(f"SpriteWorldPipeline session {session_id!r} already started: inputs['observation'] is "
+                             "only for a session's first request (reset the session to start from a new observation)")
+        if new_session:
+            obs, obs_actions = self._parse_observation(request)
+            return prompt, _ParsedBlock(registers, frames_to_latents(obs),
+                                        action_registers(obs_actions, cfg.register_dim)[:, None, :])
+        if request.inputs.get("observation_actions") is not None and not streaming:
+            raise ValueError("inputs['observation_actions'] goes with inputs['observation'] on a session's first request")
+        return prompt, _ParsedBlock(registers, None, None)
+
+    # -- device work ------------------------------------------------------------------------------
+    def _prefill(self, state: Any, session: _WorldSession, latents: np.ndarray, registers: np.ndarray) -> None:
+        """Commit the observation frames as context: one clean ``t = 0`` forward per block."""
+        cfg = self.config
+        f = cfg.frames_per_block
+        seq_len = f * cfg.tokens_per_frame
+        zero = np.float32(0.0)
+        for start in range(0, latents.shape[0], f):
+            caches = state.get_kv_caches(MAIN, seq_len=seq_len, commit_current=True)
+            block_registers = registers[start:start + f].reshape(cfg.num_register_tokens, cfg.register_dim)
+            _, _, k, v = world_step(
+                self._graphdef, self._params, caches, self._to_device(latents[start:start + f]), zero, zero, zero,
+                session.key, np.int32(session.block_index), np.int32(self.schedule.num_steps),
+                np.int32(state.adapter(MAIN).committed_frames), state.get_cross_attention_kv(MAIN, "text"),
+                self._to_device(block_registers))
+            state.commit_paged_context(MAIN, kv=(k, v))
+
+    def _start_block(self, state: Any, session: _WorldSession, parsed: Any) -> Any:
+        if parsed.observation is not None:
+            self._prefill(state, session, parsed.observation, parsed.observation_registers)
+        return super()._start_block(state, session, parsed.registers)
+
+    def _finish_block(self, x0: jax.Array) -> jax.Array:
+        # Commit the frame the user sees: rounding to uint8 levels before the t = 0 forward
+        # keeps sub-level errors from accumulating in the context (the next block is
+        # conditioned on exactly the decoded frame, as if it had been observed).
+        return quantise_latents(x0)
+
+    @staticmethod
+    def _decoded(block: WorldBlock) -> SpriteBlock:
+        return SpriteBlock(frames=np.asarray(latents_to_frames(jax.device_get(block.latents))), latents=block.latents,
+                           first_frame=block.first_frame, block_index=block.block_index)
+
+    def forward(self, request: DiffusionRequest) -> SpriteBlock:
+        """Generate one block of the bound session (tick mode)."""
+        return self._decoded(super().forward(request))
+
+    def step(self, request: DiffusionRequest) -> StepResult:
+        """One denoise step of a streaming request; the emitted block carries decoded frames."""
+        result = super().step(request)
+        if result.output is None:
+            return result
+        return dataclasses.replace(result, output=self._decoded(result.output))

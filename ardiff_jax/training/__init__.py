@@ -1,0 +1,51 @@
+"""Training the SpriteWorld model: teacher-forced flow matching on block-causal sequences, optax, orbax.
+
+* :class:`TrainConfig` fixes a run (the seed makes it reproducible and resumable);
+  :func:`train` runs it with a tqdm progress bar, orbax checkpoints, ``losses.json`` and
+  ``loss_curve.png``; ``ardiff-jax train`` is its command line.
+* The objective (:func:`batch_loss`, :func:`sequence_loss`, :func:`sample_training_batch`)
+  is pure and jittable; the training-mode forward is the same ``CausalDiT`` that serves
+  inference, run over many block instances at once under a token mask built from the
+  runtime's own visible-window rule (``ardiff_jax.models.block_causal_mask``).
+
+Needs the ``train`` extra (``pip install 'ardiff_jax[train]'``: optax, orbax-checkpoint,
+matplotlib); inference with the shipped weights does not. Design notes: ``docs/models.md``.
+"""
+
+from ardiff_jax.training._loop import (
+    TrainConfig,
+    TrainResult,
+    TrainState,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    plot_loss_curve,
+    restore_checkpoint,
+    save_checkpoint,
+    train,
+)
+from ardiff_jax.training._objective import (
+    SIGMA_ONE_PROBABILITY,
+    TrainingBatch,
+    batch_loss,
+    sample_training_batch,
+    sequence_loss,
+)
+
+__all__ = [
+    "SIGMA_ONE_PROBABILITY",
+    "TrainConfig",
+    "TrainResult",
+    "TrainState",
+    "TrainingBatch",
+    "batch_loss",
+    "init_train_state",
+    "make_optimizer",
+    "make_train_step",
+    "plot_loss_curve",
+    "restore_checkpoint",
+    "sample_training_batch",
+    "save_checkpoint",
+    "sequence_loss",
+    "train",
+]

@@ -1,0 +1,245 @@
+"""The training loop: optax AdamW with warmup + cosine decay and clipping, orbax checkpoints, resumable."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ardiff_jax._checks import check_non_negative_int, check_positive_int
+from ardiff_jax.models import CausalDiTConfig, DiTModules, dit_preset
+from ardiff_jax.training._objective import TrainingBatch, batch_loss, sample_training_batch
+
+__all__ = ["TrainConfig", "TrainState", "TrainResult", "make_optimizer", "init_train_state", "make_train_step",
+           "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve"]
+
+
+def _optional(module: str) -> Any:
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise ImportError(f"training needs {module}; install the extra: pip install 'ardiff_jax[train]'") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run (with the seed, the run is reproducible and resumable).
+
+    Attributes:
+      preset: the ``CausalDiT`` preset to train (``"sprite_world"``).
+      steps: optimizer steps.
+      batch_size: training sequences per step.
+      sequence_frames: frames per sequence: the sink frame plus ``sequence_frames - 1`` consecutive frames.
+      max_gap: largest distance from the sink to the first consecutive frame.
+      learning_rate, warmup_steps, end_learning_rate: linear warmup to the peak, then cosine decay.
+      weight_decay: AdamW's decoupled weight decay.
+      grad_clip: global gradient-norm clip.
+      change_weight: extra loss weight of pixels that changed since the previous frame.
+      seed: initial weights, data and noise.
+      checkpoint_every: steps between orbax checkpoints (the last step is always saved).
+    """
+
+    preset: str = "sprite_world"
+    steps: int = 900
+    batch_size: int = 32
+    sequence_frames: int = 4
+    max_gap: int = 48
+    learning_rate: float = 2e-3
+    warmup_steps: int = 50
+    end_learning_rate: float = 1e-4
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    change_weight: float = 4.0
+    seed: int = 0
+    checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "max_gap", "checkpoint_every"):
+            check_positive_int(f"TrainConfig {name}", getattr(self, name))
+        check_non_negative_int("TrainConfig warmup_steps", self.warmup_steps)
+        check_non_negative_int("TrainConfig seed", self.seed)
+        if check_positive_int("TrainConfig sequence_frames", self.sequence_frames) < 2:
+            raise ValueError("TrainConfig sequence_frames must be at least 2 (the sink and one target)")
+        for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"TrainConfig {name} must be a finite non-negative number, got {value!r}")
+        dit_preset(self.preset)  # KeyError naming the presets if unknown
+
+    @property
+    def model_config(self) -> CausalDiTConfig:
+        return dit_preset(self.preset)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class TrainState(NamedTuple):
+    """What a checkpoint holds: the step reached, the parameters, the optimizer state."""
+
+    step: jax.Array  # i32[]
+    params: Any
+    opt_state: Any
+
+
+class TrainResult(NamedTuple):
+    """A finished (or resumed and finished) run; ``wall_seconds`` sums every call of the run."""
+
+    modules: DiTModules
+    losses: list[tuple[int, float]]
+    wall_seconds: float
+    resumed_from: int | None
+
+
+def make_optimizer(config: TrainConfig) -> Any:
+    """AdamW on a warmup + cosine schedule behind a global-norm clip."""
+    optax = _optional("optax")
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=max(config.steps, config.warmup_steps + 1), end_value=config.end_learning_rate)
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                       optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
+    """``(graphdef, state)`` at step 0: fresh weights from ``config.seed``."""
+    modules = DiTModules.create(config.model_config, config.seed)
+    graphdef, params = nnx.split(modules)
+    return graphdef, TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(config).init(params))
+
+
+def make_train_step(config: TrainConfig, graphdef: Any) -> Callable[[TrainState, TrainingBatch], tuple[TrainState, jax.Array]]:
+    """The jitted step ``(state, batch) -> (state, loss)``; the step's noise key is ``fold_in(seed, step)``."""
+    optax = _optional("optax")
+    optimizer = make_optimizer(config)
+    model_config = config.model_config
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state: TrainState, batch: TrainingBatch) -> tuple[TrainState, jax.Array]:
+        key = jax.random.fold_in(jax.random.key(config.seed), state.step)
+        loss, grads = jax.value_and_grad(
+            lambda p: batch_loss(graphdef, p, model_config, batch, key, config.change_weight))(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+
+    return step
+
+
+def _manager(directory: Path, keep: int = 2) -> Any:
+    ocp = _optional("orbax.checkpoint")
+    return ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+
+def save_checkpoint(directory: str | Path, state: TrainState, losses: list[tuple[int, float]],
+                    wall_seconds: float = 0.0) -> None:
+    """Save ``state`` (orbax, arrays), the loss history so far and the run's training time (JSON item)."""
+    ocp = _optional("orbax.checkpoint")
+    manager = _manager(Path(directory))
+    step = int(state.step)
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               losses=ocp.args.JsonSave({"losses": losses, "wall_seconds": wall_seconds})))
+    manager.wait_until_finished()
+    manager.close()
+
+
+def restore_checkpoint(directory: str | Path, config: TrainConfig, step: int | None = None
+                       ) -> tuple[Any, TrainState, list[tuple[int, float]], float] | None:
+    """``(graphdef, state, losses, wall_seconds)`` of the latest (or given) checkpoint; ``None`` if there is none."""
+    ocp = _optional("orbax.checkpoint")
+    directory = Path(directory)
+    if not directory.exists():
+        return None
+    manager = _manager(directory)
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        manager.close()
+        return None
+    abstract = jax.eval_shape(lambda: init_train_state(config)[1])
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                             losses=ocp.args.JsonRestore()))
+    manager.close()
+    graphdef = nnx.split(nnx.eval_shape(lambda: DiTModules(config.model_config, config.seed)))[0]
+    record = restored["losses"]
+    losses = [(int(s), float(v)) for s, v in record["losses"]]
+    return graphdef, TrainState(*restored["state"]), losses, float(record.get("wall_seconds", 0.0))
+
+
+def plot_loss_curve(losses: list[tuple[int, float]], path: str | Path, title: str = "training loss") -> Path:
+    """Write the loss curve (log scale, raw and smoothed) as a PNG."""
+    matplotlib = _optional("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.array([s for s, _ in losses])
+    values = np.array([v for _, v in losses])
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, values, alpha=0.35, label="loss")
+    if len(values) >= 10:
+        width = max(len(values) // 20, 5)
+        smooth = np.convolve(values, np.ones(width) / width, mode="valid")
+        ax.plot(steps[width - 1:], smooth, label=f"mean of {width}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = True, progress: bool = True,
+          stop_after: int | None = None) -> TrainResult:
+    """Train (or resume) the run of ``config`` in ``out_dir``: checkpoints, ``losses.json`` and ``loss_curve.png``.
+
+    ``out_dir/checkpoints`` holds orbax checkpoints every ``config.checkpoint_every`` steps
+    and at the end; with ``resume`` the latest one is restored and the run continues with
+    the same data and noise it would have seen uninterrupted. ``stop_after`` stops early
+    after that many steps of this call (the run can be resumed later).
+    """
+    tqdm = _optional("tqdm.auto").tqdm
+    out = Path(out_dir)
+    checkpoints = out / "checkpoints"
+    started = time.perf_counter()
+    restored = restore_checkpoint(checkpoints, config) if resume else None
+    earlier_seconds = 0.0
+    if restored is None:
+        graphdef, state = init_train_state(config)
+        losses: list[tuple[int, float]] = []
+        resumed_from = None
+    else:
+        graphdef, state, losses, earlier_seconds = restored
+        resumed_from = int(state.step)
+    step_fn = make_train_step(config, graphdef)
+    first = int(state.step)
+    last = config.steps if stop_after is None else min(config.steps, first + stop_after)
+    cfg = config.model_config
+    with tqdm(total=config.steps, initial=first, disable=not progress, unit="step", desc="train") as bar:
+        for step in range(first, last):
+            batch = sample_training_batch(config.seed, step, config.batch_size, config.sequence_frames,
+                                          config.max_gap, size=cfg.latent_height)
+            state, loss = step_fn(state, batch)
+            losses.append((step, float(loss)))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1][1]:.4f}")
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == last:
+                save_checkpoint(checkpoints, state, losses, earlier_seconds + time.perf_counter() - started)
+    wall_seconds = earlier_seconds + time.perf_counter() - started
+    (out / "losses.json").write_text(
+        json.dumps({"config": config.as_dict(), "losses": losses, "wall_seconds": wall_seconds}) + "\n")
+    if losses:
+        plot_loss_curve(losses, out / "loss_curve.png", title=f"{config.preset}: training loss")
+    modules = nnx.merge(graphdef, state.params)
+    return TrainResult(modules=modules, losses=losses, wall_seconds=wall_seconds, resumed_from=resumed_from)

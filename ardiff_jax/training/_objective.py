@@ -1,0 +1,138 @@
+"""The training objective: teacher-forced flow matching over block-causal sequences (pure, jittable).
+
+A training sequence is a **sink frame plus a run of consecutive frames** of one SpriteWorld
+clip, at their true frame indices: frame 0 (the reset frame, which inference keeps as the
+attention sink) followed by frames ``g, g + 1, ..., g + n - 2``. ``g = 1`` makes it a
+contiguous clip; a larger gap puts the sink as far back as a long rollout does, so the model
+learns to treat a distant sink the way inference will show it.
+
+The sequence becomes ``2 (n - 1)`` block instances in one :meth:`CausalDiT.forward_blocks`
+pass (teacher forcing, as CausVid trains its causal student):
+
+* **clean context**: frames ``0 .. n-2`` at ``t = 0``, each seeing what the runtime would
+  have committed before it;
+* **noisy targets**: frames ``1 .. n-1``, each at its own noise level (diffusion forcing's
+  per-block levels), seeing the clean context the window rule shows it plus itself.
+
+:func:`~ardiff_jax.models.block_causal_mask` builds the token mask from the runtime's own
+visible-window rule, so a noisy target sees exactly what a cached inference forward sees.
+A target whose previous frame is not in the sequence (the first frame after a gap) carries
+no loss: it could only guess.
+
+The loss is the flow-matching MSE ``|v_pred - (noise - x0)|^2`` on the noisy targets, with
+pixels that changed since the previous frame weighted ``1 + change_weight`` (the agent and
+the ball are a few percent of the pixels; unweighted, copying the last frame is almost
+free).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ardiff_jax.envs import ACTION_NAMES, sprite_world_clips
+from ardiff_jax.models import (
+    CausalDiTConfig,
+    MaskedAttention,
+    action_registers,
+    block_causal_mask,
+    frames_to_latents,
+    tokenize_prompt,
+)
+
+__all__ = ["TrainingBatch", "sample_training_batch", "sequence_loss", "batch_loss", "SIGMA_ONE_PROBABILITY"]
+
+#: Share of noisy targets trained at ``sigma = 1`` (pure noise): the first step of few-step
+#: sampling, which must produce the whole next frame from the context alone.
+SIGMA_ONE_PROBABILITY = 0.25
+
+
+class TrainingBatch(NamedTuple):
+    """Host-side batch of training sequences.
+
+    Attributes:
+      frames: ``u8[B, n, H, W, 3]``: the sink frame then ``n - 1`` consecutive frames.
+      actions: ``i32[B, n]``: the action that produced each frame (no-op for the reset frame).
+      positions: ``i32[B, n]``: each frame's index in its clip (frame 0 is the sink).
+      weights: ``f32[B, n - 1]``: loss weight of each noisy target (0 after a gap).
+    """
+
+    frames: np.ndarray
+    actions: np.ndarray
+    positions: np.ndarray
+    weights: np.ndarray
+
+
+def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max_gap: int,
+                          size: int = 32) -> TrainingBatch:
+    """The batch of training step ``step``: a pure function of ``(seed, step)``, so a resumed run sees the same data.
+
+    Half the sequences are contiguous (``g = 1``); the rest start after a gap drawn
+    uniformly from ``[2, max_gap]``.
+    """
+    rng = np.random.default_rng([seed, step])
+    clip_seed = int(rng.integers(0, 2**62))
+    gaps = np.where(rng.random(batch) < 0.5, 1, rng.integers(2, max(max_gap, 2) + 1, size=batch))
+    length = int(gaps.max()) + num_frames - 1
+    frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
+    offsets = np.arange(num_frames - 1)
+    positions = np.concatenate([np.zeros((batch, 1), np.int64), gaps[:, None] + offsets[None, :]], axis=1)
+    rows = np.arange(batch)[:, None]
+    weights = np.ones((batch, num_frames - 1), np.float32)
+    weights[:, 0] = (gaps == 1).astype(np.float32)
+    return TrainingBatch(frames=frames[rows, positions], actions=actions[rows, positions].astype(np.int32),
+                         positions=positions.astype(np.int32), weights=weights)
+
+
+def sequence_loss(
+    modules: Any,  # DiTModules (transformer + text encoder)
+    config: CausalDiTConfig,
+    frames: jax.Array,  # u8[n, H, W, 3]
+    actions: jax.Array,  # i32[n]
+    positions: jax.Array,  # i32[n]
+    weights: jax.Array,  # f32[n - 1]
+    key: jax.Array,  # PRNG key of this sequence's noise levels and noise
+    change_weight: float,
+) -> tuple[jax.Array, jax.Array]:
+    """``(weighted loss sum, weight sum)`` of one sequence (see the module docstring)."""
+    n = frames.shape[0]
+    latents = frames_to_latents(frames, jnp)  # [n, 3, H, W]
+    registers = action_registers(actions, len(ACTION_NAMES), jnp)[:, None, :]  # [n, 1, R]
+    key_sigma, key_one, key_noise = jax.random.split(key, 3)
+    sigma = jax.random.uniform(key_sigma, (n - 1,))
+    sigma = jnp.where(jax.random.uniform(key_one, (n - 1,)) < SIGMA_ONE_PROBABILITY, 1.0, sigma)
+    x0 = latents[1:]
+    noise = jax.random.normal(key_noise, x0.shape, jnp.float32)
+    s = sigma[:, None, None, None]
+    x_t = (1.0 - s) * x0 + s * noise
+    instances = jnp.concatenate([latents[:-1], x_t])[:, None]  # [2(n-1), 1, 3, H, W]
+    timesteps = jnp.concatenate([jnp.zeros((n - 1,)), sigma * 1000.0])
+    starts = jnp.concatenate([positions[:-1], positions[1:]])
+    clean = jnp.arange(2 * (n - 1)) < n - 1
+    mask = block_causal_mask(config, starts, clean)
+    text_ids = jnp.asarray(tokenize_prompt("", config.text_len))
+    text_kv = modules.transformer.text_cross_kv(modules.text_encoder(text_ids))
+    out = modules.transformer.forward_blocks(instances, timesteps, starts, text_kv, None,
+                                             jnp.concatenate([registers[:-1], registers[1:]]),
+                                             attention=MaskedAttention(mask))
+    v_pred = out.video[n - 1:, 0]  # the noisy targets' flow predictions [n-1, 3, H, W]
+    changed = jnp.any(latents[1:] != latents[:-1], axis=1, keepdims=True)  # [n-1, 1, H, W]
+    pixel_weight = 1.0 + change_weight * changed.astype(jnp.float32)
+    err = jnp.square(v_pred - (noise - x0)) * pixel_weight
+    per_target = err.mean(axis=(1, 2, 3))
+    return jnp.sum(per_target * weights), jnp.sum(weights)
+
+
+def batch_loss(graphdef: Any, params: Any, config: CausalDiTConfig, batch: TrainingBatch, key: jax.Array,
+               change_weight: float) -> jax.Array:
+    """Mean weighted loss over a batch (the value :func:`~ardiff_jax.training.train` minimises)."""
+    modules = nnx.merge(graphdef, params)
+    keys = jax.random.split(key, batch.frames.shape[0])
+    totals, counts = jax.vmap(
+        lambda f, a, p, w, k: sequence_loss(modules, config, f, a, p, w, k, change_weight)
+    )(batch.frames, batch.actions, batch.positions, batch.weights, keys)
+    return jnp.sum(totals) / jnp.maximum(jnp.sum(counts), 1.0)

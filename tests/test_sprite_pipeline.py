@@ -1,0 +1,185 @@
+"""SpriteWorldPipeline: request schema, observation prefill, decoded frames, stepwise = tick, weight files."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig, StepSchedulerOutput
+from ardiff_jax.envs import SpriteWorld
+from ardiff_jax.models import (
+    PRETRAINED_MODELS,
+    DiTModules,
+    SpriteBlock,
+    SpriteWorldPipeline,
+    SpriteWorldPipelineConfig,
+    dit_preset,
+    frames_to_latents,
+    latents_to_frames,
+    load_weights,
+    pretrained,
+    pretrained_metadata,
+    save_weights,
+)
+
+CONFIG = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0)
+
+
+@pytest.fixture(scope="module")
+def modules():
+    return DiTModules.create(dit_preset("sprite_world"), 1)
+
+
+def _engine(modules, **engine_fields):
+    pipeline = SpriteWorldPipeline("sprite_world", SpriteWorldPipelineConfig(session_capacity=2), modules=modules)
+    config = CONFIG if not engine_fields else EngineConfig(**{**CONFIG.__dict__, **engine_fields})
+    return pipeline, ARDiffusionEngine(pipeline, config)
+
+
+def _request(sid, actions, **inputs):
+    return DiffusionRequest(f"{sid}-r", extra_args={"session_id": sid}, inputs={"actions": actions, **inputs})
+
+
+def test_observation_then_actions_give_decoded_frames(modules):
+    pipeline, engine = _engine(modules)
+    world = SpriteWorld(4)
+    out = engine.generate(_request("p", [4], observation=world.reset()))
+    assert isinstance(out, SpriteBlock)
+    assert out.frames.dtype == np.uint8 and out.frames.shape == (1, 32, 32, 3)
+    assert out.first_frame == 1 and out.block_index == 0
+    # The block is committed and returned as the decoded frame (quantised latents).
+    np.testing.assert_allclose(np.asarray(out.latents), frames_to_latents(out.frames), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(latents_to_frames(np.asarray(out.latents)), out.frames)
+    out = engine.generate(_request("p", np.array([2])))  # observation + block 0 committed before it
+    assert out.first_frame == 2 and out.block_index == 1
+
+
+def test_multi_frame_observation_is_committed_frame_by_frame(modules):
+    _, engine = _engine(modules)
+    world = SpriteWorld(5)
+    frames = [world.reset(), world.step(4), world.step(4)]
+    out = engine.generate(_request("p", [0], observation=np.stack(frames), observation_actions=[0, 4, 4]))
+    assert out.first_frame == 3
+    assert engine.generate(_request("p", [0])).first_frame == 4
+
+
+@pytest.mark.parametrize("inputs,message", [
+    ({"actions": [1]}, "no observation yet"),
+    ({"actions": [5], "observation": "OBS"}, r"actions in \[0, 5\)"),
+    ({"actions": [1, 2], "observation": "OBS"}, r"int\[1\]"),
+    ({"actions": [0.5], "observation": "OBS"}, r"int\[1\]"),
+    ({"observation": "OBS"}, "need inputs\\['actions'\\]"),
+    ({"actions": [1], "observation": np.zeros((32, 32, 3), np.float32)}, "uint8"),
+    ({"actions": [1], "observation": np.zeros((16, 16, 3), np.uint8)}, "uint8"),
+    ({"actions": [1], "observation": "OBS", "observation_actions": [0, 1]}, r"int\[1\]"),
+])
+def test_bad_first_requests_fail_clearly_and_change_nothing(modules, inputs, message):
+    pipeline, engine = _engine(modules)
+    if isinstance(inputs.get("observation"), str):
+        inputs = {**inputs, "observation": SpriteWorld(0).reset()}
+    with pytest.raises(ValueError, match=message):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": "p"}, inputs=inputs))
+    assert engine.sessions == () and pipeline.session_ids == ()
+
+
+def test_later_requests_refuse_an_observation_and_a_prompt(modules):
+    pipeline, engine = _engine(modules)
+    first = SpriteWorld(1).reset()
+    engine.generate(_request("p", [1], observation=first))
+    with pytest.raises(ValueError, match="already started"):
+        engine.generate(_request("p", [1], observation=first))
+    with pytest.raises(ValueError, match="not text-conditioned"):
+        engine.generate(DiffusionRequest("r", prompt="a cat", extra_args={"session_id": "p"}, inputs={"actions": [1]}))
+    assert engine.generate(_request("p", [1])).first_frame == 2  # the refused requests committed nothing
+    # After a reset the session needs an observation again.
+    engine.reset_session("p")
+    with pytest.raises(ValueError, match="no observation yet"):
+        engine.generate(_request("p", [1]))
+
+
+def test_stepwise_equals_tick_bitwise(modules):
+    first = SpriteWorld(2).reset()
+    actions = np.array([[4], [4], [1]])
+    _, tick_engine = _engine(modules)
+    tick = [tick_engine.generate(_request("s", actions[0], observation=first, seed=3)).frames]
+    tick += [tick_engine.generate(_request("s", actions[b], seed=3)).frames for b in (1, 2)]
+    _, step_engine = _engine(modules, step_execution=True)
+    request = DiffusionRequest("s", inputs={"actions": actions, "observation": first, "seed": 3, "num_blocks": 3})
+    emitted = []
+    for _ in range(50):
+        result = step_engine.step(StepSchedulerOutput(scheduled=(request,)))
+        if result.output is not None:
+            emitted.append(result.output.frames)
+        if result.finished:
+            break
+    assert len(emitted) == 3
+    for a, b in zip(emitted, tick, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_warmup_runs_a_real_observation(modules):
+    pipeline, engine = _engine(modules, warmup=True)
+    assert engine.sessions == () and pipeline.session_ids == ()
+    out = engine.generate(_request("p", [3], observation=SpriteWorld(9).reset()))
+    assert out.frames.shape == (1, 32, 32, 3)
+
+
+def test_incompatible_config_is_refused_before_weights():
+    with pytest.raises(ValueError, match="one-hot actions"):
+        SpriteWorldPipeline(dit_preset("sprite_world").replace(register_dim=4))
+    with pytest.raises(ValueError, match="RGB"):
+        SpriteWorldPipeline("tiny")
+
+
+# -- weight files ---------------------------------------------------------------------------------
+
+
+def test_weights_round_trip_exactly(modules, tmp_path):
+    path = save_weights(modules, tmp_path / "w", {"note": "test"})
+    loaded = load_weights(dit_preset("sprite_world"), path)
+    for a, b in zip(jax.tree.leaves(nnx.split(loaded)[1]), jax.tree.leaves(nnx.split(modules)[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    assert sidecar["training"] == {"note": "test"} and sidecar["num_params"] == sum(
+        x.size for x in jax.tree.leaves(nnx.split(modules)[1]))
+
+
+def test_weights_are_validated_before_use(modules, tmp_path):
+    path = save_weights(modules, tmp_path / "w")
+    with pytest.raises(ValueError, match="another CausalDiTConfig .*num_layers"):
+        load_weights(dit_preset("sprite_world").replace(num_layers=2), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="SHA-256"):
+        load_weights(dit_preset("sprite_world"), path)
+    # A file with an object array (which would need pickle) is refused even with a matching digest.
+    bad = tmp_path / "bad.npz"
+    arrays = dict(np.load(save_weights(modules, tmp_path / "ok")))
+    arrays["transformer/head/bias"] = np.array([object()], dtype=object)
+    np.savez(bad, **arrays)
+    sidecar = json.loads((tmp_path / "ok.json").read_text())
+    import hashlib
+
+    sidecar["sha256"] = hashlib.sha256(bad.read_bytes()).hexdigest()
+    bad.with_suffix(".json").write_text(json.dumps(sidecar))
+    with pytest.raises(ValueError):
+        load_weights(dit_preset("sprite_world"), bad)
+
+
+def test_pretrained_names_and_metadata():
+    assert PRETRAINED_MODELS == ("sprite_world",)
+    with pytest.raises(ValueError, match="unknown pretrained model"):
+        pretrained("nope")
+    meta = pretrained_metadata("sprite_world")
+    training = meta["training"]
+    for key in ("command", "steps", "wall_seconds", "train_config", "schedule"):
+        assert key in training
+    assert training["command"].startswith("ardiff-jax train")
+    pipeline = pretrained("sprite_world")
+    assert isinstance(pipeline, SpriteWorldPipeline)
+    assert list(pipeline.schedule.timesteps) == training["schedule"]

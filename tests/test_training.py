@@ -1,0 +1,210 @@
+"""Training: the training-mode forward equals cached inference, the loss falls, checkpoints round-trip, resume continues."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ardiff_jax.envs import sprite_world_clips
+from ardiff_jax.models import (
+    DiTModules,
+    MaskedAttention,
+    SpriteWorldPipeline,
+    WorldPipeline,
+    action_registers,
+    block_causal_mask,
+    dit_preset,
+    frames_to_latents,
+    tokenize_prompt,
+)
+from ardiff_jax.runtime import ARDiffusionKVCache
+from ardiff_jax.training import (
+    TrainConfig,
+    batch_loss,
+    init_train_state,
+    make_train_step,
+    restore_checkpoint,
+    sample_training_batch,
+    save_checkpoint,
+    train,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _text_kv(modules, cfg):
+    return modules.transformer.text_cross_kv(modules.text_encoder(jnp.asarray(tokenize_prompt("", cfg.text_len))))
+
+
+def _cached_prediction(modules, cfg, spec, latents, registers, x_t, t):
+    """Commit blocks 0..k-1 through the paged runtime at t = 0, then predict block k from x_t."""
+    cache = ARDiffusionKVCache(spec, dtype=jnp.float32, available_memory_bytes=10**8, gpu_memory_fraction=1.0)
+    state = cache.create_state("s")
+    f = cfg.frames_per_block
+    seq_len = f * cfg.tokens_per_frame
+    text_kv = _text_kv(modules, cfg)
+    num_blocks = latents.shape[0] // f
+    for j in range(num_blocks):
+        caches = state.get_kv_caches("main", seq_len=seq_len, commit_current=True)
+        out = modules.transformer(latents[j * f:(j + 1) * f], jnp.float32(0.0), jnp.int32(j * f), text_kv, None,
+                                  registers[j], attention=caches)
+        state.commit_paged_context("main", kv=(out.k, out.v))
+    caches = state.get_kv_caches("main", seq_len=seq_len, commit_current=False)
+    out = modules.transformer(x_t, jnp.float32(t), jnp.int32(num_blocks * f), text_kv, None, registers[num_blocks],
+                              attention=caches)
+    cache.close()
+    return np.asarray(out.video)
+
+
+def _training_prediction(modules, cfg, latents, registers, x_t, t):
+    """The same prediction from one training-mode pass: clean instances 0..k-1 and the noisy instance k."""
+    f = cfg.frames_per_block
+    num_blocks = latents.shape[0] // f
+    clean = latents.reshape(num_blocks, f, *latents.shape[1:])
+    instances = jnp.concatenate([clean, x_t[None]])
+    starts = jnp.arange(num_blocks + 1, dtype=jnp.int32) * f
+    is_clean = jnp.arange(num_blocks + 1) < num_blocks
+    timesteps = jnp.concatenate([jnp.zeros((num_blocks,)), jnp.full((1,), t)])
+    out = modules.transformer.forward_blocks(instances, timesteps, starts, _text_kv(modules, cfg), None,
+                                             registers[:num_blocks + 1],
+                                             attention=MaskedAttention(block_causal_mask(cfg, starts, is_clean)))
+    return np.asarray(out.video[-1])
+
+
+@pytest.mark.parametrize("preset,pipeline_cls,num_blocks", [
+    ("sprite_world", SpriteWorldPipeline, 7),  # 1 frame/block, sink 1 + window 3: slid four times
+    ("tiny", WorldPipeline, 5),  # 2 frames/block, sink 1 + window 5: a window cut mid-block
+])
+@pytest.mark.parametrize("t", [1000.0, 350.0])
+def test_training_forward_equals_cached_inference(preset, pipeline_cls, num_blocks, t):
+    cfg = dit_preset(preset).replace(image_len=0)
+    modules = DiTModules.create(cfg, 3)
+    spec = pipeline_cls.kv_spec_for(cfg)
+    rng = np.random.default_rng(0)
+    f = cfg.frames_per_block
+    latents = jnp.asarray(rng.standard_normal((num_blocks * f, *cfg.block_shape[1:])), jnp.float32)
+    registers = jnp.asarray(rng.standard_normal((num_blocks + 1, cfg.num_register_tokens, cfg.register_dim)),
+                            jnp.float32)
+    x_t = jnp.asarray(rng.standard_normal(cfg.block_shape), jnp.float32)
+    cached = _cached_prediction(modules, cfg, spec, latents, registers, x_t, t)
+    trained = _training_prediction(modules, cfg, latents, registers, x_t, t)
+    np.testing.assert_allclose(trained, cached, rtol=1e-4, atol=1e-4)
+
+
+def test_block_causal_mask_follows_the_window_rule():
+    cfg = dit_preset("sprite_world")  # sink 1, window 3, one frame per block, one register token
+    starts = jnp.array([0, 1, 2, 3, 4, 5, 5])  # six clean frames, then the noisy copy of frame 5
+    clean = jnp.array([True] * 6 + [False])
+    mask = np.asarray(block_causal_mask(cfg, starts, clean))
+    tokens = cfg.tokens_per_frame
+    num_video = 7 * tokens
+
+    def sees(query_instance, key_instance):
+        return bool(mask[query_instance * tokens, key_instance * tokens])
+
+    # The noisy frame 5 sees the sink (0), the newest window - 1 = 2 frames (3, 4) and itself.
+    assert [k for k in range(7) if sees(6, k)] == [0, 3, 4, 6]
+    assert [k for k in range(7) if sees(2, k)] == [0, 1, 2]
+    # Registers: each instance sees only its own; a register row sees what its instance's video sees.
+    registers = mask[:, num_video:]
+    assert registers.sum(axis=1).tolist() == [1] * mask.shape[0]
+    np.testing.assert_array_equal(mask[num_video + 6], mask[6 * tokens])
+    # Every token of an instance has the same row.
+    assert (mask[6 * tokens:7 * tokens] == mask[6 * tokens]).all()
+
+
+def _tiny_train_config(**overrides):
+    fields = dict(steps=8, batch_size=4, sequence_frames=3, max_gap=6, warmup_steps=0, learning_rate=3e-3,
+                  checkpoint_every=4)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def test_loss_falls():
+    config = _tiny_train_config(steps=12)
+    graphdef, state = init_train_state(config)
+    step = make_train_step(config, graphdef)
+    held_out = sample_training_batch(999, 0, 8, config.sequence_frames, config.max_gap)
+    key = jax.random.key(7)
+    before = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.change_weight))
+    for i in range(config.steps):
+        state, _ = step(state, sample_training_batch(config.seed, i, config.batch_size, config.sequence_frames,
+                                                     config.max_gap))
+    after = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.change_weight))
+    assert after < 0.6 * before, (before, after)
+
+
+def test_checkpoint_round_trips_bit_exactly(tmp_path):
+    config = _tiny_train_config(steps=2)
+    graphdef, state = init_train_state(config)
+    step = make_train_step(config, graphdef)
+    state, _ = step(state, sample_training_batch(0, 0, config.batch_size, config.sequence_frames, config.max_gap))
+    expected = jax.tree.map(np.asarray, state)
+    save_checkpoint(tmp_path, state, [(0, 1.5)], wall_seconds=3.0)
+    _, restored, losses, wall = restore_checkpoint(tmp_path, config)
+    assert losses == [(0, 1.5)] and wall == 3.0
+    assert jax.tree.structure(restored) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+        assert np.asarray(a).dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_resumed_run_continues_the_same_run(tmp_path, capsys):
+    config = _tiny_train_config(steps=4, checkpoint_every=2)
+    straight = train(config, tmp_path / "straight", progress=False)
+    interrupted = train(config, tmp_path / "resumed", progress=True, stop_after=2)
+    assert len(interrupted.losses) == 2 and interrupted.resumed_from is None
+    resumed = train(config, tmp_path / "resumed", progress=False)
+    assert resumed.resumed_from == 2
+    assert resumed.losses == straight.losses
+    for a, b in zip(jax.tree.leaves(nnx.split(resumed.modules)[1]), jax.tree.leaves(nnx.split(straight.modules)[1]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "train" in capsys.readouterr().err  # the tqdm bar
+    record = json.loads((tmp_path / "resumed" / "losses.json").read_text())
+    assert len(record["losses"]) == 4 and record["wall_seconds"] > 0
+    png = (tmp_path / "resumed" / "loss_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_batches_are_a_function_of_seed_and_step():
+    a = sample_training_batch(3, 5, 6, 4, 10)
+    b = sample_training_batch(3, 5, 6, 4, 10)
+    c = sample_training_batch(3, 6, 6, 4, 10)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a.frames, c.frames)
+    # Frame 0 is each clip's reset frame; a gap zeroes the first target's weight.
+    assert (a.positions[:, 0] == 0).all() and (a.actions[:, 0] == 0).all()
+    gaps = a.positions[:, 1]
+    np.testing.assert_array_equal(a.weights[:, 0], (gaps == 1).astype(np.float32))
+    assert (np.diff(a.positions[:, 1:], axis=1) == 1).all()
+    # The frames are the clips' frames at those positions.
+    frames, actions = sprite_world_clips(int(np.random.default_rng([3, 5]).integers(0, 2**62)), 6,
+                                         int(gaps.max()) + 3)
+    rows = np.arange(6)[:, None]
+    np.testing.assert_array_equal(a.frames, frames[rows, a.positions])
+
+
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(sequence_frames=1), dict(learning_rate=float("nan")),
+                                 dict(preset="nope"), dict(batch_size=True)])
+def test_train_config_refuses_bad_values(bad):
+    with pytest.raises((ValueError, KeyError)):
+        TrainConfig(**bad)
+
+
+def test_action_registers_and_pixel_round_trip():
+    frames, actions = sprite_world_clips(1, 2, 5)
+    latents = frames_to_latents(frames)
+    assert latents.shape == (2, 5, 3, 32, 32) and latents.min() >= -1 and latents.max() <= 1
+    from ardiff_jax.models import latents_to_frames
+
+    np.testing.assert_array_equal(latents_to_frames(latents), frames)
+    np.testing.assert_array_equal(np.asarray(latents_to_frames(jnp.asarray(latents), jnp)), frames)
+    regs = action_registers(actions, 5)
+    assert regs.shape == (2, 5, 5) and (regs.sum(-1) == 1).all() and (regs.argmax(-1) == actions).all()
