@@ -232,7 +232,8 @@ def _run_rollout(args: argparse.Namespace) -> int:
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="train the SpriteWorld model (optax, orbax checkpoints, resumable)")
-    train.add_argument("--out", required=True, type=_output_dir, help="run directory: checkpoints/, losses.json, loss_curve.png")
+    train.add_argument("--out", required=True, type=_output_dir,
+                       help="run directory: checkpoints/, losses.json, loss_curve.png")
     train.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: TrainConfig's)")
     train.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step")
     train.add_argument("--seed", type=_non_negative_int, default=0, help="weights, data and noise seed")

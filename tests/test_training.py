@@ -1,4 +1,4 @@
-"""Training: the training-mode forward equals cached inference, the loss falls, checkpoints round-trip, resume continues."""
+"""Training: training-mode forward = cached inference, the loss falls, checkpoints round-trip, resume continues."""
 
 from __future__ import annotations
 
@@ -131,11 +131,11 @@ def test_loss_falls():
     step = make_train_step(config, graphdef)
     held_out = sample_training_batch(999, 0, 8, config.sequence_frames, config.max_gap)
     key = jax.random.key(7)
-    before = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.change_weight))
+    before = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.objective))
     for i in range(config.steps):
         state, _ = step(state, sample_training_batch(config.seed, i, config.batch_size, config.sequence_frames,
                                                      config.max_gap))
-    after = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.change_weight))
+    after = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.objective))
     assert after < 0.6 * before, (before, after)
 
 

@@ -45,7 +45,7 @@ from ardiff_jax.types import DiffusionRequest, StepResult
 __all__ = ["SpriteWorldPipeline", "SpriteWorldPipelineConfig", "SpriteBlock", "SPRITE_WORLD_SCHEDULE"]
 
 #: The few-step schedule the shipped model samples with (``docs/models.md``: why two steps).
-SPRITE_WORLD_SCHEDULE = FewStepSchedule((1000.0, 500.0))
+SPRITE_WORLD_SCHEDULE = FewStepSchedule((1000.0, 100.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,8 @@ class SpriteWorldPipeline(WorldPipeline):
             return prompt, _ParsedBlock(registers, frames_to_latents(obs),
                                         action_registers(obs_actions, cfg.register_dim)[:, None, :])
         if request.inputs.get("observation_actions") is not None and not streaming:
-            raise ValueError("inputs['observation_actions'] goes with inputs['observation'] on a session's first request")
+            raise ValueError(
+                "inputs['observation_actions'] goes with inputs['observation'] on a session's first request")
         return prompt, _ParsedBlock(registers, None, None)
 
     # -- device work ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from ardiff_jax.training._loop import (
     train,
 )
 from ardiff_jax.training._objective import (
-    SIGMA_ONE_PROBABILITY,
+    Objective,
     TrainingBatch,
     batch_loss,
     sample_training_batch,
@@ -33,7 +33,7 @@ from ardiff_jax.training._objective import (
 )
 
 __all__ = [
-    "SIGMA_ONE_PROBABILITY",
+    "Objective",
     "TrainConfig",
     "TrainResult",
     "TrainState",

@@ -17,7 +17,7 @@ from flax import nnx
 
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax.models import CausalDiTConfig, DiTModules, dit_preset
-from ardiff_jax.training._objective import TrainingBatch, batch_loss, sample_training_batch
+from ardiff_jax.training._objective import Objective, TrainingBatch, batch_loss, sample_training_batch
 
 __all__ = ["TrainConfig", "TrainState", "TrainResult", "make_optimizer", "init_train_state", "make_train_step",
            "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve"]
@@ -43,14 +43,14 @@ class TrainConfig:
       learning_rate, warmup_steps, end_learning_rate: linear warmup to the peak, then cosine decay.
       weight_decay: AdamW's decoupled weight decay.
       grad_clip: global gradient-norm clip.
-      change_weight: extra loss weight of pixels that changed since the previous frame.
+      change_weight, sigma_one_probability, low_sigma_max: the loss (:class:`Objective`).
       seed: initial weights, data and noise.
       checkpoint_every: steps between orbax checkpoints (the last step is always saved).
     """
 
     preset: str = "sprite_world"
-    steps: int = 900
-    batch_size: int = 32
+    steps: int = 1000
+    batch_size: int = 16
     sequence_frames: int = 4
     max_gap: int = 48
     learning_rate: float = 2e-3
@@ -58,7 +58,9 @@ class TrainConfig:
     end_learning_rate: float = 1e-4
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    change_weight: float = 4.0
+    change_weight: float = 8.0
+    sigma_one_probability: float = 0.7
+    low_sigma_max: float = 0.3
     seed: int = 0
     checkpoint_every: int = 100
 
@@ -69,15 +71,24 @@ class TrainConfig:
         check_non_negative_int("TrainConfig seed", self.seed)
         if check_positive_int("TrainConfig sequence_frames", self.sequence_frames) < 2:
             raise ValueError("TrainConfig sequence_frames must be at least 2 (the sink and one target)")
-        for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight"):
+        for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight",
+                     "sigma_one_probability", "low_sigma_max"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"TrainConfig {name} must be a finite non-negative number, got {value!r}")
+        if self.sigma_one_probability > 1 or not 0 < self.low_sigma_max <= 1:
+            raise ValueError("TrainConfig sigma_one_probability must be in [0, 1] and low_sigma_max in (0, 1]")
         dit_preset(self.preset)  # KeyError naming the presets if unknown
 
     @property
     def model_config(self) -> CausalDiTConfig:
         return dit_preset(self.preset)
+
+    @property
+    def objective(self) -> Objective:
+        return Objective(change_weight=float(self.change_weight),
+                         sigma_one_probability=float(self.sigma_one_probability),
+                         low_sigma_max=float(self.low_sigma_max))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,7 +128,8 @@ def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
     return graphdef, TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(config).init(params))
 
 
-def make_train_step(config: TrainConfig, graphdef: Any) -> Callable[[TrainState, TrainingBatch], tuple[TrainState, jax.Array]]:
+def make_train_step(config: TrainConfig, graphdef: Any
+                    ) -> Callable[[TrainState, TrainingBatch], tuple[TrainState, jax.Array]]:
     """The jitted step ``(state, batch) -> (state, loss)``; the step's noise key is ``fold_in(seed, step)``."""
     optax = _optional("optax")
     optimizer = make_optimizer(config)
@@ -127,7 +139,7 @@ def make_train_step(config: TrainConfig, graphdef: Any) -> Callable[[TrainState,
     def step(state: TrainState, batch: TrainingBatch) -> tuple[TrainState, jax.Array]:
         key = jax.random.fold_in(jax.random.key(config.seed), state.step)
         loss, grads = jax.value_and_grad(
-            lambda p: batch_loss(graphdef, p, model_config, batch, key, config.change_weight))(state.params)
+            lambda p: batch_loss(graphdef, p, model_config, batch, key, config.objective))(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
 
@@ -145,8 +157,9 @@ def save_checkpoint(directory: str | Path, state: TrainState, losses: list[tuple
     ocp = _optional("orbax.checkpoint")
     manager = _manager(Path(directory))
     step = int(state.step)
+    record = {"losses": losses, "wall_seconds": wall_seconds}
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                               losses=ocp.args.JsonSave({"losses": losses, "wall_seconds": wall_seconds})))
+                                               losses=ocp.args.JsonSave(record)))
     manager.wait_until_finished()
     manager.close()
 

@@ -12,7 +12,8 @@ pass (teacher forcing, as CausVid trains its causal student):
 * **clean context**: frames ``0 .. n-2`` at ``t = 0``, each seeing what the runtime would
   have committed before it;
 * **noisy targets**: frames ``1 .. n-1``, each at its own noise level (diffusion forcing's
-  per-block levels), seeing the clean context the window rule shows it plus itself.
+  per-block levels, drawn as :class:`Objective` says), seeing the clean context the window
+  rule shows it plus itself.
 
 :func:`~ardiff_jax.models.block_causal_mask` builds the token mask from the runtime's own
 visible-window rule, so a noisy target sees exactly what a cached inference forward sees.
@@ -22,11 +23,12 @@ no loss: it could only guess.
 The loss is the flow-matching MSE ``|v_pred - (noise - x0)|^2`` on the noisy targets, with
 pixels that changed since the previous frame weighted ``1 + change_weight`` (the agent and
 the ball are a few percent of the pixels; unweighted, copying the last frame is almost
-free).
+free and the sprites are learnt last).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -44,11 +46,30 @@ from ardiff_jax.models import (
     tokenize_prompt,
 )
 
-__all__ = ["TrainingBatch", "sample_training_batch", "sequence_loss", "batch_loss", "SIGMA_ONE_PROBABILITY"]
+__all__ = ["Objective", "TrainingBatch", "sample_training_batch", "sequence_loss", "batch_loss"]
 
-#: Share of noisy targets trained at ``sigma = 1`` (pure noise): the first step of few-step
-#: sampling, which must produce the whole next frame from the context alone.
-SIGMA_ONE_PROBABILITY = 0.25
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The knobs of the loss (hashable: a static argument of the jitted step).
+
+    Noise levels are drawn where the two-step sampler (``t = 1000, 100``) works: with
+    probability ``sigma_one_probability`` a target is pure noise (``sigma = 1``, the step
+    that must produce the whole next frame from the context), otherwise ``sigma`` is
+    uniform in ``(0, low_sigma_max]`` (the clean-up step, which learns that frames are
+    flat-coloured and removes what the first step left). Training a small model on the
+    whole ``(0, 1]`` range spends most of its capacity on noise levels the sampler never
+    visits.
+
+    Attributes:
+      change_weight: extra weight of pixels that changed since the previous frame.
+      sigma_one_probability: share of targets at ``sigma = 1``.
+      low_sigma_max: the largest ``sigma`` of the other targets.
+    """
+
+    change_weight: float = 8.0
+    sigma_one_probability: float = 0.7
+    low_sigma_max: float = 0.3
 
 
 class TrainingBatch(NamedTuple):
@@ -96,15 +117,15 @@ def sequence_loss(
     positions: jax.Array,  # i32[n]
     weights: jax.Array,  # f32[n - 1]
     key: jax.Array,  # PRNG key of this sequence's noise levels and noise
-    change_weight: float,
+    objective: Objective,
 ) -> tuple[jax.Array, jax.Array]:
     """``(weighted loss sum, weight sum)`` of one sequence (see the module docstring)."""
     n = frames.shape[0]
     latents = frames_to_latents(frames, jnp)  # [n, 3, H, W]
     registers = action_registers(actions, len(ACTION_NAMES), jnp)[:, None, :]  # [n, 1, R]
     key_sigma, key_one, key_noise = jax.random.split(key, 3)
-    sigma = jax.random.uniform(key_sigma, (n - 1,))
-    sigma = jnp.where(jax.random.uniform(key_one, (n - 1,)) < SIGMA_ONE_PROBABILITY, 1.0, sigma)
+    low = jax.random.uniform(key_sigma, (n - 1,), minval=1e-3, maxval=objective.low_sigma_max)
+    sigma = jnp.where(jax.random.uniform(key_one, (n - 1,)) < objective.sigma_one_probability, 1.0, low)
     x0 = latents[1:]
     noise = jax.random.normal(key_noise, x0.shape, jnp.float32)
     s = sigma[:, None, None, None]
@@ -121,18 +142,18 @@ def sequence_loss(
                                              attention=MaskedAttention(mask))
     v_pred = out.video[n - 1:, 0]  # the noisy targets' flow predictions [n-1, 3, H, W]
     changed = jnp.any(latents[1:] != latents[:-1], axis=1, keepdims=True)  # [n-1, 1, H, W]
-    pixel_weight = 1.0 + change_weight * changed.astype(jnp.float32)
+    pixel_weight = 1.0 + objective.change_weight * changed.astype(jnp.float32)
     err = jnp.square(v_pred - (noise - x0)) * pixel_weight
     per_target = err.mean(axis=(1, 2, 3))
     return jnp.sum(per_target * weights), jnp.sum(weights)
 
 
 def batch_loss(graphdef: Any, params: Any, config: CausalDiTConfig, batch: TrainingBatch, key: jax.Array,
-               change_weight: float) -> jax.Array:
+               objective: Objective) -> jax.Array:
     """Mean weighted loss over a batch (the value :func:`~ardiff_jax.training.train` minimises)."""
     modules = nnx.merge(graphdef, params)
     keys = jax.random.split(key, batch.frames.shape[0])
     totals, counts = jax.vmap(
-        lambda f, a, p, w, k: sequence_loss(modules, config, f, a, p, w, k, change_weight)
+        lambda f, a, p, w, k: sequence_loss(modules, config, f, a, p, w, k, objective)
     )(batch.frames, batch.actions, batch.positions, batch.weights, keys)
     return jnp.sum(totals) / jnp.maximum(jnp.sum(counts), 1.0)

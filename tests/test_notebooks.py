@@ -1,0 +1,50 @@
+"""The notebooks: committed without outputs, public API only, and each one runs top to bottom (small settings)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_the_three_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS] == ["bring_your_own_model.ipynb", "quickstart.ipynb",
+                                           "train_and_rollout.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_without_outputs_and_on_the_public_api(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert code and all(cell.outputs == [] and cell.execution_count is None for cell in code)
+    assert "pip" in code[0].source  # a Colab-friendly install cell comes first
+    for cell in code:
+        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("!", "%")))
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                assert not (node.attr.startswith("_") and not node.attr.startswith("__")), (path.name, node.attr)
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not any(part.startswith("_") for part in node.module.split(".")), (path.name, node.module)
+                assert not any(re.match(r"_[^_]", alias.name) for alias in node.names), (path.name, node.module)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("ARDIFF_NOTEBOOK_STEPS", "4")  # train_and_rollout: a handful of training steps
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [output for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
+              if output.output_type == "error"]
+    assert errors == []
