@@ -120,6 +120,8 @@ def _output_dir(text: str) -> str:
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"{existing!r} is a file, so {text!r} cannot be a directory")
     if not os.access(existing, os.W_OK):
         raise argparse.ArgumentTypeError(f"{existing!r} is not writable, so {text!r} cannot be written")
     return text

@@ -240,6 +240,7 @@ def test_dependencies_point_down():
         return found
 
     assert deps("ardiff_jax._checks") == set()
+    assert deps("ardiff_jax.envs") <= {"ardiff_jax._checks"}
     assert deps("ardiff_jax.types") <= {"ardiff_jax._checks"}
     assert deps("ardiff_jax.kv") <= {"ardiff_jax._checks", "ardiff_jax.types"}
     assert "ardiff_jax.models" not in deps("ardiff_jax.runtime")

@@ -130,15 +130,3 @@ def test_reference_behaviour_has_the_sections_code_points_at():
         pointed.update(re.findall(r"reference_behaviour\.md[`']*,\s*(?:section\s*)?\"([^\"]+)\"", flat))
     assert pointed, "no pointer found: the pattern no longer matches how the code cites sections"
     assert sorted(pointed - set(_SECTIONS)) == []
-
-
-def test_quickstart_notebook_runs_and_has_no_outputs(capsys):
-    notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text(encoding="utf-8"))
-    code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    assert code_cells and all(not cell["outputs"] and cell["execution_count"] is None for cell in code_cells)
-    namespace: dict = {}
-    for cell in code_cells:
-        exec(compile("".join(cell["source"]), "quickstart.ipynb", "exec"), namespace)
-    out = capsys.readouterr().out
-    assert "visible history frames: [ 0" in out
-    assert "(20, 8, 32) [20, 20]" in out

@@ -182,13 +182,14 @@ def sprite_world() -> CausalDiTConfig:
 
     4 layers, 4 heads x 24, 64 tokens/frame, one frame per block, a 1-frame sink (the
     observation) plus a 3-frame window, one action register token (one-hot over the 5
-    actions); not text-conditioned (one padding text token). ``docs/models.md`` explains
-    each choice.
+    actions); not text-conditioned (one padding text token); RoPE base 10 instead of 10,000,
+    so that each axis's few rotary frequencies resolve an 8-cell grid. ``docs/models.md``
+    explains each choice.
     """
     return CausalDiTConfig(
         name="sprite_world", num_layers=4, dim=96, num_heads=4, ffn_dim=384, latent_channels=3, latent_height=32,
         latent_width=32, patch_size=4, text_len=1, text_dim=16, frames_per_block=1, window_frames=3, sink_frames=1,
-        num_register_tokens=1, register_dim=5, freq_dim=64,
+        num_register_tokens=1, register_dim=5, freq_dim=64, rope_theta=10.0,
     )
 
 

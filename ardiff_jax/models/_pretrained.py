@@ -145,8 +145,10 @@ def pretrained(name: str = "sprite_world", *, session_capacity: int = 4, noise_s
     path = _weights_path(name)
     sidecar = _read_sidecar(path)
     config = CausalDiTConfig(**sidecar["config"])
-    schedule = sidecar.get("training", {}).get("schedule")
+    training = sidecar.get("training", {})
+    schedule = training.get("schedule")
+    prediction = training.get("train_config", {}).get("prediction", "flow")
     pipeline_config = SpriteWorldPipelineConfig(
-        session_capacity=session_capacity, noise_seed=noise_seed,
+        session_capacity=session_capacity, noise_seed=noise_seed, prediction=prediction,
         **({} if schedule is None else {"schedule": FewStepSchedule(tuple(schedule))}))
     return SpriteWorldPipeline(config, pipeline_config, modules=load_weights(config, path), device=device)

@@ -50,9 +50,20 @@ SPRITE_WORLD_SCHEDULE = FewStepSchedule((1000.0, 100.0))
 
 @dataclasses.dataclass(frozen=True)
 class SpriteWorldPipelineConfig(WorldPipelineConfig):
-    """:class:`WorldPipelineConfig` with the SpriteWorld model's sampling schedule as the default."""
+    """:class:`WorldPipelineConfig` with the SpriteWorld model's sampling schedule as the default.
+
+    Attributes:
+      prediction: what the transformer's output is, as the weights were trained: ``"x0"``
+        (the clean frame) or ``"flow"`` (Wan's ``v``).
+    """
 
     schedule: FewStepSchedule = SPRITE_WORLD_SCHEDULE
+    prediction: str = "x0"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prediction not in ("x0", "flow"):
+            raise ValueError(f"SpriteWorldPipelineConfig prediction must be 'x0' or 'flow', got {self.prediction!r}")
 
 
 class SpriteBlock(NamedTuple):
@@ -123,6 +134,10 @@ class SpriteWorldPipeline(WorldPipeline):
             problems.append("no image branch (image_len 0)")
         if problems:
             raise ValueError(f"SpriteWorldPipeline needs a CausalDiTConfig with {'; '.join(problems)}; got {config}")
+
+    @property
+    def prediction(self) -> str:  # type: ignore[override]
+        return self.pipeline_config.prediction
 
     @property
     def frame_size(self) -> int:
@@ -211,7 +226,7 @@ class SpriteWorldPipeline(WorldPipeline):
                 self._graphdef, self._params, caches, self._to_device(latents[start:start + f]), zero, zero, zero,
                 session.key, np.int32(session.block_index), np.int32(self.schedule.num_steps),
                 np.int32(state.adapter(MAIN).committed_frames), state.get_cross_attention_kv(MAIN, "text"),
-                self._to_device(block_registers))
+                self._to_device(block_registers), prediction=self.prediction)
             state.commit_paged_context(MAIN, kv=(k, v))
 
     def _start_block(self, state: Any, session: _WorldSession, parsed: Any) -> Any:

@@ -113,19 +113,22 @@ def _world_step(
     frame_start: jax.Array,  # i32[]
     text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
     registers: jax.Array | None,  # f32[E, register_dim]
+    prediction: str = "flow",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     modules = nnx.merge(graphdef, params)
     out = modules.transformer(x_t, t, frame_start, text_kv, None, registers, attention=attention)
-    x0 = x_t - sigma * out.video
+    x0 = out.video if prediction == "x0" else x_t - sigma * out.video
     noise = jax.random.normal(step_noise_key(session_key, block_index, step_index), x_t.shape, jnp.float32)
     return renoise(x0, sigma_next, noise), x0, out.k, out.v
 
 
 #: One forward of the world pipeline: ``(graphdef, params, attention, ...) -> (x_next, x0, k, v)``.
-#: ``x0 = x_t - sigma * v_pred``; ``x_next`` re-noises ``x0`` to ``sigma_next`` with the
-#: stream ``step_index + 1`` of the block's key; ``k, v`` are the block's per-layer
-#: ``[L, f*T, H, D]``. The commit forward is the same call with ``t = sigma = sigma_next = 0``.
-world_step = jax.jit(_world_step, static_argnums=0)
+#: ``x0 = x_t - sigma * v_pred`` (``prediction="flow"``, the transformer predicts the flow) or
+#: the transformer's output itself (``prediction="x0"``); ``x_next`` re-noises ``x0`` to
+#: ``sigma_next`` with the stream ``step_index + 1`` of the block's key; ``k, v`` are the
+#: block's per-layer ``[L, f*T, H, D]``. The commit forward is the same call with
+#: ``t = sigma = sigma_next = 0``.
+world_step = jax.jit(_world_step, static_argnums=0, static_argnames="prediction")
 
 
 @dataclasses.dataclass
@@ -164,6 +167,8 @@ class WorldPipeline(PipelineBase):
     """
 
     supports_step_execution = True
+    #: What the transformer's video output is: ``"flow"`` (``v``, Wan's convention) or ``"x0"``.
+    prediction = "flow"
     pipeline_config_type = WorldPipelineConfig
     session_type = _WorldSession
     pipeline_config: WorldPipelineConfig
@@ -258,7 +263,7 @@ class WorldPipeline(PipelineBase):
         return world_step(
             self._graphdef, self._params, caches, x, t, sigma, sigma_next, session.key,
             np.int32(inflight.block_index), np.int32(step), np.int32(inflight.frame_start),
-            state.get_cross_attention_kv(MAIN, TEXT), inflight.registers,
+            state.get_cross_attention_kv(MAIN, TEXT), inflight.registers, prediction=self.prediction,
         )
 
     def _finish_block(self, x0: jax.Array) -> jax.Array:

@@ -43,7 +43,7 @@ class TrainConfig:
       learning_rate, warmup_steps, end_learning_rate: linear warmup to the peak, then cosine decay.
       weight_decay: AdamW's decoupled weight decay.
       grad_clip: global gradient-norm clip.
-      change_weight, sigma_one_probability, low_sigma_max: the loss (:class:`Objective`).
+      change_weight, sigma_one_probability, low_sigma_max, prediction: the loss (:class:`Objective`).
       seed: initial weights, data and noise.
       checkpoint_every: steps between orbax checkpoints (the last step is always saved).
     """
@@ -61,6 +61,7 @@ class TrainConfig:
     change_weight: float = 8.0
     sigma_one_probability: float = 0.7
     low_sigma_max: float = 0.3
+    prediction: str = "x0"
     seed: int = 0
     checkpoint_every: int = 100
 
@@ -78,6 +79,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig {name} must be a finite non-negative number, got {value!r}")
         if self.sigma_one_probability > 1 or not 0 < self.low_sigma_max <= 1:
             raise ValueError("TrainConfig sigma_one_probability must be in [0, 1] and low_sigma_max in (0, 1]")
+        if self.prediction not in ("x0", "flow"):
+            raise ValueError(f"TrainConfig prediction must be 'x0' or 'flow', got {self.prediction!r}")
         dit_preset(self.preset)  # KeyError naming the presets if unknown
 
     @property
@@ -88,7 +91,7 @@ class TrainConfig:
     def objective(self) -> Objective:
         return Objective(change_weight=float(self.change_weight),
                          sigma_one_probability=float(self.sigma_one_probability),
-                         low_sigma_max=float(self.low_sigma_max))
+                         low_sigma_max=float(self.low_sigma_max), prediction=self.prediction)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

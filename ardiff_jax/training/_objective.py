@@ -20,7 +20,8 @@ visible-window rule, so a noisy target sees exactly what a cached inference forw
 A target whose previous frame is not in the sequence (the first frame after a gap) carries
 no loss: it could only guess.
 
-The loss is the flow-matching MSE ``|v_pred - (noise - x0)|^2`` on the noisy targets, with
+The loss is the flow-matching MSE on the noisy targets, on the clean frame (``x0``
+prediction, the default) or on the flow ``noise - x0`` (:class:`Objective`), with
 pixels that changed since the previous frame weighted ``1 + change_weight`` (the agent and
 the ball are a few percent of the pixels; unweighted, copying the last frame is almost
 free and the sprites are learnt last).
@@ -61,15 +62,27 @@ class Objective:
     whole ``(0, 1]`` range spends most of its capacity on noise levels the sampler never
     visits.
 
+    ``prediction`` says what the transformer's video output is: ``"x0"`` (the clean frame;
+    the loss is ``|x0_pred - x0|^2``) or ``"flow"`` (Wan's ``v = noise - x0``; the loss is
+    ``|v_pred - v|^2``). The two agree at ``sigma = 1`` up to what the output must carry: a
+    flow prediction there must reproduce its own pure-noise input token by token, on top of
+    the next frame, and what it fails to copy comes out as noise in the frame.
+
     Attributes:
       change_weight: extra weight of pixels that changed since the previous frame.
       sigma_one_probability: share of targets at ``sigma = 1``.
       low_sigma_max: the largest ``sigma`` of the other targets.
+      prediction: ``"x0"`` or ``"flow"``.
     """
 
     change_weight: float = 8.0
     sigma_one_probability: float = 0.7
     low_sigma_max: float = 0.3
+    prediction: str = "x0"
+
+    def __post_init__(self) -> None:
+        if self.prediction not in ("x0", "flow"):
+            raise ValueError(f"Objective prediction must be 'x0' or 'flow', got {self.prediction!r}")
 
 
 class TrainingBatch(NamedTuple):
@@ -140,10 +153,11 @@ def sequence_loss(
     out = modules.transformer.forward_blocks(instances, timesteps, starts, text_kv, None,
                                              jnp.concatenate([registers[:-1], registers[1:]]),
                                              attention=MaskedAttention(mask))
-    v_pred = out.video[n - 1:, 0]  # the noisy targets' flow predictions [n-1, 3, H, W]
+    pred = out.video[n - 1:, 0]  # the noisy targets' predictions [n-1, 3, H, W]
+    target = x0 if objective.prediction == "x0" else noise - x0
     changed = jnp.any(latents[1:] != latents[:-1], axis=1, keepdims=True)  # [n-1, 1, H, W]
     pixel_weight = 1.0 + objective.change_weight * changed.astype(jnp.float32)
-    err = jnp.square(v_pred - (noise - x0)) * pixel_weight
+    err = jnp.square(pred - target) * pixel_weight
     per_target = err.mean(axis=(1, 2, 3))
     return jnp.sum(per_target * weights), jnp.sum(weights)
 
