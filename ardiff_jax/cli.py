@@ -30,7 +30,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ardiff_jax._checks import check_positive_int
 from ardiff_jax.capability import spec_summary
 from ardiff_jax.geometries import EXAMPLE_GEOMETRIES, example_spec
 from ardiff_jax.runtime import free_memory_bytes, plan_memory
@@ -45,15 +44,18 @@ MAX_MEMORY_BYTES = 2**63 - 1
 # -- argument types: each raises ArgumentTypeError, which argparse reports with the flag's name --
 
 
-def _positive_int(text: str) -> int:
+def _int_argument(text: str, low: int, high: int | None, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    try:
-        return check_positive_int("value", value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low or (high is not None and value >= high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_argument(text, 1, None, "a positive integer")
 
 
 def _memory_bytes(text: str) -> int:
@@ -128,13 +130,7 @@ def _output_dir(text: str) -> str:
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0 or value >= 2**31:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**31), got {text!r}")
-    return value
+    return _int_argument(text, 0, 2**31, "an integer in [0, 2**31)")
 
 
 def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:

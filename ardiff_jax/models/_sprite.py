@@ -36,7 +36,7 @@ import numpy as np
 
 from ardiff_jax._checks import is_integer
 from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
-from ardiff_jax.models._common import FewStepSchedule
+from ardiff_jax.models._common import FewStepSchedule, check_seed
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._pixels import action_registers, frames_to_latents, latents_to_frames
 from ardiff_jax.models._world import MAIN, WorldBlock, WorldPipeline, WorldPipelineConfig, _WorldSession, world_step
@@ -156,7 +156,7 @@ class SpriteWorldPipeline(WorldPipeline):
         if prompt not in (None, ""):
             raise ValueError("SpriteWorldPipeline is not text-conditioned: prompt must be None (or '')")
         if request.inputs.get("seed") is not None:
-            super()._check_prompt_and_seed(session_id, request, "")
+            check_seed(request.inputs["seed"])
         return "" if session_id not in self._sessions else None
 
     def _parse_observation(self, request: DiffusionRequest) -> tuple[np.ndarray, np.ndarray]:

@@ -131,6 +131,7 @@ def sequence_loss(
     weights: jax.Array,  # f32[n - 1]
     key: jax.Array,  # PRNG key of this sequence's noise levels and noise
     objective: Objective,
+    text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each: the (empty) prompt's cross-attention K/V
 ) -> tuple[jax.Array, jax.Array]:
     """``(weighted loss sum, weight sum)`` of one sequence (see the module docstring)."""
     n = frames.shape[0]
@@ -148,8 +149,6 @@ def sequence_loss(
     starts = jnp.concatenate([positions[:-1], positions[1:]])
     clean = jnp.arange(2 * (n - 1)) < n - 1
     mask = block_causal_mask(config, starts, clean)
-    text_ids = jnp.asarray(tokenize_prompt("", config.text_len))
-    text_kv = modules.transformer.text_cross_kv(modules.text_encoder(text_ids))
     out = modules.transformer.forward_blocks(instances, timesteps, starts, text_kv, None,
                                              jnp.concatenate([registers[:-1], registers[1:]]),
                                              attention=MaskedAttention(mask))
@@ -167,7 +166,10 @@ def batch_loss(graphdef: Any, params: Any, config: CausalDiTConfig, batch: Train
     """Mean weighted loss over a batch (the value :func:`~ardiff_jax.training.train` minimises)."""
     modules = nnx.merge(graphdef, params)
     keys = jax.random.split(key, batch.frames.shape[0])
+    # The model is not text-conditioned: one projection of the empty prompt serves every sequence.
+    text_ids = jnp.asarray(tokenize_prompt("", config.text_len))
+    text_kv = modules.transformer.text_cross_kv(modules.text_encoder(text_ids))
     totals, counts = jax.vmap(
-        lambda f, a, p, w, k: sequence_loss(modules, config, f, a, p, w, k, objective)
+        lambda f, a, p, w, k: sequence_loss(modules, config, f, a, p, w, k, objective, text_kv)
     )(batch.frames, batch.actions, batch.positions, batch.weights, keys)
     return jnp.sum(totals) / jnp.maximum(jnp.sum(counts), 1.0)
