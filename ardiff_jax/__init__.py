@@ -5,7 +5,8 @@ What a user starts with (``ardiff_jax.__all__``):
 * the capability a pipeline implements: :class:`ARDiffusionKVCacheSpec`,
   :class:`ARDiffusionKVBranchSpec`, :class:`ARDiffusionCrossAttentionKVSpec` and the
   protocols :class:`SupportsARDiffusionPipeline`, :class:`SupportsARDiffusionWarmup`,
-  :class:`SupportsStepExecution`;
+  :class:`SupportsStepExecution`, :class:`SupportsARDiffusionSessionExport` (offload and
+  saved sessions);
 * serving it: :class:`ARDiffusionEngine`, :class:`EngineConfig`, :class:`DiffusionRequest`;
 * inside a pipeline: :class:`ARDiffusionKVState` (the bound session) and
   :class:`PagedKVCaches` (what the model's jit receives);
@@ -26,6 +27,7 @@ from ardiff_jax.capability import (  # noqa: F401
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionPipeline,
     SupportsARDiffusionRequestValidation,
+    SupportsARDiffusionSessionExport,
     SupportsARDiffusionWarmup,
     SupportsStepExecution,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "MemoryPlan",
     "PagedKVCaches",
     "SupportsARDiffusionPipeline",
+    "SupportsARDiffusionSessionExport",
     "SupportsARDiffusionWarmup",
     "SupportsStepExecution",
     "plan_memory",

@@ -35,6 +35,7 @@ __all__ = [
     "SupportsARDiffusionWarmup",
     "SupportsARDiffusionRequestValidation",
     "SupportsStepExecution",
+    "SupportsARDiffusionSessionExport",
 ]
 
 
@@ -325,6 +326,30 @@ class SupportsStepExecution(Protocol):
     supports_step_execution: bool
 
     def step(self, request: DiffusionRequest) -> StepResult: ...
+
+
+@runtime_checkable
+class SupportsARDiffusionSessionExport(Protocol):
+    """Optional: the pipeline can hand over a session's model-owned state, so the runtime can keep it.
+
+    With it, a session the runner evicts is offloaded to host memory
+    (``EngineConfig(host_offload_bytes=...)``) instead of forgotten, and
+    ``engine.save_session`` / ``engine.load_session`` can write it to disk and bring it back.
+    Without it, eviction releases the session as it always did (close hook).
+
+    ``export_ar_diffusion_session(session_id)`` *moves* the state out: it returns a pytree
+    (possibly empty) and the pipeline forgets the session, exactly as after its close hook,
+    until ``import_ar_diffusion_session(session_id, state)`` moves a pytree it exported back
+    in. The runtime never looks inside the tree except to copy its arrays to host memory
+    and back (as they were: same dtype, same device on return). For ``save_session`` the
+    tree must be made of dicts with string keys, lists, tuples, ``None``, ``bool``,
+    ``int``, ``float``, ``str`` and arrays (typed PRNG keys included). ``import`` validates
+    what it receives and raises (changing nothing) on a tree it could not have exported.
+    """
+
+    def export_ar_diffusion_session(self, session_id: str) -> Any: ...
+
+    def import_ar_diffusion_session(self, session_id: str, state: Any) -> None: ...
 
 
 def spec_summary(spec: ARDiffusionKVCacheSpec) -> Mapping[str, Any]:

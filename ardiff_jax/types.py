@@ -86,6 +86,11 @@ class EngineConfig:
       warmup: run the pipeline's warmup provider at load, when it has one.
       attention_backend: the paged-attention implementation (``"xla"``, or a name
         registered with :func:`ardiff_jax.kv.register_attention_backend`).
+      host_offload_bytes: host memory for sessions the LRU evicts (0: off, the reference's
+        behaviour). When positive, an evicted session of a pipeline that implements
+        :class:`~ardiff_jax.SupportsARDiffusionSessionExport` is copied to host memory and
+        restored into a free slot on its next request, exactly as it was; the host tier is
+        itself LRU-bounded by this many bytes (a session dropped from it gets its close hook).
     """
 
     dtype: str = "bfloat16"
@@ -95,6 +100,7 @@ class EngineConfig:
     step_execution: bool = False
     warmup: bool = True
     attention_backend: str = "xla"
+    host_offload_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", check_kv_dtype(self.dtype))
@@ -104,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig max_num_seqs must be an integer, got {self.max_num_seqs!r}")
         if self.available_memory_bytes is not None:
             check_non_negative_int("EngineConfig available_memory_bytes", self.available_memory_bytes)
+        object.__setattr__(self, "host_offload_bytes",
+                           check_non_negative_int("EngineConfig host_offload_bytes", self.host_offload_bytes))
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"EngineConfig attention_backend must be a backend name, got {self.attention_backend!r}")
 

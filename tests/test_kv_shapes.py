@@ -202,6 +202,7 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
     table, _ = kv.visible_table(layout, s["cursor"], f)
     page_mask = kv.run_visibility(layout, s["committed"], np.int32(0), f)
     logical = np.asarray(jnp.asarray(s["block_k"]).astype(layout.dtype))
+    run_pages = kv.read_pages(layout, s["pools"], 0, layout.run_pages)
     return {
         "KVPools": Case(KVPools, {}, lambda a, c, xp: vars(kv.allocate_pools(layout))),
         "allocate_pools": Case(kv.allocate_pools, {}, lambda a, c, xp: {"returns": kv.allocate_pools(layout)}),
@@ -222,6 +223,15 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
         "read_run": Case(kv.read_run, dict(pools=s["pools"], layer=layer, run_base=s["run_base"], page_mask=page_mask),
                          lambda a, c, xp: {"returns": kv.read_run(layout, a["pools"], a["layer"], a["run_base"],
                                                                   a["page_mask"])}),
+        "read_pages": Case(kv.read_pages, dict(pools=s["pools"], start=s["run_base"]),
+                           lambda a, c, xp: {"returns": kv.read_pages(layout, a["pools"], a["start"], layout.run_pages)}),
+        "write_pages": Case(kv.write_pages, dict(pools=s["pools"], start=s["run_base"], pages=run_pages),
+                            lambda a, c, xp: {"returns": kv.write_pages(layout, a["pools"], a["start"], a["pages"])}),
+        # Already jitted, and it donates: called once, on a copy of the pools.
+        "restore_pages": Case(kv.restore_pages, dict(pools=s["pools"], start=s["run_base"], pages=run_pages),
+                              lambda a, c, xp: {"returns": kv.restore_pages(layout, jax.tree.map(jnp.copy, a["pools"]),
+                                                                            a["start"], a["pages"])},
+                              jittable=False),
         "paged_attention": Case(kv.paged_attention, paged_args, paged(kv.paged_attention)),
         "ref_paged_attention": Case(kv.ref_paged_attention, paged_args, paged(kv.ref_paged_attention)),
         "AttentionBackend": Case(kv.AttentionBackend, paged_args, paged(kv.attention_backend("xla"))),

@@ -59,7 +59,15 @@ from ardiff_jax.kv._layout import (
     from_storage,
     to_storage,
 )
-from ardiff_jax.kv._ops import commit_block, gather_pages, read_run, write_block
+from ardiff_jax.kv._ops import (
+    commit_block,
+    gather_pages,
+    read_pages,
+    read_run,
+    restore_pages,
+    write_block,
+    write_pages,
+)
 from ardiff_jax.kv._tables import (
     CURSOR_FIELDS,
     VisibleHistory,
@@ -97,7 +105,9 @@ __all__ = [
     "make_cursor",
     "page_of_frame",
     "paged_attention",
+    "read_pages",
     "read_run",
+    "restore_pages",
     "ref_attention",
     "ref_paged_attention",
     "run_visibility",
@@ -105,4 +115,5 @@ __all__ = [
     "visible_history",
     "visible_table",
     "write_block",
+    "write_pages",
 ]

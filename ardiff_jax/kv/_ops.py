@@ -1,8 +1,8 @@
-"""Pure pool operations: block write, ordered gather, contiguous run read.
+"""Pure pool operations: block write, ordered gather, contiguous run read, page-range copy.
 
 All functions are pure and jittable; ``layout`` is the static argument. The jitted
-writer :func:`commit_block` donates the pools, so a commit costs the bytes of the block,
-not a copy of the pool.
+writers :func:`commit_block` and :func:`restore_pages` donate the pools, so a commit or a
+restore costs the bytes it writes, not a copy of the pool.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer, from_storage, to_storage
 
-__all__ = ["write_block", "commit_block", "gather_pages", "read_run"]
+__all__ = ["write_block", "commit_block", "gather_pages", "read_run", "read_pages", "write_pages", "restore_pages"]
 
 
 def write_block(
@@ -130,3 +130,53 @@ def read_run(
         return from_storage(layout, run).reshape(out_shape)
 
     return read(pools.k), read(pools.v)
+
+
+def read_pages(
+    layout: KVLayout,
+    pools: KVPools,
+    start: jax.Array | int,  # first page; the runtime checks start + num_pages <= P on the host
+    num_pages: int,  # static
+) -> KVPools:
+    """Copy ``num_pages`` consecutive pages of every layer: one session's runs, for offload.
+
+    A session's runs are adjacent (its slot's local branches, each sink + ring), so its KV
+    is one contiguous ``dynamic_slice`` of each pool: the copy costs the session's bytes,
+    never the pool's. Like ``dynamic_slice``, a range past the end is clamped; callers
+    validate ``start`` first.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      start: i32[]
+      returns: KVPools; k, v: storage[L, n, T, H, D]
+    """
+    sizes = (layout.num_layers, num_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
+    begin = (0, start, 0, 0, 0)
+    return KVPools(k=jax.lax.dynamic_slice(pools.k, begin, sizes), v=jax.lax.dynamic_slice(pools.v, begin, sizes))
+
+
+def write_pages(
+    layout: KVLayout,
+    pools: KVPools,
+    start: jax.Array | int,  # first page; the runtime checks start + n <= P on the host
+    pages: KVPools,  # what read_pages returned (same layout)
+) -> KVPools:
+    """Write consecutive pages of every layer back at ``start``: the inverse of :func:`read_pages`.
+
+    One ``dynamic_update_slice`` per pool, in place under donation (:data:`restore_pages`).
+    The pages are stored bits, written as they are: a round trip is bit-exact.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      start: i32[]
+      pages: KVPools; k, v: storage[L, n, T, H, D]
+      returns: KVPools; k, v: storage[L, P, T, H, D]
+    """
+    begin = (0, start, 0, 0, 0)
+    return KVPools(k=jax.lax.dynamic_update_slice(pools.k, pages.k, begin),
+                   v=jax.lax.dynamic_update_slice(pools.v, pages.v, begin))
+
+
+#: :func:`write_pages` jitted with the pools donated: restoring a session is one in-place write.
+#: DONATES ``pools``: the caller must drop its references and use the returned pools.
+restore_pages = jax.jit(write_pages, static_argnums=0, donate_argnums=1)

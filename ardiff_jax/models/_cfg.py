@@ -391,6 +391,10 @@ class CFGWorldActionPipeline(PipelineBase):
         actions = nbytes((config.num_register_tokens - pipeline_config.num_state_tokens, pipeline_config.action_dim))
         return nbytes(config.block_shape) + actions + 16
 
+    def _session_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"last_video": tuple(self.config.block_shape),
+                "last_actions": (self.num_action_tokens, self.pipeline_config.action_dim)}
+
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """DreamZero's warmup: ``1 + ceil(max(0, window - 1) / frames_per_block)`` requests.
 

@@ -296,9 +296,75 @@ class PipelineSession:
     prompt: str
     block_index: int = 0
 
+    #: Fields that hold a nested dataclass (exported as a dict of its fields): ``{field: class}``.
+    nested_fields: ClassVar[Mapping[str, type]] = {}
+
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
         """Every device array the session holds (``None`` for empty slots): what ``model_owned_bytes`` counts."""
         return (self.key,)
+
+    def to_tree(self) -> dict[str, Any]:
+        """The session as a dict tree of its fields (nested dataclasses as dicts): what export returns."""
+        def field_value(value: Any) -> Any:
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            return value
+        return {f.name: field_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_tree(cls, tree: Any, shapes: Mapping[str, tuple[int, ...]], device: jax.Device) -> PipelineSession:
+        """The session a :meth:`to_tree` tree describes, validated field by field (ValueError otherwise).
+
+        Every field must be present with the kind its annotation names: the noise key a
+        scalar key of :data:`NOISE_PRNG_IMPL`; other arrays ``float32`` (with the shape in
+        ``shapes`` where one is given, keyed ``"field"`` or ``"field.subfield"``); ints
+        non-negative; strings strings. Arrays are committed to ``device``.
+        """
+        return cls(**_checked_fields(cls, tree, shapes, device, prefix=""))
+
+
+def _checked_fields(cls: type, tree: Any, shapes: Mapping[str, tuple[int, ...]], device: jax.Device, prefix: str
+                    ) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    where = f"{cls.__name__} state" + (f" {prefix[:-1]}" if prefix else "")
+    if not isinstance(tree, dict) or sorted(tree) != sorted(names):
+        got = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+        raise ValueError(f"{where} must be a dict with the fields {sorted(names)}, got {got}")
+    nested = getattr(cls, "nested_fields", {})
+    out = {}
+    for f in dataclasses.fields(cls):
+        value, name, annotation = tree[f.name], prefix + f.name, str(f.type)
+        if value is None and "None" in annotation:
+            out[f.name] = None
+        elif f.name in nested:
+            out[f.name] = nested[f.name](**_checked_fields(nested[f.name], value, shapes, device, f"{name}."))
+        elif "jax.Array" in annotation:
+            out[f.name] = _checked_array(name, value, shapes.get(name), device)
+        elif annotation.startswith("int"):
+            if not is_integer(value) or int(value) < 0:
+                raise ValueError(f"{where}: {f.name} must be a non-negative integer, got {value!r}")
+            out[f.name] = int(value)
+        elif annotation.startswith("str"):
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {f.name} must be a string, got {type(value).__name__}")
+            out[f.name] = value
+        else:  # pragma: no cover - a session field of a kind this check does not know
+            raise TypeError(f"{where}: cannot validate field {f.name!r} annotated {annotation!r}")
+    return out
+
+
+def _checked_array(name: str, value: Any, shape: tuple[int, ...] | None, device: jax.Device) -> jax.Array:
+    if not isinstance(value, jax.Array):
+        raise ValueError(f"session state {name} must be a jax array, got {type(value).__name__}")
+    if name == "key":
+        if not jnp.issubdtype(value.dtype, jax.dtypes.prng_key) or value.shape != () or \
+                str(jax.random.key_impl(value)) != NOISE_PRNG_IMPL:
+            raise ValueError(f"session state key must be a scalar {NOISE_PRNG_IMPL!r} PRNG key, got {value.dtype}"
+                             f"{list(value.shape)}")
+    elif value.dtype != jnp.float32 or (shape is not None and tuple(value.shape) != tuple(shape)):
+        want = "float32" + (str(list(shape)) if shape is not None else "")
+        raise ValueError(f"session state {name} must be {want}, got {value.dtype}{list(value.shape)}")
+    return jax.device_put(value, device)
 
 
 class BoundStateMixin:
@@ -434,6 +500,24 @@ class PipelineBase(BoundStateMixin, abc.ABC):
     def session_ids(self) -> tuple[str, ...]:
         """Sessions with model-owned state."""
         return tuple(self._sessions)
+
+    # -- SupportsARDiffusionSessionExport: the runtime offloads, saves and restores sessions ------------
+    def export_ar_diffusion_session(self, session_id: str) -> dict[str, Any]:
+        """Move a session's model state out (``{}`` when it has none); the pipeline forgets it."""
+        session = self._sessions.pop(session_id, None)
+        return {} if session is None else session.to_tree()
+
+    def import_ar_diffusion_session(self, session_id: str, state: Any) -> None:
+        """Take back a state :meth:`export_ar_diffusion_session` returned; validated before anything changes."""
+        if session_id in self._sessions:
+            raise ValueError(f"{type(self).__name__} already holds model state for session {session_id!r}")
+        if isinstance(state, dict) and not state:
+            return
+        self._sessions[session_id] = self.session_type.from_tree(state, self._session_shapes(), self.device)
+
+    def _session_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the session's float arrays, for import validation (``"field"`` or ``"field.subfield"``)."""
+        return {}
 
     def model_owned_bytes(self, session_id: str) -> int:
         """Device bytes this pipeline holds for ``session_id`` right now (<= the declared bound)."""

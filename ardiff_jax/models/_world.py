@@ -42,8 +42,8 @@ runner touches any session; ``forward`` and ``step`` parse with the same code.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +146,8 @@ class _WorldSession(PipelineSession):
     inflight: _InFlightBlock | None = None
     blocks_emitted: int = 0  # stepwise: blocks of the streaming request
 
+    nested_fields: ClassVar[Mapping[str, type]] = {"inflight": _InFlightBlock}
+
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
         inflight = () if self.inflight is None else (self.inflight.x_t, self.inflight.registers)
         return (self.key, self.last_block, *inflight)
@@ -198,6 +200,10 @@ class WorldPipeline(PipelineBase):
         block = nbytes(config.block_shape)
         registers = nbytes((config.num_register_tokens, config.register_dim))
         return 2 * block + registers + 16
+
+    def _session_shapes(self) -> dict[str, tuple[int, ...]]:
+        block = tuple(self.config.block_shape)
+        return {"last_block": block, "inflight.x_t": block}
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """One block with a fixed prompt: compiles the step program and the text projection."""

@@ -4,7 +4,11 @@ Power-user names live here; :mod:`ardiff_jax` re-exports what most users start w
 
 * session value: :class:`SessionKV`, :class:`BranchCursor`, :class:`CrossAttentionKV` and the
   pure functions over it (:func:`commit_frames` is the one commit rule);
-* policy: :class:`SessionTable` (LRU order, capacity, eviction choice, pins; host only);
+* policy: :class:`SessionTable` (LRU order, capacity, eviction choice, pins; host only) and
+  :class:`HostSessionTier` (offloaded sessions, LRU by bytes);
+* sessions off the device: :class:`OffloadedSession` (a session's pages, caches, cursors and
+  model state in host memory) and, on disk, :class:`SessionFileError`,
+  :data:`SESSION_FORMAT_VERSION`;
 * KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`,
   :class:`ARDiffusionRequestAdapter`; memory plan: :class:`MemoryPlan`, :func:`plan_memory`;
 * execution: :class:`ARDiffusionModelRunner`, :class:`ARDiffusionEngine`, :class:`SessionEvent`.
@@ -19,6 +23,8 @@ from ardiff_jax.runtime._memory import (
     plan_memory,
     scratch_blocks_override,
 )
+from ardiff_jax.runtime._offload import HostSessionTier, OffloadedSession
+from ardiff_jax.runtime._persist import SESSION_FORMAT_VERSION, SessionFileError
 from ardiff_jax.runtime._runner import WARMUP_SESSION_ID, ARDiffusionModelRunner, SessionEvent
 from ardiff_jax.runtime._session import (
     BranchCursor,
@@ -32,6 +38,7 @@ from ardiff_jax.runtime._session import (
     publish_cross_attention,
     reset_session_kv,
     run_base,
+    session_kv_from_saved,
 )
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState, ARDiffusionRequestAdapter
@@ -48,6 +55,7 @@ from ardiff_jax.types import (  # noqa: F401 - re-exported for code written befo
 
 __all__ = [
     "SCRATCH_BLOCKS_ENV",
+    "SESSION_FORMAT_VERSION",
     "WARMUP_SESSION_ID",
     "ARDiffusionEngine",
     "ARDiffusionKVCache",
@@ -56,8 +64,11 @@ __all__ = [
     "ARDiffusionRequestAdapter",
     "BranchCursor",
     "CrossAttentionKV",
+    "HostSessionTier",
     "MemoryPlan",
+    "OffloadedSession",
     "SessionEvent",
+    "SessionFileError",
     "SessionKV",
     "SessionTable",
     "branch_cursor_array",
@@ -71,4 +82,5 @@ __all__ = [
     "reset_session_kv",
     "run_base",
     "scratch_blocks_override",
+    "session_kv_from_saved",
 ]

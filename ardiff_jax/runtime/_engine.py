@@ -7,6 +7,8 @@ cleanup. Everything else is delegation.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from ardiff_jax.runtime._memory import MemoryPlan
@@ -52,6 +54,11 @@ class ARDiffusionEngine:
         """Resident session ids, least recently used first."""
         return self._runner.sessions
 
+    @property
+    def offloaded_sessions(self) -> tuple[str, ...]:
+        """Session ids held in host memory (``EngineConfig(host_offload_bytes=...)``), oldest first."""
+        return self._runner.offloaded_sessions
+
     def generate(self, request: DiffusionRequest) -> Any:
         """Run one request (one AR block in tick mode) on its session."""
         return self._runner.execute_model(request)
@@ -65,6 +72,25 @@ class ARDiffusionEngine:
 
     def close_session(self, session_id: str) -> None:
         self._runner.close_session(session_id)
+
+    def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
+        """Write a resident or offloaded session to ``path`` (a new directory); it keeps running here.
+
+        The file holds the session's KV pages, cross-attention caches, cursors and the
+        pipeline's model state (orbax-checkpoint arrays plus a JSON manifest; needs the
+        ``[sessions]`` extra). Any engine with the same geometry and pipeline class can
+        :meth:`load_session` it, in this process or another, and continue exactly.
+        """
+        return self._runner.save_session(session_id, path)
+
+    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None) -> str:
+        """Make a saved session resident (as ``session_id``, default its saved id); returns the id.
+
+        Raises :class:`~ardiff_jax.runtime.SessionFileError` (a ValueError) naming the problem
+        when the file is corrupt, truncated, or saved by an engine with another geometry or
+        pipeline; nothing changes then.
+        """
+        return self._runner.load_session(path, session_id)
 
     def close(self) -> None:
         """Release every session and free the device pools."""

@@ -25,6 +25,8 @@ from ardiff_jax.kv import (
     check_attention_backend,
     commit_block,
     default_storage_dtype,
+    read_pages,
+    restore_pages,
 )
 from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
@@ -34,6 +36,9 @@ from ardiff_jax.types import check_kv_dtype
 __all__ = ["ARDiffusionKVCache"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
+
+#: :func:`~ardiff_jax.kv.read_pages` jitted: a copy of one slot's pages (the pools are not donated).
+_copy_pages = jax.jit(read_pages, static_argnums=(0, 3))
 
 
 class ARDiffusionKVCache:
@@ -50,6 +55,7 @@ class ARDiffusionKVCache:
       storage_dtype: dtype of the pool arrays; default per backend (``uint16`` bit patterns
         for 16-bit floats on CPU, the logical dtype elsewhere).
       attention_backend: the registered paged-attention backend the states' views call.
+      host_offload_bytes: the host tier's size, for the plan's host rows (the runner owns the tier).
       **spec_fields: instead of ``spec``, its fields as keywords (the reference manager's
         form); the former experimental names (``num_frame_per_block``, ``local_branches``,
         ``cross_attn_length``, ``cross_attn_img_length``, ``frame_seqlen``) still work with a
@@ -66,6 +72,7 @@ class ARDiffusionKVCache:
         device: jax.Device | None = None,
         storage_dtype: Any = None,
         attention_backend: str = "xla",
+        host_offload_bytes: int = 0,
         **spec_fields: Any,
     ) -> None:
         if spec is None and spec_fields:
@@ -85,7 +92,7 @@ class ARDiffusionKVCache:
         self._spec = spec
         self._plan: MemoryPlan = plan_memory(
             spec, dtype=dtype, available_memory_bytes=available, gpu_memory_fraction=gpu_memory_fraction,
-            memory_source=source,
+            memory_source=source, host_offload_bytes=host_offload_bytes,
         )
         plan = self._plan
         if storage_dtype is None:
@@ -231,6 +238,39 @@ class ARDiffusionKVCache:
                 "AR-Diffusion KV pools were deleted or donated outside the KV manager (a model must not donate "
                 "PagedKVCaches); the resident sessions' KV is lost"
             )
+
+    @property
+    def session_pages(self) -> int:
+        """Pages of one slot: every local branch's run (sink + ring), adjacent in the pools."""
+        return self._spec.num_local_kv_branches * self._layout.run_pages
+
+    def _slot_start(self, slot: int) -> np.int32:
+        if not 0 <= slot < self.session_capacity:
+            raise IndexError(f"AR-Diffusion slot {slot} out of range [0, {self.session_capacity})")
+        return np.int32(slot * self.session_pages)
+
+    def read_slot(self, slot: int) -> KVPools:
+        """A device copy of ``slot``'s pages, ``storage[L, R*(K+W), T, H, D]`` (dispatched, not awaited)."""
+        self.check_pools()
+        return _copy_pages(self._layout, self._pools, self._slot_start(slot), self.session_pages)
+
+    def write_slot(self, slot: int, pages: KVPools) -> None:
+        """Overwrite ``slot``'s pages with ``pages`` (host or device arrays): one donated in-place write.
+
+        Shapes and dtypes are checked before anything moves; every page of the slot is written,
+        so nothing of the slot's previous occupant survives.
+        """
+        self.check_pools()
+        start = self._slot_start(slot)
+        layout = self._layout
+        shape = (layout.num_layers, self.session_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
+        for name, array in (("k", pages.k), ("v", pages.v)):
+            if tuple(array.shape) != shape or np.dtype(array.dtype) != np.dtype(jax.numpy.dtype(layout.storage_dtype)):
+                raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
+                                 f"{array.dtype}{list(array.shape)}")
+        target = jax.sharding.SingleDeviceSharding(self._device)  # a bare device refuses host-memory arrays
+        on_device = KVPools(k=jax.device_put(pages.k, target), v=jax.device_put(pages.v, target))
+        self._pools = restore_pages(layout, self._pools, start, on_device)
 
     def _write_block(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
         """One donated write of a committed block; swaps the pool references after dispatch."""

@@ -10,6 +10,10 @@ Terms (``docs/reference_behaviour.md``, "Memory plan"), all in bytes unless name
 * ``N(c) = L_local * (c * (K + W) + F) + 2`` managed pages for ``c`` resident sessions;
 * ``required(c) = X + c * C + c * M + N(c) * P``.
 
+The host tier (``EngineConfig(host_offload_bytes=B)``) holds evicted sessions off the
+device: one costs ``H = L_local * (K + W) * P + C + M`` bytes of host memory (its runs,
+its cross caches, its model-owned state at the declared bound), so ``floor(B / H)`` fit.
+
 ``configured = floor(available * fraction)``; one session that does not fit the free
 memory is an error; ``budget = max(configured, required(1))`` (the fraction is a soft
 floor: one viable session is always admitted); capacity is the largest
@@ -120,8 +124,20 @@ class MemoryPlan:
     managed_pages: int
     pool_pages: int
     dtype: str
+    host_offload_bytes: int = 0
 
     # -- derived --------------------------------------------------------------------------
+    @property
+    def offload_bytes_per_session(self) -> int:
+        """``H``: host bytes of one offloaded session (runs, cross caches, model-owned bound)."""
+        return (self.num_local_kv_branches * self.run_pages * self.page_bytes
+                + self.cross_attention_bytes_per_session + self.model_owned_bytes_per_session)
+
+    @property
+    def host_session_capacity(self) -> int:
+        """Offloaded sessions the host tier holds at once (0 when offload is off)."""
+        return self.host_offload_bytes // self.offload_bytes_per_session
+
     def managed_pages_for(self, sessions: int) -> int:
         """``N(c)``: managed pages the reference reserves for ``c`` resident sessions."""
         return _managed_pages(self.num_local_kv_branches, self.run_pages, self.frames_per_block, sessions)
@@ -170,6 +186,8 @@ class MemoryPlan:
             cross_attention_reserved_bytes=self.cross_attention_reserved_bytes,
             model_owned_reserved_bytes=self.model_owned_reserved_bytes,
             budget_raised=self.budget_raised,
+            offload_bytes_per_session=self.offload_bytes_per_session,
+            host_session_capacity=self.host_session_capacity,
         )
         return out
 
@@ -196,6 +214,9 @@ class MemoryPlan:
             ("planned for capacity", size(self.planned_bytes)),
             ("allocated pool pages", f"{self.pool_pages} ({size(self.pool_bytes)})"),
             ("KV dtype", self.dtype),
+            ("host tier", size(self.host_offload_bytes) if self.host_offload_bytes else "off"),
+            ("host bytes per offloaded session", size(self.offload_bytes_per_session)),
+            ("offloaded sessions that fit", str(self.host_session_capacity)),
         ]
         width = max(len(name) for name, _ in rows)
         lines = ["AR-Diffusion KV memory plan"] + [f"  {name:<{width}}  {value}" for name, value in rows]
@@ -210,8 +231,12 @@ def plan_memory(
     gpu_memory_fraction: float = 0.1,
     memory_source: str = "explicit",
     scratch_override: int | None = None,
+    host_offload_bytes: int = 0,
 ) -> MemoryPlan:
-    """Compute the plan for ``spec`` given free memory; ValueError if one session cannot fit."""
+    """Compute the plan for ``spec`` given free memory; ValueError if one session cannot fit.
+
+    ``host_offload_bytes`` sizes the host tier (it changes no device term).
+    """
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
     available_memory_bytes = check_non_negative_int("available_memory_bytes", available_memory_bytes)
@@ -222,6 +247,7 @@ def plan_memory(
     itemsize = jnp.dtype(check_kv_dtype(dtype)).itemsize
     override = scratch_blocks_override() if scratch_override is None else scratch_override
     override = check_non_negative_int("scratch override", override)
+    host_offload_bytes = check_non_negative_int("host_offload_bytes", host_offload_bytes)
 
     num_local = spec.num_local_kv_branches
     tokens = spec.tokens_per_frame
@@ -279,4 +305,5 @@ def plan_memory(
         managed_pages=_managed_pages(num_local, run_pages, spec.frames_per_block, capacity),
         pool_pages=capacity * num_local * run_pages,
         dtype=jnp.dtype(dtype).name,
+        host_offload_bytes=host_offload_bytes,
     )

@@ -40,16 +40,39 @@ from ardiff_jax.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionPipeline,
     SupportsARDiffusionRequestValidation,
+    SupportsARDiffusionSessionExport,
     SupportsARDiffusionWarmup,
     SupportsStepExecution,
     spec_summary,
 )
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
-from ardiff_jax.types import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
+from ardiff_jax.runtime._offload import (
+    HostSessionTier,
+    OffloadedSession,
+    device_memory,
+    host_cross_attention,
+    record_nbytes,
+    to_device,
+    to_host,
+)
+from ardiff_jax.runtime._persist import (
+    pipeline_name,
+    read_session_file,
+    session_fingerprint,
+    write_session_file,
+)
+from ardiff_jax.runtime._session import SessionKV, check_session_kv
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
-from ardiff_jax.types import AR_DIFFUSION_TICK_KEY, ARDiffusionTickRequest
+from ardiff_jax.types import (
+    AR_DIFFUSION_TICK_KEY,
+    ARDiffusionTickRequest,
+    DiffusionRequest,
+    EngineConfig,
+    StepResult,
+    StepSchedulerOutput,
+)
 
 __all__ = ["ARDiffusionModelRunner", "SessionEvent", "WARMUP_SESSION_ID"]
 
@@ -74,9 +97,16 @@ _BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = wea
 class SessionEvent:
     """A session lifecycle event, delivered to listeners added with ``add_session_listener``.
 
-    ``kind`` is ``"created"`` or ``"released"`` (KV released, before the pipeline hook);
-    ``reason`` is one of ``"reset"``, ``"close"``, ``"lru_eviction"``,
-    ``"forward_exception"``, ``"warmup_complete"``, ``"pools_lost"`` for releases.
+    ``kind`` is one of:
+
+    * ``"created"``: a new session became resident;
+    * ``"released"`` (KV or host copy dropped, before the pipeline hook), ``reason`` one of
+      ``"reset"``, ``"close"``, ``"lru_eviction"``, ``"forward_exception"``,
+      ``"warmup_complete"``, ``"pools_lost"``, ``"host_eviction"`` (dropped from the
+      host tier), ``"restore_failed"``, ``"save_failed"``;
+    * ``"offloaded"``: evicted to the host tier (``reason`` ``"lru_eviction"``);
+    * ``"restored"``: resident again, from the host tier (``reason`` ``"offload"``) or
+      from a file (``"load"``).
     """
 
     kind: str
@@ -149,8 +179,15 @@ class ARDiffusionModelRunner:
         self._kv_cache = ARDiffusionKVCache(
             spec, dtype=config.dtype, available_memory_bytes=config.available_memory_bytes,
             gpu_memory_fraction=config.gpu_memory_fraction, attention_backend=config.attention_backend,
+            host_offload_bytes=config.host_offload_bytes,
         )
         self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
+        self._exporter = pipeline if isinstance(pipeline, SupportsARDiffusionSessionExport) else None
+        self._host = HostSessionTier(config.host_offload_bytes if self._exporter is not None else 0)
+        if config.host_offload_bytes and self._exporter is None:
+            logger.warning("AR-Diffusion host offload is configured (%d bytes) but %s does not implement "
+                           "SupportsARDiffusionSessionExport; evicted sessions are released as without offload",
+                           config.host_offload_bytes, type(pipeline).__name__)
         logger.info("%s", self._kv_cache.plan)
         _BOUND_PIPELINES[id(pipeline)] = self
         try:
@@ -189,6 +226,16 @@ class ARDiffusionModelRunner:
     def sessions(self) -> tuple[str, ...]:
         """Resident session ids, least recently used first."""
         return self._table.lru_order
+
+    @property
+    def offloaded_sessions(self) -> tuple[str, ...]:
+        """Session ids held in the host tier, least recently offloaded first."""
+        return self._host.lru_order
+
+    @property
+    def host_tier(self) -> HostSessionTier:
+        """The host tier's policy object: offloaded records, bytes used (read it; the runner changes it)."""
+        return self._host
 
     @property
     def closed(self) -> bool:
@@ -394,7 +441,7 @@ class ARDiffusionModelRunner:
             if self._closed:
                 return
             self._check_not_reentrant("close")
-            for session_id in self._table.lru_order:
+            for session_id in self._table.lru_order + self._host.lru_order:
                 self._release_session(session_id, reset_model=False, reason="close", suppress_errors=True)
             self._kv_cache.close()
             self._closed = True
@@ -407,17 +454,49 @@ class ARDiffusionModelRunner:
 
     # -- internals -----------------------------------------------------------------------------
     def _validate_request(self, session_id: str, request: DiffusionRequest) -> None:
-        """The pipeline's optional host-side check, before any session or KV changes."""
-        if self._request_validator is not None:
-            with self._running_pipeline_code(_ValidationCall(session_id)):
+        """The pipeline's optional host-side check, before any session or KV changes.
+
+        An offloaded session is checked against its model state: the state is imported for
+        the call and exported straight back (a copy of the small model state, no pages), so
+        a refused request leaves the session offloaded and every other session where it was.
+        """
+        if self._request_validator is None:
+            return
+        record = self._host.get(session_id)
+        with self._running_pipeline_code(_ValidationCall(session_id)):
+            if record is None:
                 self._request_validator(session_id, request)
+                return
+            try:
+                self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
+                                                                                 self._kv_cache.device))
+            except Exception:
+                self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+                raise
+            try:
+                self._request_validator(session_id, request)
+            finally:
+                try:
+                    self._exporter.export_ar_diffusion_session(session_id)  # the record keeps its own copy
+                except Exception:
+                    self._release_session(session_id, reset_model=False, reason="restore_failed",
+                                          suppress_errors=True)
+                    raise
 
     def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
         state = self._table.get(session_id)
         if state is not None:
             return self._table.touch(session_id)
-        for victim in self._table.eviction_victims():
-            self._release_session(victim, reset_model=False, reason="lru_eviction")
+        # An offloaded session leaves the host tier first, so the eviction below cannot drop it.
+        record = self._host.pop(session_id)
+        try:
+            self._make_room()
+        except BaseException:
+            if record is not None:
+                self._hold_offloaded(record)
+            raise
+        if record is not None:
+            return self._restore(record, reason="offload", hold_on_failure=True)
         state = self._kv_cache.create_state(session_id)
         state._runner_managed = True
         self._table.add(session_id, state)
@@ -425,6 +504,179 @@ class ARDiffusionModelRunner:
                     len(self._table))
         self._emit("created", session_id)
         return state
+
+    def _make_room(self) -> None:
+        """Evict (offload where possible) the least recently used sessions so that one more fits."""
+        for victim in self._table.eviction_victims():
+            self._evict(victim)
+
+    # -- the host tier -------------------------------------------------------------------------
+    def _evict(self, session_id: str) -> None:
+        """Offload ``session_id`` to the host tier; release it (close hook) when it cannot be offloaded."""
+        record = self._offload_record(session_id) if self._host.capacity_bytes else None
+        if record is None:
+            self._release_session(session_id, reset_model=False, reason="lru_eviction")
+            return
+        state = self._table.remove(session_id)
+        state._release()
+        self._emit("offloaded", session_id, "lru_eviction")
+        logger.info("AR-Diffusion session %r offloaded to host memory (%d bytes)", session_id, record.nbytes)
+        self._hold_offloaded(record)
+
+    def _offload_record(self, session_id: str) -> OffloadedSession | None:
+        """The host record of a resident session, its model state moved out; ``None`` (nothing moved) if impossible."""
+        state = self._table.get(session_id)
+        value = state._value
+        estimate = self.memory_plan.offload_bytes_per_session
+        if state._pending or not self._host.fits(estimate):
+            logger.info("AR-Diffusion session %r cannot be offloaded (%s); releasing it", session_id,
+                        "a forward context is pending" if state._pending else
+                        f"{estimate} bytes exceed the host tier of {self._host.capacity_bytes}")
+            return None
+        try:
+            record = self._copy_out(session_id, value)
+        except Exception as error:
+            logger.warning("AR-Diffusion offload of session %r failed (%r); releasing it instead", session_id, error)
+            return None
+        if not self._host.fits(record.nbytes):
+            logger.warning("AR-Diffusion session %r needs %d host bytes, more than the tier's %d; releasing it",
+                           session_id, record.nbytes, self._host.capacity_bytes)
+            return None
+        return record
+
+    def _copy_out(self, session_id: str, value: SessionKV, *, keep: bool = False) -> OffloadedSession:
+        """Copy a resident session's pages and cross caches to host memory and export its model state.
+
+        With ``keep`` the model state is imported straight back (``save_session`` of a resident
+        session): the pipeline's only way to hand over its state is to move it.
+        """
+        device = self._kv_cache.device
+        pages = to_host(self._kv_cache.read_slot(value.slot), device)
+        session = host_cross_attention(value, device)
+        with self._running_pipeline_code(_ExportCall(session_id)):
+            exported = self._exporter.export_ar_diffusion_session(session_id)
+            try:
+                pipeline_state = to_host(exported, device)
+            finally:
+                if keep:
+                    self._exporter.import_ar_diffusion_session(session_id, exported)
+        return OffloadedSession(session=session, pages=pages, pipeline_state=pipeline_state,
+                                nbytes=record_nbytes(session, pages, pipeline_state))
+
+    def _hold_offloaded(self, record: OffloadedSession) -> None:
+        """Put ``record`` in the host tier, first dropping (close hooks) the oldest records it displaces."""
+        errors: list[BaseException] = []
+        for dropped in self._host.admission_victims(record.nbytes):
+            try:
+                self._release_session(dropped, reset_model=False, reason="host_eviction")
+            except Exception as error:  # the record is gone already; report after holding the new one
+                errors.append(error)
+        self._host.add(record)
+        if errors:
+            raise errors[0]
+
+    def _restore(self, record: OffloadedSession, *, reason: str, hold_on_failure: bool) -> ARDiffusionKVState:
+        """Make ``record`` resident in a free slot: one donated write of its pages, then the pipeline's import.
+
+        A failure before the import leaves the session offloaded again (``hold_on_failure``)
+        or absent (a file load: the file is still there); a failing import releases the
+        session with its close hook. Never half restored.
+        """
+        session_id = record.session_id
+        state = self._kv_cache.create_state(session_id)
+        try:
+            device = device_memory(self._kv_cache.device)
+            cross = {key: type(kv)(k=jax.device_put(kv.k, device), v=jax.device_put(kv.v, device))
+                     for key, kv in record.session.cross_attention.items()}
+            value = check_session_kv(self._kv_cache.spec, SessionKV(
+                session_id=session_id, slot=state.slot, cursors=record.session.cursors, cross_attention=cross,
+                run_owners=record.session.run_owners))  # on the host, before the pages move
+            self._kv_cache.write_slot(state.slot, record.pages)
+            state.restore(value)
+        except BaseException:
+            state._release()
+            if hold_on_failure:
+                self._hold_offloaded(record)
+            raise
+        state._runner_managed = True
+        self._table.add(session_id, state)
+        self._emit("restored", session_id, reason)
+        logger.info("AR-Diffusion session %r restored (%s; slot %s)", session_id, reason, state.slot)
+        try:
+            with self._running_pipeline_code(_ImportCall(session_id)):
+                self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
+                                                                                 self._kv_cache.device))
+        except BaseException:
+            self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            raise
+        return state
+
+    # -- sessions on disk ------------------------------------------------------------------------
+    def _file_identity(self) -> dict[str, Any]:
+        return {"fingerprint": session_fingerprint(self._kv_cache.spec, self._kv_cache.layout),
+                "pipeline": pipeline_name(self._pipeline)}
+
+    def _require_exporter(self, what: str) -> None:
+        if self._exporter is None:
+            raise TypeError(f"{what} needs a pipeline that implements SupportsARDiffusionSessionExport; "
+                            f"{type(self._pipeline).__name__} does not")
+
+    def save_session(self, session_id: str, path: Any) -> Any:
+        """Write a resident or offloaded session to the new directory ``path`` (orbax arrays + JSON manifest).
+
+        The session stays where it is and its LRU position does not change. A resident
+        session's model state is exported and imported straight back; if the pipeline fails
+        at that, the session is released (close hook) and the error raised. Returns the path.
+        """
+        check_session_id(session_id)
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("save_session")
+            self._require_exporter("save_session")
+            record = self._host.get(session_id)
+            if record is None:
+                state = self._table.get(session_id)
+                if state is None:
+                    raise KeyError(f"AR-Diffusion session {session_id!r} is neither resident nor offloaded")
+                if state._pending:
+                    raise RuntimeError(f"AR-Diffusion session {session_id!r} has a pending forward context")
+                try:
+                    record = self._copy_out(session_id, state._value, keep=True)
+                except BaseException:
+                    self._release_session(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
+                    raise
+            identity = self._file_identity()
+        # Outside the lock: the record is an immutable host value; writing it may take a while.
+        return write_session_file(path, record, fingerprint=identity["fingerprint"], pipeline=identity["pipeline"],
+                                  layout=self._kv_cache.layout)
+
+    def load_session(self, path: Any, session_id: str | None = None) -> str:
+        """Load a saved session (as ``session_id``, default the saved id) and make it resident; returns its id.
+
+        The file is validated completely before any pool is touched (SessionFileError, a
+        ValueError, naming what is wrong). The session must not exist here yet. Making it
+        resident may evict (offload) the least recently used session, as a new session would.
+        """
+        if session_id is not None:
+            check_session_id(session_id)
+        self._require_exporter("load_session")
+        identity = self._file_identity()
+        cache = self._kv_cache
+        record = read_session_file(path, spec=cache.spec, layout=cache.layout, fingerprint=identity["fingerprint"],
+                                   pipeline=identity["pipeline"], session_pages=cache.session_pages,
+                                   device=cache.device)
+        if session_id is not None and session_id != record.session_id:
+            record = record.renamed(session_id)
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("load_session")
+            target = record.session_id
+            if target in self._table or target in self._host:
+                raise ValueError(f"AR-Diffusion session {target!r} already exists here; close it first or load "
+                                 "under another session_id")
+            self._make_room()
+            self._restore(record, reason="load", hold_on_failure=False)
+        return target
 
     def _release_session(self, session_id: str, *, reset_model: bool, reason: str,
                          suppress_errors: bool = False) -> None:
@@ -437,6 +689,8 @@ class ARDiffusionModelRunner:
             except Exception as error:  # pragma: no cover - release only touches host bookkeeping
                 errors.append(error)
             self._emit("released", session_id, reason)
+        elif self._host.pop(session_id) is not None:  # offloaded: its host copy goes, the hook runs now
+            self._emit("released", session_id, reason)
         hook = self._pipeline.reset_ar_diffusion_session if reset_model else self._pipeline.close_ar_diffusion_session
         previous, self._executing = self._executing, _HookCall(reset_model, session_id)
         try:
@@ -445,7 +699,8 @@ class ARDiffusionModelRunner:
             errors.append(error)
         finally:
             self._executing = previous
-        log = logger.info if reason in ("lru_eviction", "forward_exception", "pools_lost") else logger.debug
+        log = logger.info if reason in ("lru_eviction", "forward_exception", "pools_lost", "host_eviction",
+                                        "restore_failed", "save_failed") else logger.debug
         log("AR-Diffusion session %r released (%s; was resident: %s)", session_id, reason, state is not None)
         if errors:
             if suppress_errors:
@@ -562,6 +817,20 @@ class _HookCall(NamedTuple):
 
     def __str__(self) -> str:
         return f"the {'reset' if self.reset else 'close'} hook of session {self.session_id!r}"
+
+
+class _ExportCall(NamedTuple):
+    session_id: str
+
+    def __str__(self) -> str:
+        return f"the export of session {self.session_id!r}"
+
+
+class _ImportCall(NamedTuple):
+    session_id: str
+
+    def __str__(self) -> str:
+        return f"the import of session {self.session_id!r}"
 
 
 class _ValidationCall(NamedTuple):

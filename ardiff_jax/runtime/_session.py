@@ -40,6 +40,7 @@ __all__ = [
     "publish_cross_attention",
     "reset_session_kv",
     "run_base",
+    "session_kv_from_saved",
 ]
 
 
@@ -266,3 +267,18 @@ def check_session_kv(spec: ARDiffusionKVCacheSpec, value: SessionKV) -> SessionK
     return SessionKV(session_id=value.session_id, slot=value.slot,
                      cursors={name: value.cursors[name] for name in names},
                      cross_attention=value.cross_attention, run_owners=value.run_owners)
+
+
+def session_kv_from_saved(spec: ARDiffusionKVCacheSpec, session_id: str,
+                          cursors: Mapping[str, tuple[int, int]], run_owners: Iterable[tuple[int, str]],
+                          cross_attention: Mapping[tuple[str, str], CrossAttentionKV]) -> SessionKV:
+    """A session read back from a file: ``{branch: (committed, visible_start)}`` and the rest, validated.
+
+    The one way a cursor enters from outside: it must be one the spec could have produced
+    (:func:`check_session_kv`; ValueError otherwise). The slot is 0 until a restore rebases it.
+    """
+    value = SessionKV(session_id=session_id, slot=0,
+                      cursors={name: BranchCursor(committed_frames=committed, visible_start_frame=start)
+                               for name, (committed, start) in cursors.items()},
+                      cross_attention=cross_attention, run_owners=tuple(run_owners))
+    return check_session_kv(spec, value)

@@ -1,0 +1,353 @@
+"""Sessions on disk: an :class:`~ardiff_jax.runtime.OffloadedSession` as an orbax checkpoint plus a JSON manifest.
+
+A session file is a directory::
+
+    <path>/manifest.json   format, version, geometry fingerprint, pipeline, cursors,
+                           cross caches, the pipeline state's structure, and the shape,
+                           dtype and SHA-256 of every array
+    <path>/arrays/         an orbax-checkpoint of the arrays (a flat dict of numpy arrays)
+
+Nothing is unpickled: the manifest is JSON and the arrays are read with a target built
+from the manifest. Reading validates, in order and before any pool is touched: the
+manifest parses and names this format and version; the geometry fingerprint and the
+pipeline class equal the engine's (the error names every field that differs); every
+array has the shape and dtype the engine's geometry implies; orbax reads them; each read
+array has its recorded shape, dtype and SHA-256 (a truncated or corrupted file fails
+here even when orbax does not notice); the cursors are ones the spec could produce.
+
+Writing goes to a temporary directory next to ``path`` that is renamed into place at the
+end, so an interrupted save never leaves a half-written session at ``path``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ardiff_jax.capability import ARDiffusionKVCacheSpec
+from ardiff_jax.kv import KVLayout, KVPools
+from ardiff_jax.runtime._offload import OffloadedSession, record_nbytes
+from ardiff_jax.runtime._session import (
+    CrossAttentionKV,
+    SessionKV,
+    session_kv_from_saved,
+)
+
+__all__ = ["SESSION_FORMAT", "SESSION_FORMAT_VERSION", "SessionFileError", "session_fingerprint",
+           "read_session_file", "write_session_file"]
+
+SESSION_FORMAT = "ardiff_jax.session"
+SESSION_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ARRAYS = "arrays"
+
+
+class SessionFileError(ValueError):
+    """A session file that cannot be loaded: corrupt, truncated, another format, or another geometry/pipeline."""
+
+
+def session_fingerprint(spec: ARDiffusionKVCacheSpec, layout: KVLayout) -> dict[str, Any]:
+    """What a saved session's KV depends on: equal fingerprints mean its pages mean the same thing.
+
+    Policy that does not change the meaning of a page (session capacity, scratch, the
+    model-owned byte bound) is left out, so a session moves between engines sized
+    differently. JSON-normalised, so it compares equal to one read back from a manifest.
+    """
+    fingerprint = {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "tokens_per_frame": spec.tokens_per_frame,
+        "frames_per_block": spec.frames_per_block,
+        "window_frames": spec.window_frames,
+        "sink_frames": spec.sink_frames,
+        "reset_at_boundary": spec.reset_at_boundary,
+        "max_model_len": spec.max_model_len,
+        "kv_branches": {branch.name: branch.local_index for branch in spec.kv_branches},
+        "cross_attention": dict(spec.cross_attention_lengths),
+        "cross_attention_kv_heads": {name: spec.cross_attention_heads(name) for name in spec.cross_attention_lengths},
+        "kv_dtype": layout.dtype,
+    }
+    return json.loads(json.dumps(fingerprint))
+
+
+def pipeline_name(pipeline: Any) -> str:
+    cls = type(pipeline)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _checkpointing() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as error:  # pragma: no cover - the [sessions] extra is missing
+        raise ImportError("saving and loading sessions needs orbax-checkpoint: pip install 'ardiff_jax[sessions]'"
+                          ) from error
+    return ocp
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def _host_array(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(leaf)
+
+
+# -- the pipeline state tree <-> JSON + named arrays -----------------------------------------------
+
+
+def _encode_tree(tree: Any, arrays: dict[str, np.ndarray], where: str = "state") -> Any:
+    if tree is None or isinstance(tree, (bool, str)):
+        return tree
+    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        return tree
+    if isinstance(tree, dict):
+        if not all(isinstance(key, str) for key in tree):
+            raise TypeError(f"pipeline state {where}: dict keys must be strings to be saved, got {list(tree)}")
+        return {"dict": {key: _encode_tree(value, arrays, f"{where}.{key}") for key, value in tree.items()}}
+    if isinstance(tree, (list, tuple)):
+        kind = "list" if isinstance(tree, list) else "tuple"
+        return {kind: [_encode_tree(value, arrays, f"{where}[{i}]") for i, value in enumerate(tree)]}
+    if isinstance(tree, (jax.Array, np.ndarray, np.generic)):
+        name = f"state_{len(arrays)}"
+        entry: dict[str, Any] = {"array": name}
+        if isinstance(tree, jax.Array) and jax.dtypes.issubdtype(tree.dtype, jax.dtypes.prng_key):
+            entry.update(kind="prng_key", impl=str(jax.random.key_impl(tree)))
+        elif isinstance(tree, jax.Array):
+            entry["kind"] = "jax"
+        else:
+            entry["kind"] = "numpy_scalar" if isinstance(tree, np.generic) else "numpy"
+        arrays[name] = _host_array(tree)
+        return entry
+    raise TypeError(f"pipeline state {where} is a {type(tree).__name__}, which a session file cannot hold (dicts with "
+                    "string keys, lists, tuples, None, bool, int, float, str and arrays only)")
+
+
+def _decode_tree(encoded: Any, arrays: dict[str, np.ndarray], device: jax.Device, where: str = "state") -> Any:
+    if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        return encoded
+    if not isinstance(encoded, dict) or len(encoded) not in (1, 2, 3):
+        raise SessionFileError(f"pipeline state {where} in the manifest is malformed: {encoded!r}")
+    if "dict" in encoded and isinstance(encoded["dict"], dict):
+        return {key: _decode_tree(value, arrays, device, f"{where}.{key}") for key, value in encoded["dict"].items()}
+    for kind, container in (("list", list), ("tuple", tuple)):
+        if kind in encoded and isinstance(encoded[kind], list):
+            return container(_decode_tree(value, arrays, device, f"{where}[{i}]")
+                             for i, value in enumerate(encoded[kind]))
+    name = encoded.get("array")
+    if not isinstance(name, str) or name not in arrays:
+        raise SessionFileError(f"pipeline state {where} names an array that is not in the file: {encoded!r}")
+    array = arrays[name]
+    kind = encoded.get("kind")
+    if kind == "numpy":
+        return array
+    if kind == "numpy_scalar":
+        return array[()]
+    if kind == "jax":
+        return jax.device_put(array, device)
+    if kind == "prng_key":
+        try:
+            return jax.device_put(jax.random.wrap_key_data(array, impl=encoded.get("impl")), device)
+        except Exception as error:
+            raise SessionFileError(f"pipeline state {where}: key data {array.shape} {array.dtype} is not a "
+                                   f"{encoded.get('impl')!r} key: {error}") from None
+    raise SessionFileError(f"pipeline state {where} has an unknown array kind {kind!r}")
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+
+def write_session_file(path: str | os.PathLike[str], record: OffloadedSession, *, fingerprint: dict[str, Any],
+                       pipeline: str, layout: KVLayout) -> Path:
+    """Write ``record`` to the directory ``path`` (which must not exist yet); returns the path."""
+    ocp = _checkpointing()
+    path = Path(path).absolute()
+    if path.exists():
+        raise FileExistsError(f"{path} already exists; choose a new path (a session file is never overwritten)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the directory {path.parent} does not exist")
+    session = record.session
+    arrays: dict[str, np.ndarray] = {"pages_k": _host_array(record.pages.k), "pages_v": _host_array(record.pages.v)}
+    cross = []
+    for index, ((cache_name, branch), kv) in enumerate(sorted(session.cross_attention.items())):
+        arrays[f"cross_{index}_k"], arrays[f"cross_{index}_v"] = _host_array(kv.k), _host_array(kv.v)
+        cross.append([cache_name, branch])
+    state = _encode_tree(record.pipeline_state, arrays)
+    manifest = {
+        "format": SESSION_FORMAT,
+        "format_version": SESSION_FORMAT_VERSION,
+        "saved_unix": time.time(),
+        "session_id": session.session_id,
+        "pipeline": pipeline,
+        "geometry": fingerprint,
+        "storage_dtype": layout.storage_dtype,
+        "committed_frames": {name: int(cursor.committed_frames) for name, cursor in session.cursors.items()},
+        "cursors": {name: [int(cursor.committed_frames), int(cursor.visible_start_frame)]
+                    for name, cursor in session.cursors.items()},
+        "run_owners": [[int(index), branch] for index, branch in session.run_owners],
+        "cross_attention": cross,
+        "pipeline_state": state,
+        "arrays": {name: {"shape": list(array.shape), "dtype": array.dtype.name, "sha256": _sha256(array)}
+                   for name, array in arrays.items()},
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(staging / ARRAYS, arrays)
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=True), encoding="utf-8")
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise SessionFileError(f"{path} is not a session file (expected a directory with {MANIFEST} and {ARRAYS}/)")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SessionFileError(f"{path} has no {MANIFEST}: not a session file, or a truncated one") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SessionFileError(f"{path / MANIFEST} is corrupt or truncated: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != SESSION_FORMAT:
+        raise SessionFileError(f"{path} is not an ardiff_jax session file (format {manifest.get('format')!r})"
+                               if isinstance(manifest, dict) else f"{path / MANIFEST} is not a manifest")
+    if manifest.get("format_version") != SESSION_FORMAT_VERSION:
+        raise SessionFileError(f"{path} has session format version {manifest.get('format_version')!r}; this ardiff_jax "
+                               f"reads version {SESSION_FORMAT_VERSION}")
+    required = ("session_id", "pipeline", "geometry", "cursors", "run_owners", "cross_attention", "pipeline_state",
+                "arrays")
+    missing = [key for key in required if key not in manifest]
+    if missing:
+        raise SessionFileError(f"{path / MANIFEST} lacks {missing}: corrupt or truncated")
+    return manifest
+
+
+def _compare(what: str, saved: Any, expected: Any) -> list[str]:
+    if isinstance(saved, dict) and isinstance(expected, dict):
+        return [line for key in sorted(set(saved) | set(expected))
+                for line in _compare(f"{what}.{key}", saved.get(key), expected.get(key))]
+    return [] if saved == expected else [f"{what}: file {saved!r}, engine {expected!r}"]
+
+
+def _expected_shapes(manifest: dict[str, Any], spec: ARDiffusionKVCacheSpec, layout: KVLayout,
+                     session_pages: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """``{array name: (shape, allowed dtypes)}`` the engine's geometry implies for the file's non-state arrays."""
+    pages = (layout.num_layers, session_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
+    page_dtypes = (layout.storage_dtype, layout.dtype)  # either the bits (uint16 on CPU) or the logical dtype
+    expected = {"pages_k": (pages, page_dtypes), "pages_v": (pages, page_dtypes)}
+    for index, entry in enumerate(manifest["cross_attention"]):
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in spec.cross_attention_lengths
+                and entry[1] in spec.kv_branch_names):
+            raise SessionFileError(f"cross-attention entry {entry!r} names an unknown cache or branch")
+        shape = (spec.num_layers, spec.cross_attention_lengths[entry[0]], spec.cross_attention_heads(entry[0]),
+                 spec.head_size)
+        for part in ("k", "v"):
+            expected[f"cross_{index}_{part}"] = (shape, (layout.dtype,))
+    return expected
+
+
+def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheSpec, layout: KVLayout,
+                      fingerprint: dict[str, Any], pipeline: str, session_pages: int, device: jax.Device
+                      ) -> OffloadedSession:
+    """The validated record in ``path`` (host arrays; the pipeline state's jax arrays on ``device``).
+
+    SessionFileError (a ValueError) naming what is wrong; nothing outside the file is touched.
+    """
+    path = Path(path).absolute()
+    manifest = _read_manifest(path)
+    mismatches = _compare("geometry", manifest["geometry"], fingerprint)
+    if manifest["pipeline"] != pipeline:
+        mismatches.append(f"pipeline: file {manifest['pipeline']!r}, engine {pipeline!r}")
+    if mismatches:
+        raise SessionFileError(f"session file {path} does not fit this engine: " + "; ".join(mismatches))
+    recorded = manifest["arrays"]
+    if not isinstance(recorded, dict):
+        raise SessionFileError(f"{path / MANIFEST}: 'arrays' is malformed")
+    expected = _expected_shapes(manifest, spec, layout, session_pages)
+    targets: dict[str, Any] = {}
+    for name, entry in recorded.items():
+        try:
+            shape, dtype, digest = tuple(entry["shape"]), np.dtype(entry["dtype"]), str(entry["sha256"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise SessionFileError(f"{path / MANIFEST}: array {name!r} is described wrongly ({error})") from None
+        if name in expected:
+            want_shape, want_dtypes = expected[name]
+            if shape != want_shape or dtype.name not in want_dtypes:
+                raise SessionFileError(f"array {name!r} of {path} is {dtype.name}{list(shape)}; this engine needs "
+                                       f"{' or '.join(want_dtypes)}{list(want_shape)}")
+        elif not name.startswith("state_"):
+            raise SessionFileError(f"{path} holds an unexpected array {name!r}")
+        targets[name] = (shape, dtype, digest)
+    absent = sorted(set(expected) - set(targets))
+    if absent:
+        raise SessionFileError(f"{path} lacks the arrays {absent}: corrupt or truncated")
+    arrays = _read_arrays(path, targets)
+    pages = KVPools(k=_as_storage(arrays["pages_k"], layout), v=_as_storage(arrays["pages_v"], layout))
+    session = _session_value(manifest, arrays, spec)
+    state = _decode_tree(manifest["pipeline_state"], arrays, device)
+    return OffloadedSession(session=session, pages=pages, pipeline_state=state,
+                            nbytes=record_nbytes(session, pages, state))
+
+
+def _read_arrays(path: Path, targets: dict[str, tuple[tuple[int, ...], np.dtype, str]]) -> dict[str, np.ndarray]:
+    ocp = _checkpointing()
+    abstract = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype, _) in targets.items()}
+    restore_args = {name: ocp.RestoreArgs(restore_type=np.ndarray) for name in targets}
+    try:
+        checkpointer = ocp.PyTreeCheckpointer()
+        restored = checkpointer.restore(path / ARRAYS, item=abstract, restore_args=restore_args)
+        checkpointer.close()
+    except Exception as error:
+        raise SessionFileError(f"the arrays of session file {path} cannot be read (corrupt or truncated): "
+                               f"{type(error).__name__}: {error}") from None
+    arrays: dict[str, np.ndarray] = {}
+    for name, (shape, dtype, digest) in targets.items():
+        array = np.asarray(restored.get(name)) if isinstance(restored, dict) and name in restored else None
+        if array is None or array.shape != shape or array.dtype != dtype:
+            got = None if array is None else f"{array.dtype}{list(array.shape)}"
+            raise SessionFileError(f"array {name!r} of session file {path} read back as {got}, not "
+                                   f"{dtype.name}{list(shape)}: corrupt or truncated")
+        if _sha256(array) != digest:
+            raise SessionFileError(f"array {name!r} of session file {path} does not match its SHA-256: corrupt")
+        arrays[name] = array
+    return arrays
+
+
+def _as_storage(array: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """Pages in this engine's storage dtype: bits move between ``uint16`` (CPU) and ``bfloat16`` unchanged."""
+    storage = np.dtype(jax.numpy.dtype(layout.storage_dtype))
+    return array if array.dtype == storage else array.view(storage)
+
+
+def _session_value(manifest: dict[str, Any], arrays: dict[str, np.ndarray], spec: ARDiffusionKVCacheSpec
+                   ) -> SessionKV:
+    try:
+        cursors = {str(name): (int(pair[0]), int(pair[1])) for name, pair in dict(manifest["cursors"]).items()}
+        owners = [(int(index), str(branch)) for index, branch in manifest["run_owners"]]
+        cross = {(cache, branch): CrossAttentionKV(k=arrays[f"cross_{index}_k"], v=arrays[f"cross_{index}_v"])
+                 for index, (cache, branch) in enumerate(manifest["cross_attention"])}
+        return session_kv_from_saved(spec, str(manifest["session_id"]), cursors, owners, cross)
+    except SessionFileError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as error:
+        raise SessionFileError(f"the session in the manifest is not one this engine could have produced: {error}"
+                               ) from None
