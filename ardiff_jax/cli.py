@@ -65,6 +65,10 @@ def _memory_bytes(text: str) -> int:
     return value
 
 
+def _host_bytes(text: str) -> int:
+    return _int_argument(text, 0, MAX_MEMORY_BYTES + 1, f"a byte count in [0, {MAX_MEMORY_BYTES}]")
+
+
 def _memory_gib(text: str) -> int:
     """GiB as a float on the command line, bytes (an int) after parsing."""
     try:
@@ -155,6 +159,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--geometry", default="medium", choices=sorted(EXAMPLE_GEOMETRIES),
                       help="shipped example geometry (default: medium)")
     _add_budget_arguments(plan)
+    plan.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
+                      help="host memory for evicted sessions (EngineConfig.host_offload_bytes; default 0: off)")
     plan.add_argument("--json", action="store_true", help="print the geometry and plan as JSON")
     plan.set_defaults(run=_run_plan)
 
@@ -167,7 +173,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         available, source = free_memory_bytes()
     try:
         plan = plan_memory(spec, dtype=args.dtype, available_memory_bytes=available,
-                           gpu_memory_fraction=args.fraction, memory_source=source)
+                           gpu_memory_fraction=args.fraction, memory_source=source,
+                           host_offload_bytes=args.host_offload_bytes)
     except ValueError as error:
         return _refuse("plan", f"--geometry {args.geometry} does not fit the memory budget: {error}")
     if args.json:

@@ -528,9 +528,9 @@ class ARDiffusionModelRunner:
         state = self._table.get(session_id)
         value = state._value
         estimate = self.memory_plan.offload_bytes_per_session
-        if state._pending or not self._host.fits(estimate):
+        if _committing(state) or not self._host.fits(estimate):
             logger.info("AR-Diffusion session %r cannot be offloaded (%s); releasing it", session_id,
-                        "a forward context is pending" if state._pending else
+                        "a committing forward context is pending" if _committing(state) else
                         f"{estimate} bytes exceed the host tier of {self._host.capacity_bytes}")
             return None
         try:
@@ -638,8 +638,8 @@ class ARDiffusionModelRunner:
                 state = self._table.get(session_id)
                 if state is None:
                     raise KeyError(f"AR-Diffusion session {session_id!r} is neither resident nor offloaded")
-                if state._pending:
-                    raise RuntimeError(f"AR-Diffusion session {session_id!r} has a pending forward context")
+                if _committing(state):
+                    raise RuntimeError(f"AR-Diffusion session {session_id!r} has a committing forward context pending")
                 try:
                     record = self._copy_out(session_id, state._value, keep=True)
                 except BaseException:
@@ -865,6 +865,15 @@ class _RunnerLock:
         runner._lock.release()
         if pending:
             runner._deliver_queued()
+
+
+def _committing(state: ARDiffusionKVState) -> bool:
+    """Whether a committing forward is pending: its block is not in the pages yet, so the session cannot leave.
+
+    A non-committing context (a stepwise denoise step between calls) holds no KV of its
+    own; it is dropped with the slot and the next step asks for a new one.
+    """
+    return any(pending.commit_current for pending in state._pending.values())
 
 
 def _request_values(request: DiffusionRequest) -> tuple[Any, ...]:
