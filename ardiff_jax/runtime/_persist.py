@@ -252,11 +252,16 @@ def _expected_shapes(manifest: dict[str, Any], spec: ARDiffusionKVCacheSpec, lay
                      session_pages: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """``{array name: (shape, allowed dtypes)}`` the engine's geometry implies for the file's non-state arrays."""
     pages = (layout.num_layers, session_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
-    page_dtypes = (layout.storage_dtype, layout.dtype)  # either the bits (uint16 on CPU) or the logical dtype
+    # The logical dtype, or its bits: a 16-bit float is stored as uint16 on CPU and as itself elsewhere.
+    page_dtypes = tuple(dict.fromkeys((layout.storage_dtype, layout.dtype) + (
+        ("uint16",) if np.dtype(jax.numpy.dtype(layout.dtype)).itemsize == 2 else ())))
     expected = {"pages_k": (pages, page_dtypes), "pages_v": (pages, page_dtypes)}
-    for index, entry in enumerate(manifest["cross_attention"]):
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in spec.cross_attention_lengths
-                and entry[1] in spec.kv_branch_names):
+    entries = manifest["cross_attention"]
+    if not isinstance(entries, list):
+        raise SessionFileError(f"the manifest's cross_attention must be a list of [cache, branch], got {entries!r}")
+    for index, entry in enumerate(entries):
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(name, str) for name in entry)
+                and entry[0] in spec.cross_attention_lengths and entry[1] in spec.kv_branch_names):
             raise SessionFileError(f"cross-attention entry {entry!r} names an unknown cache or branch")
         shape = (spec.num_layers, spec.cross_attention_lengths[entry[0]], spec.cross_attention_heads(entry[0]),
                  spec.head_size)
@@ -340,12 +345,20 @@ def _as_storage(array: np.ndarray, layout: KVLayout) -> np.ndarray:
 
 def _session_value(manifest: dict[str, Any], arrays: dict[str, np.ndarray], spec: ARDiffusionKVCacheSpec
                    ) -> SessionKV:
+    session_id = manifest["session_id"]
+    if not isinstance(session_id, str) or not session_id.strip():
+        raise SessionFileError(f"the saved session id must be a non-blank string, got {session_id!r}")
     try:
         cursors = {str(name): (int(pair[0]), int(pair[1])) for name, pair in dict(manifest["cursors"]).items()}
         owners = [(int(index), str(branch)) for index, branch in manifest["run_owners"]]
         cross = {(cache, branch): CrossAttentionKV(k=arrays[f"cross_{index}_k"], v=arrays[f"cross_{index}_v"])
                  for index, (cache, branch) in enumerate(manifest["cross_attention"])}
-        return session_kv_from_saved(spec, str(manifest["session_id"]), cursors, owners, cross)
+        value = session_kv_from_saved(spec, session_id, cursors, owners, cross)
+        committed = {name: pair[0] for name, pair in cursors.items()}
+        if manifest.get("committed_frames", committed) != committed:
+            raise SessionFileError(f"the manifest's committed_frames {manifest.get('committed_frames')!r} disagree "
+                                   f"with its cursors {committed}")
+        return value
     except SessionFileError:
         raise
     except (TypeError, ValueError, KeyError, IndexError) as error:

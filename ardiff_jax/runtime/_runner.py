@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -57,6 +58,7 @@ from ardiff_jax.runtime._offload import (
     to_host,
 )
 from ardiff_jax.runtime._persist import (
+    SessionFileError,
     pipeline_name,
     read_session_file,
     session_fingerprint,
@@ -650,6 +652,21 @@ class ARDiffusionModelRunner:
         return write_session_file(path, record, fingerprint=identity["fingerprint"], pipeline=identity["pipeline"],
                                   layout=self._kv_cache.layout)
 
+    def _check_importable(self, record: OffloadedSession, path: Any) -> None:
+        """SessionFileError unless the pipeline accepts the file's model state, checked before anything changes.
+
+        The pipeline validates on import, so the state is imported under a throwaway id and
+        exported straight back: nothing is evicted or written for a file whose state is bad.
+        """
+        probe = f"__ardiff_load_check_{uuid.uuid4().hex}__"
+        with self._running_pipeline_code(_ImportCall(probe)):
+            try:
+                self._exporter.import_ar_diffusion_session(probe, record.pipeline_state)
+            except Exception as error:
+                raise SessionFileError(f"the pipeline state in session file {path} is not one "
+                                       f"{type(self._pipeline).__name__} could have exported: {error}") from None
+            self._exporter.export_ar_diffusion_session(probe)
+
     def load_session(self, path: Any, session_id: str | None = None) -> str:
         """Load a saved session (as ``session_id``, default the saved id) and make it resident; returns its id.
 
@@ -674,6 +691,7 @@ class ARDiffusionModelRunner:
             if target in self._table or target in self._host:
                 raise ValueError(f"AR-Diffusion session {target!r} already exists here; close it first or load "
                                  "under another session_id")
+            self._check_importable(record, path)
             self._make_room()
             self._restore(record, reason="load", hold_on_failure=False)
         return target
