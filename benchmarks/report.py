@@ -1,7 +1,7 @@
 """Markdown tables of the latest results in ``benchmarks/results/`` (used for README.md).
 
 Run: ``python -m benchmarks.report [results_dir]`` (reads ``kv_*.json``, ``peers_*.json``,
-``host.json`` and ``e2e_*.json``, whichever exist).
+``host.json``, ``e2e_*.json`` and ``offload_*.json``, whichever exist).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS_DIR, format_table, machine_line
 
-__all__ = ["kv_table", "peers_table", "host_table", "e2e_table", "render", "main"]
+__all__ = ["e2e_table", "host_table", "kv_table", "main", "offload_table", "peers_table", "render"]
 
 
 def _ms(stats: dict[str, Any]) -> str:
@@ -95,12 +95,39 @@ def e2e_table(record: dict[str, Any]) -> str:
     return f"{table}\n\n{summary}\n\n{compile_}"
 
 
+def offload_table(record: dict[str, Any]) -> str:
+    rows = []
+    for section in ("offload", "restore", "floor", "ticks"):
+        for name, stats in record[section].items():
+            rate = record["gb_per_s"].get(name)
+            rows.append((section, name, _ms(stats), "" if rate is None else f"{rate:.2f}",
+                         f"{stats['page_faults']:.0f}"))
+    config = record["config"]
+    title = (f"{config['geometry']} session pages, {config['session_bytes'] / 2**20:.2f} MiB "
+             f"({config['dtype']} stored as {config['storage_dtype']}); world ticks: "
+             f"{record['world_ticks']['pipeline']}")
+    table = format_table(("part", "case", "ms median [p10-p90]", "GB/s", "page faults/iter"), rows)
+    ratios = format_table(("ratio of medians", "value"), [(k, f"{v:.2f}") for k, v in record["ratios"].items()])
+    derived = format_table(("derived from the medians", "value"),
+                           [(k, f"{v:.3g}") for k, v in record["derived"].items()])
+    ticks = []
+    for part in ("engine_ticks", "world_ticks"):
+        for key, value in record[part].items():
+            if key != "kv_spec":
+                ticks.append((f"{part}: {key}", value))
+    ticks_table = format_table(("tick benches", "value"), ticks)
+    checks = "\n".join(f"- check {k}: **{'ok' if ok else 'failed'}**" for k, ok in record["checks"].items())
+    return f"{title}\n\n{table}\n\n{ratios}\n\n{derived}\n\n{ticks_table}\n\n{checks}\n{_targets(record['targets'])}"
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     """Every result file's tables, as markdown."""
     out = []
     paths = (sorted(results.glob("kv_*.json")) + sorted(results.glob("peers_*.json"))
-             + sorted(results.glob("host.json")) + sorted(results.glob("e2e_*.json")))
-    tables = {"bench_kv": kv_table, "bench_peers": peers_table, "bench_host": host_table, "bench_e2e": e2e_table}
+             + sorted(results.glob("host.json")) + sorted(results.glob("e2e_*.json"))
+             + sorted(results.glob("offload_*.json")))
+    tables = {"bench_kv": kv_table, "bench_peers": peers_table, "bench_host": host_table, "bench_e2e": e2e_table,
+              "bench_offload": offload_table}
     for path in paths:
         record = json.loads(path.read_text())
         config = record["config"]

@@ -226,3 +226,32 @@ def test_compare_revisions_quick(tmp_path, capsys):
         assert all(math.isfinite(v) for v in metrics.values())
         assert (tmp_path / f"run0-{tree}" / "host" / "host.json").is_file()
     assert "engine commit (tiny) write_floor median ms" in capsys.readouterr().out
+
+
+def test_bench_offload_quick(tmp_path):
+    from benchmarks import bench_offload, report
+
+    record = bench_offload.run(quick=True, out_dir=tmp_path)
+    assert record["config"]["geometry"] == "tiny"  # --quick's geometry
+    for section, names in (("offload", bench_offload.OFFLOAD_CASES), ("restore", bench_offload.RESTORE_CASES),
+                           ("floor", bench_offload.FLOOR_CASES), ("ticks", bench_offload.TICK_CASES)):
+        assert tuple(record[section]) == names
+        for stats in record[section].values():
+            _stats_ok(stats.as_dict())
+    assert all(_positive(v) for v in record["gb_per_s"].values())
+    assert all(_positive(v) for v in record["ratios"].values())
+    # Every copy moved the bits it was given, and the offloaded pages sit in pinned_host memory.
+    assert record["checks"] and all(record["checks"].values()), record["checks"]
+    for part in ("engine_ticks", "world_ticks"):
+        ticks = record[part]
+        # The swap variant restores and offloads exactly once per tick, the resident one never.
+        assert ticks["swap: restored per tick"] == ticks["swap: offloaded per tick"] == 1.0, ticks
+        assert ticks["resident: restored per tick"] == ticks["resident: offloaded per tick"] == 0.0, ticks
+        assert ticks["swap: released per tick"] == ticks["resident: released per tick"] == 0.0, ticks
+        assert _positive(ticks["bytes per restore (offloaded record nbytes)"])
+    # The engine's swap moves exactly the pages the copy cases copy.
+    assert record["engine_ticks"]["page bytes per restore"] == record["config"]["session_bytes"]
+    assert record["targets"] == {}  # the target is stated at medium only
+    saved = json.loads((tmp_path / "offload_tiny.json").read_text())
+    assert set(saved["ticks"]) == set(bench_offload.TICK_CASES) and "median_ms" in saved["offload"]["offload"]
+    assert "### offload_tiny.json (tiny)" in report.render(tmp_path)

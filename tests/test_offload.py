@@ -369,6 +369,14 @@ def test_restore_is_one_donated_write_and_offload_copies_one_slot(world_modules)
     cache.write_slot(2, pages)
     assert old.k.is_deleted() and old.v.is_deleted()  # donated: written in place, no second pool
     assert np.array_equal(np.asarray(cache.read_slot(2).k), np.asarray(pages.k))
+    # The runtime's path: one program writes the slot into host memory, one donated program writes it back.
+    host_pages = cache.offload_slot(0)
+    assert host_pages.k.sharding.memory_kind == "pinned_host"
+    assert np.array_equal(np.asarray(host_pages.k), np.asarray(pages.k))
+    old = cache.pools
+    cache.write_slot(1, host_pages)
+    assert old.k.is_deleted() and old.v.is_deleted()
+    assert np.array_equal(np.asarray(cache.read_slot(1).v), np.asarray(pages.v))
     with pytest.raises(ValueError, match="slot pages k must be"):
         cache.write_slot(1, type(pages)(k=pages.k[:, :1], v=pages.v))
     with pytest.raises(IndexError, match="slot 3 out of range"):
@@ -388,7 +396,7 @@ def test_a_failing_offload_releases_the_session_as_without_offload(world_modules
     hooks = _HookCounter(pipeline)
     engine.generate(_world_request("s0", 0))
     cache = engine.runner.kv_cache
-    monkeypatch.setattr(cache, "read_slot", lambda slot: (_ for _ in ()).throw(RuntimeError("DMA failed")))
+    monkeypatch.setattr(cache, "offload_slot", lambda slot: (_ for _ in ()).throw(RuntimeError("DMA failed")))
     engine.generate(_world_request("s1", 0))
     assert engine.sessions == ("s1",) and engine.offloaded_sessions == () and hooks.closed == ["s0"]
 

@@ -27,9 +27,11 @@ from ardiff_jax.kv import (
     default_storage_dtype,
     read_pages,
     restore_pages,
+    write_pages,
 )
 from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
+from ardiff_jax.runtime._offload import host_memory_kind, to_host
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import check_kv_dtype
 
@@ -113,6 +115,7 @@ class ARDiffusionKVCache:
         )
         self._pools: KVPools = allocate_pools(self._layout, self._device)
         self._free_slots = list(range(plan.session_capacity))  # a heap: lowest free slot first
+        self._host_programs: tuple[Any, Any] | None = None  # (offload, restore), compiled at first use
         self._states: dict[str, ARDiffusionKVState] = {}
         logger.info(
             "AR-Diffusion KV cache: %d layers x %d KV heads x %d, %d tokens/frame, block %d, window %d, sink %d; "
@@ -254,11 +257,26 @@ class ARDiffusionKVCache:
         self.check_pools()
         return _copy_pages(self._layout, self._pools, self._slot_start(slot), self.session_pages)
 
+    def offload_slot(self, slot: int) -> KVPools:
+        """``slot``'s pages copied to host memory (``pinned_host``), dispatched and not awaited.
+
+        One program reads the slot and writes it straight into host memory: the bytes cross
+        once. Where the backend cannot compile that, a device copy is moved to host memory
+        instead (two passes).
+        """
+        self.check_pools()
+        start = self._slot_start(slot)
+        offload = self._compiled_host_programs()[0]
+        if offload is None:
+            return to_host(self.read_slot(slot), self._device)
+        return offload(self._pools, start)
+
     def write_slot(self, slot: int, pages: KVPools) -> None:
         """Overwrite ``slot``'s pages with ``pages`` (host or device arrays): one donated in-place write.
 
         Shapes and dtypes are checked before anything moves; every page of the slot is written,
-        so nothing of the slot's previous occupant survives.
+        so nothing of the slot's previous occupant survives. Pages in host memory (what
+        :meth:`offload_slot` returns) move to the device inside the writing program.
         """
         self.check_pools()
         start = self._slot_start(slot)
@@ -268,9 +286,53 @@ class ARDiffusionKVCache:
             if tuple(array.shape) != shape or np.dtype(array.dtype) != np.dtype(jax.numpy.dtype(layout.storage_dtype)):
                 raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
                                  f"{array.dtype}{list(array.shape)}")
+        restore = self._compiled_host_programs()[1]
+        kind = host_memory_kind(self._device)
+        if restore is not None and all(isinstance(x, jax.Array) and x.sharding.memory_kind == kind
+                                       for x in (pages.k, pages.v)):
+            self._pools = restore(self._pools, start, pages)
+            return
         target = jax.sharding.SingleDeviceSharding(self._device)  # a bare device refuses host-memory arrays
         on_device = KVPools(k=jax.device_put(pages.k, target), v=jax.device_put(pages.v, target))
         self._pools = restore_pages(layout, self._pools, start, on_device)
+
+    def _compiled_host_programs(self) -> tuple[Any, Any]:
+        """``(offload, restore)``: slot <-> host memory in one program each, compiled once (``None`` if unsupported).
+
+        Ahead-of-time compiled, so a backend that cannot place a program's output (or take
+        its input) in host memory fails here, before any pool is donated, and the two-pass
+        path is used instead.
+        """
+        if self._host_programs is not None:
+            return self._host_programs
+        kind = host_memory_kind(self._device)
+        if kind is None:
+            self._host_programs = (None, None)
+            return self._host_programs
+        layout, num_pages = self._layout, self.session_pages
+        host = jax.sharding.SingleDeviceSharding(self._device, memory_kind=kind)
+        device = jax.sharding.SingleDeviceSharding(self._device)
+        start = np.int32(0)
+        try:
+            offload = jax.jit(read_pages, static_argnums=(0, 3), out_shardings=host).lower(
+                layout, self._pools, start, num_pages).compile()
+        except Exception as error:  # pragma: no cover - backends without host-memory outputs
+            logger.warning("AR-Diffusion offload falls back to two passes (%r)", error)
+            offload = None
+
+        def restore_from_host(pools: KVPools, first: Any, pages: KVPools) -> KVPools:
+            return write_pages(layout, pools, first, jax.device_put(pages, device))
+
+        shape = (layout.num_layers, num_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
+        spec = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(layout.storage_dtype), sharding=host)
+        try:
+            restore = jax.jit(restore_from_host, donate_argnums=0).lower(self._pools, start,
+                                                                         KVPools(k=spec, v=spec)).compile()
+        except Exception as error:  # pragma: no cover - backends without host-memory inputs
+            logger.warning("AR-Diffusion restore falls back to two passes (%r)", error)
+            restore = None
+        self._host_programs = (offload, restore)
+        return self._host_programs
 
     def _write_block(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
         """One donated write of a committed block; swaps the pool references after dispatch."""

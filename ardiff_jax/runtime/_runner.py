@@ -553,7 +553,7 @@ class ARDiffusionModelRunner:
         session): the pipeline's only way to hand over its state is to move it.
         """
         device = self._kv_cache.device
-        pages = to_host(self._kv_cache.read_slot(value.slot), device)
+        pages = self._kv_cache.offload_slot(value.slot)
         session = host_cross_attention(value, device)
         with self._running_pipeline_code(_ExportCall(session_id)):
             exported = self._exporter.export_ar_diffusion_session(session_id)
