@@ -29,8 +29,17 @@ from ardiff_jax.models._cfg import (
 )
 from ardiff_jax.models._common import DiTModules, FewStepSchedule
 from ardiff_jax.models._config import DIT_PRESETS, CausalDiTConfig, dit_preset
-from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, DiTOutput, tokenize_prompt
-from ardiff_jax.models._pixels import action_registers, frames_to_latents, latents_to_frames
+from ardiff_jax.models._dit import (
+    ByteTextEncoder,
+    CausalDiT,
+    DiTOutput,
+    tokenize_prompt,
+)
+from ardiff_jax.models._pixels import (
+    action_registers,
+    frames_to_latents,
+    latents_to_frames,
+)
 from ardiff_jax.models._pretrained import (
     PRETRAINED_MODELS,
     load_weights,
@@ -38,8 +47,18 @@ from ardiff_jax.models._pretrained import (
     pretrained_metadata,
     save_weights,
 )
-from ardiff_jax.models._sprite import SPRITE_WORLD_SCHEDULE, SpriteBlock, SpriteWorldPipeline, SpriteWorldPipelineConfig
-from ardiff_jax.models._world import WorldBlock, WorldPipeline, WorldPipelineConfig, world_step
+from ardiff_jax.models._sprite import (
+    SPRITE_WORLD_SCHEDULE,
+    SpriteBlock,
+    SpriteWorldPipeline,
+    SpriteWorldPipelineConfig,
+)
+from ardiff_jax.models._world import (
+    WorldBlock,
+    WorldPipeline,
+    WorldPipelineConfig,
+    world_step,
+)
 
 __all__ = [
     "save_weights",

@@ -64,7 +64,11 @@ import numpy as np
 from flax import nnx
 
 from ardiff_jax._checks import check_positive_int
-from ardiff_jax.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+from ardiff_jax.capability import (
+    ARDiffusionCrossAttentionKVSpec,
+    ARDiffusionKVBranchSpec,
+    ARDiffusionKVCacheSpec,
+)
 from ardiff_jax.models._common import (
     DiTModules,
     PipelineBase,
@@ -77,6 +81,7 @@ from ardiff_jax.models._common import (
     noise_key,
     renoise,
     step_noise_key,
+    with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import patchify
@@ -486,7 +491,7 @@ class CFGWorldActionPipeline(PipelineBase):
         video, actions = self._denoise(state, session, robot_state)
         session.last_video, session.last_actions = video, actions
         session.block_index += 1
-        return {"actions": actions, "video": video}
+        return with_tick_metadata({"actions": actions, "video": video}, request)
 
     def _commit_observation(self, state: Any, latents: jax.Array) -> None:
         """Prefill: the observed latent frames, clean (t = 0), committed on each branch."""

@@ -30,14 +30,18 @@ from ardiff_jax._checks import check_non_negative_int, check_positive_int, is_in
 from ardiff_jax.capability import ARDiffusionKVCacheSpec
 from ardiff_jax.models._config import CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import ByteTextEncoder, CausalDiT, tokenize_prompt
-from ardiff_jax.types import DiffusionRequest
+from ardiff_jax.types import (
+    ARDiffusionChunkMetadata,
+    ARDiffusionTickRequest,
+    DiffusionRequest,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime import ARDiffusionKVState
 
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
            "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "PipelineConfigBase", "PipelineSession",
-           "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise"]
+           "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise", "with_tick_metadata"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
 #: compiles several times faster than threefry on XLA:CPU. Its streams are deterministic
@@ -365,6 +369,23 @@ def _checked_array(name: str, value: Any, shape: tuple[int, ...] | None, device:
         want = "float32" + (str(list(shape)) if shape is not None else "")
         raise ValueError(f"session state {name} must be {want}, got {value.dtype}{list(value.shape)}")
     return jax.device_put(value, device)
+
+
+def with_tick_metadata(output: Any, request: DiffusionRequest) -> Any:
+    """``output`` with the chunk metadata of the request's typed tick, when it carried one.
+
+    The realtime control plane checks that a tick's output reports exactly
+    ``ARDiffusionChunkMetadata.from_tick(tick)``: a NamedTuple output gets it in its
+    ``ar_diffusion`` field, a mapping output under the key ``"ar_diffusion"``. A request
+    without a tick gets the output unchanged.
+    """
+    tick = ARDiffusionTickRequest.from_extra_args(request.extra_args)
+    if tick is None:
+        return output
+    metadata = ARDiffusionChunkMetadata.from_tick(tick)
+    if isinstance(output, Mapping):
+        return {**output, "ar_diffusion": metadata}
+    return output._replace(ar_diffusion=metadata)
 
 
 class BoundStateMixin:

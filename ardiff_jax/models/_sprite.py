@@ -38,9 +38,20 @@ from ardiff_jax._checks import is_integer
 from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
 from ardiff_jax.models._common import FewStepSchedule, check_seed
 from ardiff_jax.models._config import CausalDiTConfig
-from ardiff_jax.models._pixels import action_registers, frames_to_latents, latents_to_frames
-from ardiff_jax.models._world import MAIN, WorldBlock, WorldPipeline, WorldPipelineConfig, _WorldSession, world_step
-from ardiff_jax.types import DiffusionRequest, StepResult
+from ardiff_jax.models._pixels import (
+    action_registers,
+    frames_to_latents,
+    latents_to_frames,
+)
+from ardiff_jax.models._world import (
+    MAIN,
+    WorldBlock,
+    WorldPipeline,
+    WorldPipelineConfig,
+    _WorldSession,
+    world_step,
+)
+from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest, StepResult
 
 __all__ = ["SpriteWorldPipeline", "SpriteWorldPipelineConfig", "SpriteBlock", "SPRITE_WORLD_SCHEDULE"]
 
@@ -74,12 +85,14 @@ class SpriteBlock(NamedTuple):
       latents: ``f32[f, 3, H, W]`` the clean pixel-space latents (``[-1, 1]``).
       first_frame: absolute index of the block's first frame in its session (observation frames count).
       block_index: blocks this session generated before this one.
+      ar_diffusion: the chunk metadata of a typed tick (``None`` without one).
     """
 
     frames: np.ndarray
     latents: jax.Array
     first_frame: int
     block_index: int
+    ar_diffusion: ARDiffusionChunkMetadata | None = None
 
 
 class _ParsedBlock(NamedTuple):
@@ -243,7 +256,8 @@ class SpriteWorldPipeline(WorldPipeline):
     @staticmethod
     def _decoded(block: WorldBlock) -> SpriteBlock:
         return SpriteBlock(frames=np.asarray(latents_to_frames(jax.device_get(block.latents))), latents=block.latents,
-                           first_frame=block.first_frame, block_index=block.block_index)
+                           first_frame=block.first_frame, block_index=block.block_index,
+                           ar_diffusion=block.ar_diffusion)
 
     def forward(self, request: DiffusionRequest) -> SpriteBlock:
         """Generate one block of the bound session (tick mode)."""

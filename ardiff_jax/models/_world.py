@@ -51,7 +51,11 @@ import numpy as np
 from flax import nnx
 
 from ardiff_jax._checks import check_positive_int
-from ardiff_jax.capability import ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+from ardiff_jax.capability import (
+    ARDiffusionCrossAttentionKVSpec,
+    ARDiffusionKVBranchSpec,
+    ARDiffusionKVCacheSpec,
+)
 from ardiff_jax.models._common import (
     DiTModules,
     PipelineBase,
@@ -63,9 +67,10 @@ from ardiff_jax.models._common import (
     nbytes,
     renoise,
     step_noise_key,
+    with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
-from ardiff_jax.types import DiffusionRequest, StepResult
+from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest, StepResult
 
 __all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step"]
 
@@ -92,11 +97,14 @@ class WorldBlock(NamedTuple):
       latents: ``f32[f, C, H, W]`` the clean latent frames.
       first_frame: absolute index of the block's first frame in its session.
       block_index: blocks this session generated before this one.
+      ar_diffusion: for a request that carried a typed tick, the chunk metadata the
+        realtime control plane checks (``ARDiffusionChunkMetadata.from_tick(tick)``); else ``None``.
     """
 
     latents: jax.Array
     first_frame: int
     block_index: int
+    ar_diffusion: ARDiffusionChunkMetadata | None = None
 
 
 def _world_step(
@@ -321,7 +329,7 @@ class WorldPipeline(PipelineBase):
         self._start_block(state, session, action)
         while (block := self._advance(state, session)) is None:
             pass
-        return block
+        return with_tick_metadata(block, request)
 
     def step(self, request: DiffusionRequest) -> StepResult:
         """One denoise step of the streaming request (session id = request id)."""
@@ -338,4 +346,4 @@ class WorldPipeline(PipelineBase):
         if block_out is None:
             return StepResult(finished=False)
         session.blocks_emitted += 1
-        return StepResult(finished=session.blocks_emitted >= num_blocks, output=block_out)
+        return StepResult(finished=session.blocks_emitted >= num_blocks, output=with_tick_metadata(block_out, request))
