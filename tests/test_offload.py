@@ -537,3 +537,14 @@ def test_host_tier_policy():
 class _FakeSession:
     def __init__(self, session_id):
         self.session_id = session_id
+
+
+def test_a_finished_stepwise_request_releases_its_offloaded_session(world_modules):
+    pipeline, engine = _world(world_modules, capacity=1, host=HOST, step_execution=True)
+    hooks = _HookCounter(pipeline)
+    stream = DiffusionRequest("A", prompt="street", inputs={"seed": 1, "num_blocks": 2})
+    engine.step(StepSchedulerOutput(scheduled=(stream,)))  # A mid-block
+    engine.step(StepSchedulerOutput(scheduled=(DiffusionRequest("B", prompt="sea", inputs={"num_blocks": 2}),)))
+    assert engine.offloaded_sessions == ("A",)
+    engine.step(StepSchedulerOutput(finished_req_ids=frozenset({"A"})))  # the scheduler aborts A
+    assert engine.offloaded_sessions == () and hooks.closed == ["A"] and "A" not in pipeline.session_ids

@@ -388,7 +388,7 @@ class ARDiffusionModelRunner:
                 self._validate_request(request.request_id, request)  # a refused tick changes nothing
             for request_id in sorted(scheduler_output.finished_req_ids):
                 self._stepwise_started.pop(request_id, None)
-                if request_id in self._table:
+                if request_id in self._table or request_id in self._host:
                     self._release_session(request_id, reset_model=False, reason="close", suppress_errors=True)
             if not scheduler_output.scheduled:
                 return None
