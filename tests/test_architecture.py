@@ -247,6 +247,11 @@ def test_dependencies_point_down():
     assert "ardiff_jax.runtime" not in deps("ardiff_jax.kv")
     # capability needs the state only for type annotations (under TYPE_CHECKING).
     assert deps("ardiff_jax.capability") <= {"ardiff_jax._checks", "ardiff_jax.types", "ardiff_jax.runtime"}
+    # The realtime control plane sits on the runtime (engine-backed consumer and lifecycle), never on models,
+    # and nothing beneath it imports it.
+    assert deps("ardiff_jax.realtime") <= {"ardiff_jax._checks", "ardiff_jax.types", "ardiff_jax.runtime"}
+    for lower in ("_checks", "types", "capability", "kv", "runtime", "models", "envs", "rollout", "training"):
+        assert "ardiff_jax.realtime" not in deps(f"ardiff_jax.{lower}"), lower
 
 
 # -- policy apart from execution --------------------------------------------------------------------
