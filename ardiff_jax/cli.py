@@ -10,6 +10,10 @@ tracking error and speed (``ardiff_jax.demo``).
 ``ardiff-jax train`` trains that model (``ardiff_jax.training``; needs the ``train`` extra)
 with checkpoints and resumption, and exports weights with ``--export``.
 
+``ardiff-jax serve`` serves a world model over WebSocket (``ardiff_jax.serve``; needs the ``serve``
+extra): ``--pretrained sprite_world`` for the trained SpriteWorld model, or ``--pipeline world
+--preset tiny`` for a random-weights WorldPipeline.
+
 ``ardiff-jax rollout`` runs a timed multi-session generation with a reference pipeline
 (round-robin over sessions, one block per request) through the engine on the default
 device, with a progress bar on stderr, and writes a JSON summary (per-block latencies,
@@ -204,7 +208,11 @@ def _add_rollout(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_rollout(args: argparse.Namespace) -> int:
     # Imported here: `ardiff-jax plan` must not pay for importing the models.
-    from ardiff_jax._timed_generation import TimedGenerationOptions, plan_timed_generation, run_timed_generation
+    from ardiff_jax._timed_generation import (
+        TimedGenerationOptions,
+        plan_timed_generation,
+        run_timed_generation,
+    )
     from ardiff_jax.models import DIT_PRESETS
 
     if args.preset not in DIT_PRESETS:
@@ -328,6 +336,98 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ---------------------------------------------------------------------------------------
+
+
+def _port(text: str) -> int:
+    return _int_argument(text, 0, 65536, "a port number in [0, 65535]")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="serve a world model over WebSocket (WS /v1/realtime/video)")
+    model = serve.add_mutually_exclusive_group(required=True)
+    model.add_argument("--pretrained", choices=("sprite_world",), default=None,
+                       help="shipped weights: the trained SpriteWorld model")
+    model.add_argument("--pipeline", choices=("world",), default=None,
+                       help="a random-weights WorldPipeline (with --preset)")
+    serve.add_argument("--preset", default="tiny", help="CausalDiT preset of --pipeline world (default: tiny)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--capacity", type=_positive_int, default=4,
+                       help="sessions resident on the device at once (default: 4)")
+    serve.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
+                       help="host memory for sessions beyond --capacity (EngineConfig.host_offload_bytes; "
+                            "default 0: off)")
+    serve.add_argument("--available-bytes", type=_memory_bytes, default=2**28,
+                       help="device memory to plan the KV pools against (default: 256 MiB)")
+    serve.add_argument("--max-message-bytes", type=_positive_int, default=64 * 1024,
+                       help="largest client message read (default: 65536)")
+    serve.add_argument("--start-timeout", type=_seconds, default=10.0,
+                       help="seconds a connection has to send session.start (default: 10)")
+    serve.add_argument("--stall-timeout", type=_seconds, default=60.0,
+                       help="seconds without progress or ping before a session is reported stalled (default: 60)")
+    serve.add_argument("--fps", type=lambda text: _int_argument(text, 1, 241, "an integer in [1, 240]"), default=10,
+                       help="default frame rate written into the media (default: 10)")
+    serve.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ardiff_jax.serve import ServedWorld, ServerSettings, create_app
+    except ImportError as error:
+        return _refuse("serve", f"{error}; install the serve extra: pip install 'ardiff_jax[serve]'")
+    from ardiff_jax.models import (
+        DIT_PRESETS,
+        WorldPipeline,
+        WorldPipelineConfig,
+        pretrained,
+    )
+    from ardiff_jax.runtime import ARDiffusionEngine
+    from ardiff_jax.types import EngineConfig
+
+    if args.pipeline is not None and args.preset not in DIT_PRESETS:
+        return _refuse("serve", f"argument --preset: unknown preset {args.preset!r}; choose from "
+                                f"{', '.join(sorted(DIT_PRESETS))}")
+    if args.pretrained is not None:
+        pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
+    else:
+        pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
+    try:
+        world = ServedWorld.for_pipeline(pipeline, fps=args.fps)
+    except TypeError as error:
+        return _refuse("serve", str(error))
+    config = EngineConfig(dtype="float32", available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
+                          host_offload_bytes=args.host_offload_bytes)
+    try:
+        engine = ARDiffusionEngine(pipeline, config)
+    except ValueError as error:
+        return _refuse("serve", f"the model does not fit --available-bytes {args.available_bytes}: {error}")
+    settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
+                              stall_timeout_s=args.stall_timeout)
+    app = create_app(engine, world=world, settings=settings)
+    print(f"serving {world.name} (capacity {app.state.server.capacity}) on ws://{args.host}:{args.port}"
+          "/v1/realtime/video", flush=True)
+    try:
+        # The transport refuses frames far beyond the app's own limit before reading them whole.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    ws_max_size=max(4 * args.max_message_bytes, 2**20))
+    finally:
+        engine.close()
+    return 0
+
+
 def _refuse(command: str, message: str) -> int:
     print(f"ardiff-jax {command}: error: {message}", file=sys.stderr)
     return 2
@@ -340,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rollout(subparsers)
     _add_train(subparsers)
     _add_demo(subparsers)
+    _add_serve(subparsers)
     return parser
 
 

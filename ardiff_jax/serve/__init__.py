@@ -1,0 +1,103 @@
+"""``ardiff-jax serve``: a realtime video server (Starlette on uvicorn) on top of the control plane.
+
+Routes
+======
+* ``WS /v1/realtime/video``: one WebSocket per generation session (the vLLM-Omni streaming
+  video protocol, below);
+* ``GET /healthz``: JSON ``{"status", "model", "sessions": {"connected", "streaming",
+  "admitted", "resident"}, "capacity"}``;
+* ``GET /metrics``: Prometheus text (names prefixed ``ardiff_``);
+* ``GET /``: 404 with a JSON error: no browser client is bundled yet.
+
+Design
+======
+* **One asyncio task per connection reads** its messages (plus a sender task and a watchdog
+  task per connection). Parsing (:mod:`~ardiff_jax.serve._protocol`) yields frozen values or an
+  ``error`` reply; what a field means for the model is :class:`ServedWorld`'s business.
+* **One generation loop per app** round-robins over the started sessions: each streaming
+  session gets one chunk per round, so concurrent players advance at the same rate. A chunk is
+  ``ARDiffusionSession.next_chunk()`` of the control plane
+  (:class:`~ardiff_jax.realtime.ARDiffusionSessionManager` over an
+  :class:`~ardiff_jax.realtime.EngineTickConsumer` and an
+  :class:`~ardiff_jax.realtime.EngineSessionLifecycle` sharing one single-thread executor, so
+  ticks and releases reach the engine one at a time, off the event loop). The consumer's
+  inputs provider maps a tick's controls to the pipeline's inputs (:meth:`ServedWorld.inputs`).
+* **Encoding** runs on an encoder thread pool, one encoder per session; a session's chunks are
+  encoded in order while the engine already runs the next session's tick.
+* **Sending**: each connection has a bounded send queue drained by its sender task. A chunk is
+  one item (its ``video.chunk_metadata`` text frame, then its binary frame), so the pair is
+  never split. When a connection already has ``max_queued_chunks`` chunks waiting, the oldest
+  one is dropped and counted (``ardiff_`` dropped-chunk metric): a client that does not read
+  never stalls the loop or other sessions. The first ``m4s`` chunk (the stream header) is never
+  dropped; every ``m4s`` chunk starts with a key frame, so the stream decodes across a gap.
+  ``transport_chunk_index`` is assigned when a chunk is sent, so it stays consecutive from 0 on
+  each connection; ``generation_chunk_index`` (the control plane's chunk index) shows any gap.
+  Control messages are never dropped; at most ``max_queued_control`` wait, after which that
+  connection's reader waits (its own input is throttled, nobody else's).
+
+Protocol
+========
+Client -> server (JSON text frames; binary frames are refused with ``unexpected_binary``):
+
+* ``session.start``: ``format`` ``"m4s"`` (default) or ``"jpeg"``; ``num_frames`` (positive;
+  without it the session runs until ``session.stop`` or disconnect); ``seed`` (``[0, 2**31)``;
+  default random, reported back); ``prompt`` (required by text-conditioned worlds, ignored by
+  the sprite world); ``width`` / ``height`` (an integer multiple of the native frame size, the
+  same factor for both: the frames are upscaled by it); ``fps`` (integer, written into the
+  media). ``model``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
+  ``extra_params`` and ``image_reference`` are type-checked and ignored (listed in
+  ``config.ignored_fields``). Answered with ``video.start`` ``{request_id, format, config}``;
+  ``config`` lists the accepted values, ``controls`` (``"prompt"``, ``"camera"``,
+  ``"action"``), the action values and the camera modes.
+* ``session.interaction``: ``{"interaction": {"event_id"?, "event": {"prompt"?,
+  "multi_modal_data"?: {"camera"?, "action"?: {"value": name}}}, "transition_chunks"?}}``.
+  Answered ``session.interaction.queued`` ``{request_id, event_id, duplicate}``: ``queued``
+  means accepted, applied by a later chunk. Without ``event_id`` the server assigns one and
+  returns it. String wire ids become the control plane's integer event ids in arrival order;
+  a wire id seen before (the last 4096 are remembered) is answered ``queued`` with
+  ``"duplicate": true`` and not queued again (the first copy wins). An event the world cannot
+  apply (a prompt for the sprite world, an unknown action, camera ``target`` mode) or the
+  control plane refuses (its queue of ``max_pending_events`` is full) gets ``error`` code
+  ``interaction_rejected`` with the ``event_id``; the session keeps streaming and the id may be
+  sent again. ``transition_chunks`` is checked and ignored (velocity controls apply from the
+  next chunk). Controls persist until replaced: an action (or camera velocity) holds until
+  another event sets a new one.
+* ``session.ping``: ``session.pong``; refreshes the stall clock.
+* ``session.stop``: no more chunks; ``session.done`` ``{request_id, chunks, stopped: true}``
+  after the chunks already generated; the control-plane session is closed (the engine releases
+  its KV) and the socket closes normally (1000). A session with ``num_frames`` ends the same
+  way with ``stopped: false`` after its last frame (the last chunk is trimmed to it).
+  ``chunks`` counts the media chunks sent on the connection.
+
+Server -> client per chunk: ``video.chunk_metadata`` ``{request_id, kind: "media",
+transport_chunk_index, generation_chunk_index, num_frames, byte_length, started_event_ids,
+active_event_ids, completed_event_ids, latency_ms}`` then one binary frame (``m4s``: the next
+piece of one fragmented MP4 stream; ``jpeg``: a 4-byte big-endian frame count, then per frame a
+4-byte big-endian length and the JPEG). Event ids are wire ids: *started* were first applied
+by this chunk, *active* are in effect in it (for each field, prompt or control track, the last
+event that set it), *completed* were in effect before (or started here) and no longer are,
+every field they set having been replaced; each id is reported completed once.
+``latency_ms`` is the chunk's engine plus encode time.
+
+Errors are ``{"type": "error", "code", "message", "event_id"?}``. Codes: ``invalid_json``,
+``unknown_type``, ``invalid_field`` (the message names the field), ``message_too_large`` (a
+text frame over ``max_message_bytes``, ignored), ``unexpected_binary``, ``not_started``,
+``already_started``, ``session_ended``, ``capacity`` (a start beyond the server's capacity:
+the socket stays open and the client may retry; a live session is never evicted; the start
+clock restarts), ``interaction_rejected``, ``interaction_failed`` (a queued event whose chunk
+failed), ``generation_failed`` (then the socket closes, 1011), ``start_timeout`` (no session
+started within ``start_timeout_s``; the socket closes, 1008), ``stall`` (a started session
+with neither a generated chunk nor a ping for ``stall_timeout_s``; closes, 1008). A disconnect
+closes the session and releases its KV.
+
+Capacity: the engine's resident session capacity, plus the sessions its host tier holds when
+host offload is on (the round-robin then swaps sessions between device and host, each resuming
+exactly).
+"""
+
+from ardiff_jax.serve._app import REALTIME_VIDEO_PATH, ServerSettings, create_app
+from ardiff_jax.serve._protocol import ProtocolError
+from ardiff_jax.serve._world import ServedWorld, StartPlan, camera_action
+
+__all__ = ["REALTIME_VIDEO_PATH", "ProtocolError", "ServedWorld", "ServerSettings", "StartPlan", "camera_action",
+           "create_app"]

@@ -1,0 +1,134 @@
+"""``SendQueue``: one connection's outbound messages, bounded so that a slow reader never stalls anyone else.
+
+Two kinds of items share one FIFO, so the client sees them in the order they were produced:
+
+* **control** messages (``video.start``, ``session.interaction.queued``, ``error``,
+  ``session.pong``, ``session.done``) are never dropped. At most ``max_control`` wait at a
+  time; :meth:`SendQueue.put_control` then waits for room. Only the connection's own reader
+  and its own session's finish produce them, so the wait throttles that client's input and
+  nothing else.
+* **media** pairs (a ``video.chunk_metadata`` and its binary frame, one item, so the pair can
+  never be split) come from the shared generation loop, which must never wait for one
+  client. :meth:`SendQueue.put_media` never blocks: when ``max_media`` pairs are waiting, the
+  oldest droppable pair is dropped (``on_drop`` counts it). A pair marked not droppable
+  (the first ``m4s`` fragment carries the stream header) is kept; the bound then allows one
+  more.
+
+A ``close`` item ends the stream: the sender sends everything queued before it, then closes
+the socket with its code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["OutboundItem", "SendQueue"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboundItem:
+    """``kind`` ``"control"`` (``message``), ``"media"`` (``message`` + ``payload``) or ``"close"`` (``code``, ``reason``)."""
+
+    kind: str
+    message: dict[str, Any] | None = None
+    payload: bytes = b""
+    droppable: bool = True
+    code: int = 1000
+    reason: str = ""
+
+
+class SendQueue:
+    """See the module docstring. ``on_depth(delta)`` follows the number of queued items."""
+
+    def __init__(self, *, max_media: int, max_control: int, on_drop: Callable[[], None] = lambda: None,
+                 on_depth: Callable[[int], None] = lambda delta: None) -> None:
+        if max_media < 1 or max_control < 1:
+            raise ValueError(f"SendQueue bounds must be positive, got max_media={max_media}, "
+                             f"max_control={max_control}")
+        self._items: collections.deque[OutboundItem] = collections.deque()
+        self._max_media = max_media
+        self._max_control = max_control
+        self._media = 0
+        self._control = 0
+        self._closed = False
+        self._on_drop = on_drop
+        self._on_depth = on_depth
+        self._readable = asyncio.Event()
+        self._control_room = asyncio.Event()
+        self._control_room.set()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        """A close item was queued: nothing more is accepted."""
+        return self._closed
+
+    def _push(self, item: OutboundItem) -> None:
+        self._items.append(item)
+        self._on_depth(1)
+        self._readable.set()
+
+    async def put_control(self, message: dict[str, Any]) -> bool:
+        """Queue a control message, waiting while ``max_control`` are queued; False once closed."""
+        while self._control >= self._max_control and not self._closed:
+            self._control_room.clear()
+            await self._control_room.wait()
+        if self._closed:
+            return False
+        self._control += 1
+        self._push(OutboundItem("control", message))
+        return True
+
+    def put_media(self, message: dict[str, Any], payload: bytes, *, droppable: bool = True) -> bool:
+        """Queue a media pair, dropping the oldest droppable one when full; False once closed."""
+        if self._closed:
+            return False
+        if self._media >= self._max_media:
+            for index, queued in enumerate(self._items):
+                if queued.kind == "media" and queued.droppable:
+                    del self._items[index]
+                    self._media -= 1
+                    self.dropped += 1
+                    self._on_depth(-1)
+                    self._on_drop()
+                    break
+        self._media += 1
+        self._push(OutboundItem("media", message, payload, droppable))
+        return True
+
+    def close(self, code: int = 1000, reason: str = "") -> None:
+        """Queue the close item (once); control writers waiting for room give up."""
+        if self._closed:
+            return
+        self._closed = True
+        self._push(OutboundItem("close", code=code, reason=reason))
+        self._control_room.set()
+
+    async def get(self) -> OutboundItem:
+        """The next item, waiting for one."""
+        while not self._items:
+            self._readable.clear()
+            await self._readable.wait()
+        item = self._items.popleft()
+        self._on_depth(-1)
+        if item.kind == "media":
+            self._media -= 1
+        elif item.kind == "control":
+            self._control -= 1
+            self._control_room.set()
+        return item
+
+    def discard(self) -> None:
+        """Drop everything still queued (the connection is gone)."""
+        self._on_depth(-len(self._items))
+        self._items.clear()
+        self._media = self._control = 0
+        self._closed = True
+        self._control_room.set()

@@ -1,0 +1,281 @@
+"""``ServedWorld``: how one pipeline is driven over the wire.
+
+The control plane is model-agnostic: it carries a prompt and opaque control tracks. This
+module is the model-specific part of the server, kept pure so it is testable without a socket:
+
+* which ``session.start`` values a session may use (:meth:`ServedWorld.plan_start`);
+* which interactions the world accepts and the control-plane event they become
+  (:meth:`ServedWorld.event_update`);
+* the pipeline inputs of a tick (:meth:`ServedWorld.inputs`, :meth:`ServedWorld.prompt`) and
+  the RGB frames of its output (:meth:`ServedWorld.frames`);
+* what ``video.start.config`` reports (:meth:`ServedWorld.config`).
+
+Two worlds are served:
+
+``"sprite"`` (:class:`~ardiff_jax.models.SpriteWorldPipeline`, e.g. ``pretrained("sprite_world")``)
+  The session's first chunk carries the observation ``SpriteWorld(seed).reset()``; every
+  chunk carries ``inputs["actions"]``, the current action repeated over the chunk's frames.
+  The world is not text-conditioned: a start prompt is ignored and prompt updates are
+  refused. Controls: one track ``"action"`` (schema ``"discrete"``, data ``{"value": name}``)
+  set either directly (``multi_modal_data.action: {"value": "left"}``, names from
+  :data:`ardiff_jax.envs.ACTION_NAMES`) or from a camera in ``velocity`` mode, seen from
+  above: translation ``+x`` -> ``right``, ``-x`` -> ``left``, ``+z`` (forward) -> ``up``,
+  ``-z`` -> ``down``, all zero -> ``no-op``. When both x and z are non-zero the axis with the
+  larger magnitude wins (x on a tie); y and the rotation are ignored. ``target`` mode is
+  refused (the world has no absolute camera pose). An action persists until an event
+  replaces it (velocity semantics: the control plane keeps each track's last value).
+
+``"latent"`` (:class:`~ardiff_jax.models.WorldPipeline`, e.g. ``WorldPipeline("tiny")``, random weights)
+  Text-conditioned: ``session.start`` needs a prompt and ``event.prompt`` updates it. No
+  action controls. The pipeline outputs latents ``f32[f, C, H, W]``, not pixels; for viewing,
+  the first three channels (a single channel repeated when ``C < 3``) map ``[-1, 1]`` to
+  ``[0, 255]`` (clipped), the convention of the pixel-space models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
+from ardiff_jax.serve._protocol import (
+    FORMATS,
+    MAX_FPS,
+    ProtocolError,
+    SessionInteraction,
+    SessionStart,
+)
+from ardiff_jax.types import ARDiffusionControlInput, ARDiffusionTickRequest
+
+__all__ = ["EventUpdate", "ServedWorld", "StartPlan", "camera_action"]
+
+#: The control track of discrete actions and its schema.
+ACTION_TRACK = "action"
+ACTION_SCHEMA = "discrete"
+#: The pseudo-track an event's prompt occupies in the event bookkeeping (started/active/completed ids).
+PROMPT_FIELD = "prompt"
+#: Largest integer upscale of the native frame size a session may ask for (``width``/``height``).
+MAX_SCALE = 32
+WORLD_KINDS = ("sprite", "latent")
+
+
+def camera_action(translation: tuple[float, float, float]) -> str:
+    """The discrete action of a velocity camera translation (see the module docstring for the mapping)."""
+    x, _, z = translation
+    if x == 0 and z == 0:
+        return "no-op"
+    if abs(x) >= abs(z):
+        return "right" if x > 0 else "left"
+    return "up" if z > 0 else "down"
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPlan:
+    """A validated ``session.start``: everything a session needs, defaults filled in.
+
+    ``scale`` is the integer upscale of the native frames (``width = native_width * scale``).
+    """
+
+    format: str
+    seed: int
+    prompt: str | None
+    num_frames: int | None
+    scale: int
+    width: int
+    height: int
+    fps: int
+    ignored_fields: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class EventUpdate:
+    """What one accepted interaction changes: the event's prompt and controls, and the fields they occupy."""
+
+    prompt: str | None
+    controls: tuple[ARDiffusionControlInput, ...]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return ((PROMPT_FIELD,) if self.prompt is not None else ()) + tuple(c.track for c in self.controls)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedWorld:
+    """The model-specific half of the server (see the module docstring).
+
+    Attributes:
+      name: reported as ``config.model``.
+      kind: ``"sprite"`` or ``"latent"``.
+      frame_height, frame_width: native frame size in pixels.
+      frames_per_chunk: frames per AR block (one chunk on the wire).
+      fps: default playback rate written into the media.
+      latent_channels: channels of the latent output (``"latent"`` worlds).
+    """
+
+    name: str
+    kind: str
+    frame_height: int
+    frame_width: int
+    frames_per_chunk: int
+    fps: int = 10
+    latent_channels: int = 3
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORLD_KINDS:
+            raise ValueError(f"ServedWorld kind must be one of {WORLD_KINDS}, got {self.kind!r}")
+        for field in ("frame_height", "frame_width", "frames_per_chunk", "fps", "latent_channels"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ServedWorld {field} must be a positive integer, got {value!r}")
+        if self.fps > MAX_FPS:
+            raise ValueError(f"ServedWorld fps must be at most {MAX_FPS}, got {self.fps!r}")
+
+    @classmethod
+    def for_pipeline(cls, pipeline: Any, *, name: str | None = None, fps: int = 10) -> ServedWorld:
+        """The served world of a :class:`~ardiff_jax.models.SpriteWorldPipeline` or
+        :class:`~ardiff_jax.models.WorldPipeline`; TypeError for any other pipeline."""
+        from ardiff_jax.models import SpriteWorldPipeline, WorldPipeline
+
+        config = getattr(pipeline, "config", None)
+        if isinstance(pipeline, SpriteWorldPipeline):
+            return cls(name=name or config.name, kind="sprite", frame_height=config.latent_height,
+                       frame_width=config.latent_width, frames_per_chunk=config.frames_per_block, fps=fps)
+        if isinstance(pipeline, WorldPipeline):
+            return cls(name=name or config.name, kind="latent", frame_height=config.latent_height,
+                       frame_width=config.latent_width, frames_per_chunk=config.frames_per_block, fps=fps,
+                       latent_channels=config.latent_channels)
+        raise TypeError(f"ServedWorld serves a SpriteWorldPipeline or a WorldPipeline, got {type(pipeline).__name__}")
+
+    # -- what the world accepts -------------------------------------------------------------------
+    @property
+    def text_conditioned(self) -> bool:
+        return self.kind == "latent"
+
+    @property
+    def controls(self) -> tuple[str, ...]:
+        """Interaction fields the world acts on: ``"prompt"``, ``"camera"``, ``"action"``."""
+        return ("camera", "action") if self.kind == "sprite" else ("prompt",)
+
+    @property
+    def action_values(self) -> tuple[str, ...]:
+        return tuple(ACTION_NAMES) if self.kind == "sprite" else ()
+
+    def plan_start(self, start: SessionStart) -> StartPlan:
+        """``start`` checked against this world, defaults filled in; ProtocolError ``invalid_field`` otherwise."""
+        if self.text_conditioned and not (start.prompt and start.prompt.strip()):
+            raise ProtocolError("invalid_field", f"prompt is required by {self.name} (a text-conditioned world), "
+                                                 f"got {start.prompt!r}")
+        scales = []
+        for field, native, value in (("width", self.frame_width, start.width),
+                                     ("height", self.frame_height, start.height)):
+            if value is None:
+                continue
+            if value % native or not 1 <= value // native <= MAX_SCALE:
+                raise ProtocolError("invalid_field", f"{field} must be a multiple of the native {field} {native} "
+                                                     f"up to {native * MAX_SCALE}, got {value}")
+            scales.append(value // native)
+        if len(set(scales)) > 1:
+            raise ProtocolError("invalid_field", f"width {start.width} and height {start.height} must scale the "
+                                                 f"native {self.frame_width}x{self.frame_height} frames by the same "
+                                                 "factor")
+        scale = scales[0] if scales else 1
+        ignored = start.ignored_fields + (("prompt",) if start.prompt is not None and not self.text_conditioned
+                                          else ())
+        return StartPlan(
+            format=start.format if start.format in FORMATS else FORMATS[0],
+            seed=secrets.randbelow(2**31) if start.seed is None else start.seed,
+            prompt=start.prompt if self.text_conditioned else None,
+            num_frames=start.num_frames, scale=scale, width=self.frame_width * scale,
+            height=self.frame_height * scale, fps=self.fps if start.fps is None else start.fps,
+            ignored_fields=ignored)
+
+    def config(self, plan: StartPlan) -> dict[str, Any]:
+        """``video.start.config``: the accepted configuration, the controls and the action values."""
+        config: dict[str, Any] = {
+            "model": self.name, "format": plan.format, "width": plan.width, "height": plan.height,
+            "fps": plan.fps, "frames_per_chunk": self.frames_per_chunk, "num_frames": plan.num_frames,
+            "seed": plan.seed, "prompt": plan.prompt, "controls": list(self.controls),
+            "actions": list(self.action_values), "ignored_fields": list(plan.ignored_fields),
+        }
+        if self.kind == "sprite":
+            config["camera_modes"] = ["velocity"]
+            config["camera_velocity_actions"] = {"+x": "right", "-x": "left", "+z": "up", "-z": "down",
+                                                 "zero": "no-op"}
+        else:
+            config["camera_modes"] = []
+        return config
+
+    def event_update(self, interaction: SessionInteraction) -> EventUpdate:
+        """The prompt and controls ``interaction`` becomes; ProtocolError ``interaction_rejected`` when this
+        world cannot apply it (the message says why)."""
+        def reject(message: str) -> ProtocolError:
+            return ProtocolError("interaction_rejected", message, event_id=interaction.event_id)
+
+        if interaction.unsupported_modalities:
+            raise reject(f"{self.name} does not accept multi_modal_data "
+                         f"{', '.join(repr(m) for m in interaction.unsupported_modalities)}; it accepts "
+                         f"{', '.join(self.controls)}")
+        prompt = interaction.prompt
+        if prompt is not None and not self.text_conditioned:
+            raise reject(f"{self.name} is not text-conditioned: prompt updates are not supported")
+        if prompt is not None and not prompt.strip():
+            raise reject("event.prompt must not be blank")
+        if self.kind == "latent" and (interaction.camera is not None or interaction.action is not None):
+            raise reject(f"{self.name} has no camera or action controls; it accepts prompt updates only")
+        controls: tuple[ARDiffusionControlInput, ...] = ()
+        if interaction.camera is not None and interaction.action is not None:
+            raise reject("give multi_modal_data.camera or multi_modal_data.action, not both: both set the action")
+        if interaction.camera is not None:
+            if interaction.camera.mode != "velocity":
+                raise reject(f"{self.name} supports camera mode 'velocity' only, got {interaction.camera.mode!r}")
+            controls = (self._action_control(camera_action(interaction.camera.translation)),)
+        elif interaction.action is not None:
+            if interaction.action not in ACTION_NAMES:
+                raise reject(f"unknown action {interaction.action[:40]!r}; choose from {', '.join(ACTION_NAMES)}")
+            controls = (self._action_control(interaction.action),)
+        if prompt is None and not controls:
+            raise reject("the event changes nothing: give a prompt or multi_modal_data")
+        return EventUpdate(prompt=prompt, controls=controls)
+
+    @staticmethod
+    def _action_control(name: str) -> ARDiffusionControlInput:
+        return ARDiffusionControlInput(ACTION_TRACK, ACTION_SCHEMA, {"value": name})
+
+    # -- driving the pipeline ---------------------------------------------------------------------
+    def inputs(self, tick: ARDiffusionTickRequest, plan: StartPlan) -> Mapping[str, Any]:
+        """The pipeline inputs of ``tick`` (pure: the first chunk's observation is rebuilt from the seed)."""
+        inputs: dict[str, Any] = {}
+        if tick.chunk_index == 0:
+            inputs["seed"] = plan.seed
+        if self.kind == "sprite":
+            action = "no-op"
+            for control in tick.controls:
+                if control.track == ACTION_TRACK:
+                    action = control.data["value"]
+            inputs["actions"] = np.full(self.frames_per_chunk, ACTION_NAMES.index(action), np.int64)
+            if tick.chunk_index == 0:
+                inputs["observation"] = SpriteWorld(plan.seed, size=self.frame_height).reset()
+        return inputs
+
+    def prompt(self, tick: ARDiffusionTickRequest, plan: StartPlan) -> str | None:
+        """The tick's prompt (the session's start prompt until an event changes it); ``None`` for sprite worlds."""
+        if not self.text_conditioned:
+            return None
+        return tick.prompt if tick.prompt is not None else plan.prompt
+
+    def frames(self, output: Any) -> np.ndarray:
+        """``u8[f, H, W, 3]``: the viewable frames of one chunk's output (blocking: may wait for the device)."""
+        if self.kind == "sprite":
+            frames = np.asarray(output.frames)
+        else:
+            latents = np.asarray(output.latents, np.float32)  # f32[f, C, H, W]
+            channels = latents[:, :3] if latents.shape[1] >= 3 else np.repeat(latents[:, :1], 3, axis=1)
+            frames = np.clip((channels + 1.0) * 127.5, 0, 255).round().astype(np.uint8).transpose(0, 2, 3, 1)
+        if frames.dtype != np.uint8 or frames.shape[1:] != (self.frame_height, self.frame_width, 3):
+            raise ValueError(f"{self.name} output frames must be uint8[f, {self.frame_height}, {self.frame_width}, 3], "
+                             f"got {frames.dtype}{list(frames.shape)}")
+        return np.ascontiguousarray(frames)
