@@ -517,7 +517,8 @@ def test_disconnect_closes_the_session_and_metrics_and_health_follow(sprite_engi
                                                                     "resident": 0}
         assert "text/plain" in client.get("/metrics").headers["content-type"]
         root = client.get("/")
-        assert root.status_code == 404 and root.json()["code"] == "not_found"
+        assert root.status_code == 200 and root.headers["content-type"].startswith("text/html")
+        assert PATH in root.text and "<canvas" in root.text
 
 
 def test_a_failed_chunk_reports_its_events_and_ends_the_session(sprite_engine, sprite_generate):

@@ -7,7 +7,10 @@ Routes
 * ``GET /healthz``: JSON ``{"status", "model", "sessions": {"connected", "streaming",
   "admitted", "resident"}, "capacity"}``;
 * ``GET /metrics``: Prometheus text (names prefixed ``ardiff_``);
-* ``GET /``: 404 with a JSON error: no browser client is bundled yet.
+* ``GET /``: the browser client (``static/index.html``, one page, no external resources): plays
+  the stream as it arrives (``jpeg`` on a canvas, ``m4s`` through Media Source Extensions),
+  sends the arrow keys / WASD as actions (release: ``no-op``), a prompt box for text worlds,
+  start / stop buttons, live frames/s and chunk latency.
 
 Design
 ======

@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import enum
+import importlib.resources
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -528,8 +529,8 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
                metrics: ServerMetrics | None = None) -> Starlette:
     """The ASGI app serving ``engine``'s pipeline as ``world``.
 
-    Routes: ``WS /v1/realtime/video``, ``GET /healthz``, ``GET /metrics``; ``GET /`` answers 404
-    (no browser client is bundled). The generation loop runs while the app's lifespan is
+    Routes: ``WS /v1/realtime/video``, ``GET /healthz``, ``GET /metrics``; ``GET /`` serves the
+    browser client (``static/index.html``). The generation loop runs while the app's lifespan is
     active (uvicorn runs it; with Starlette's ``TestClient`` use it as a context manager).
     The engine stays the caller's: the app never closes it.
     """
@@ -540,6 +541,7 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
         raise TypeError(f"settings must be a ServerSettings, got {type(settings).__name__}")
     metrics = ServerMetrics() if metrics is None else metrics
     server = _Server(engine, world, settings, metrics)
+    page = importlib.resources.files("ardiff_jax.serve").joinpath("static", "index.html").read_text("utf-8")
     engine.runner.add_session_listener(metrics.on_session_event)
 
     async def realtime_video(websocket: WebSocket) -> None:
@@ -562,10 +564,8 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    async def index(request: Request) -> JSONResponse:
-        return JSONResponse({"type": "error", "code": "not_found",
-                             "message": f"no browser client is bundled with this server; connect a WebSocket "
-                                        f"client to {REALTIME_VIDEO_PATH}"}, status_code=404)
+    async def index(request: Request) -> HTMLResponse:
+        return HTMLResponse(page)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
