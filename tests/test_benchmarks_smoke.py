@@ -255,3 +255,38 @@ def test_bench_offload_quick(tmp_path):
     saved = json.loads((tmp_path / "offload_tiny.json").read_text())
     assert set(saved["ticks"]) == set(bench_offload.TICK_CASES) and "median_ms" in saved["offload"]["offload"]
     assert "### offload_tiny.json (tiny)" in report.render(tmp_path)
+
+
+def test_bench_serve_quick(tmp_path):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("websockets")
+    pytest.importorskip("av")
+    from benchmarks import bench_serve
+
+    record = bench_serve.run(quick=True, soak_seconds=1.0, out_dir=tmp_path)
+    clients = record["config"]["clients"]
+    assert [(r["format"], r["clients"]) for r in record["streams"]] == [
+        (fmt, n) for n in clients for fmt in bench_serve.FORMATS]
+    for stream in record["streams"]:
+        assert len(stream["time_to_first_chunk_ms"]) == len(stream["session_frames_per_s"]) == stream["clients"]
+        assert all(_positive(x) for x in stream["time_to_first_chunk_ms"] + stream["session_frames_per_s"])
+        assert _positive(stream["aggregate_frames_per_s"]) and 0 < stream["fairness_min_over_max"] <= 1
+        # Every chunk every client read (chunks generated before its stop arrive after it) was
+        # matched to the engine call that produced it.
+        assert stream["chunks_received"] >= stream["clients"] * stream["chunks_per_client"]
+        assert stream["server_overhead_ms"]["n"] == stream["chunks_received"]
+        for part in ("inter_arrival_ms", "server_overhead_ms", "encode_ms", "engine_ms"):
+            assert all(math.isfinite(stream[part][q]) for q in ("p50", "p99")), (part, stream[part])
+    assert [b["clients"] for b in record["baseline"]] == clients
+    assert all(_positive(b["frames_per_s"]) for b in record["baseline"])
+    assert len(record["ratios"]) == len(record["streams"]) and all(_positive(v) for v in record["ratios"].values())
+    # No lost, repeated or reordered chunk; every interaction queued; no session left anywhere.
+    assert record["checks"] and all(record["checks"].values()), record["checks"]
+    assert "jpeg N=1: transport_chunk_index consecutive from 0" in record["checks"]
+    assert "soak: no session left (engine.sessions, /healthz)" in record["checks"]
+    soak = record["soak"]
+    assert soak["sessions"] > 0 and soak["chunks"] > 0 and len(soak["rss_mib_samples"]) > 1
+    assert set(record["targets"]) and all(isinstance(v, bool) for v in record["targets"].values())
+    saved = json.loads((tmp_path / "serve_sprite_world.json").read_text())
+    assert saved["benchmark"] == "bench_serve" and set(saved["checks"]) == set(record["checks"])
