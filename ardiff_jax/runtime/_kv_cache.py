@@ -116,6 +116,7 @@ class ARDiffusionKVCache:
         self._pools: KVPools = allocate_pools(self._layout, self._device)
         self._free_slots = list(range(plan.session_capacity))  # a heap: lowest free slot first
         self._host_programs: tuple[Any, Any] | None = None  # (offload, restore), compiled at first use
+        self._host_kind = host_memory_kind(self._device)  # where offloaded pages live (None: numpy copies)
         self._states: dict[str, ARDiffusionKVState] = {}
         logger.info(
             "AR-Diffusion KV cache: %d layers x %d KV heads x %d, %d tokens/frame, block %d, window %d, sink %d; "
@@ -287,8 +288,7 @@ class ARDiffusionKVCache:
                 raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
                                  f"{array.dtype}{list(array.shape)}")
         restore = self._compiled_host_programs()[1]
-        kind = host_memory_kind(self._device)
-        if restore is not None and all(isinstance(x, jax.Array) and x.sharding.memory_kind == kind
+        if restore is not None and all(isinstance(x, jax.Array) and x.sharding.memory_kind == self._host_kind
                                        for x in (pages.k, pages.v)):
             self._pools = restore(self._pools, start, pages)
             return
@@ -305,7 +305,7 @@ class ARDiffusionKVCache:
         """
         if self._host_programs is not None:
             return self._host_programs
-        kind = host_memory_kind(self._device)
+        kind = self._host_kind
         if kind is None:
             self._host_programs = (None, None)
             return self._host_programs

@@ -132,8 +132,7 @@ def tree_nbytes(tree: Any) -> int:
 
 
 def record_nbytes(session: SessionKV, pages: KVPools, pipeline_state: Any) -> int:
-    cross = sum(kv.k.nbytes + kv.v.nbytes for kv in session.cross_attention.values())
-    return int(pages.k.nbytes + pages.v.nbytes) + int(cross) + tree_nbytes(pipeline_state)
+    return int(pages.k.nbytes + pages.v.nbytes) + int(session.cross_attention_bytes) + tree_nbytes(pipeline_state)
 
 
 def host_cross_attention(session: SessionKV, device: jax.Device) -> SessionKV:
@@ -210,8 +209,3 @@ class HostSessionTier:
         if record is not None:
             self._bytes -= record.nbytes
         return record
-
-    def put_back(self, record: OffloadedSession) -> None:
-        """Return a record taken out by a restore that failed: held again, as most recent, without a drop."""
-        self._records[record.session_id] = record
-        self._bytes += record.nbytes

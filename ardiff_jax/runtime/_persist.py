@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ardiff_jax.capability import ARDiffusionKVCacheSpec
+from ardiff_jax.capability import ARDiffusionKVCacheSpec, spec_summary
 from ardiff_jax.kv import KVLayout, KVPools
 from ardiff_jax.runtime._offload import OffloadedSession, record_nbytes
 from ardiff_jax.runtime._session import (
@@ -55,6 +55,10 @@ class SessionFileError(ValueError):
     """A session file that cannot be loaded: corrupt, truncated, another format, or another geometry/pipeline."""
 
 
+#: Fields of ``spec_summary`` that size an engine without changing what a page holds.
+_POLICY_FIELDS = ("max_scratch_tokens_per_branch", "model_owned_state_bytes_per_session", "session_capacity")
+
+
 def session_fingerprint(spec: ARDiffusionKVCacheSpec, layout: KVLayout) -> dict[str, Any]:
     """What a saved session's KV depends on: equal fingerprints mean its pages mean the same thing.
 
@@ -62,21 +66,14 @@ def session_fingerprint(spec: ARDiffusionKVCacheSpec, layout: KVLayout) -> dict[
     model-owned byte bound) is left out, so a session moves between engines sized
     differently. JSON-normalised, so it compares equal to one read back from a manifest.
     """
-    fingerprint = {
-        "num_layers": spec.num_layers,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_size": spec.head_size,
-        "tokens_per_frame": spec.tokens_per_frame,
-        "frames_per_block": spec.frames_per_block,
-        "window_frames": spec.window_frames,
-        "sink_frames": spec.sink_frames,
-        "reset_at_boundary": spec.reset_at_boundary,
-        "max_model_len": spec.max_model_len,
-        "kv_branches": {branch.name: branch.local_index for branch in spec.kv_branches},
-        "cross_attention": dict(spec.cross_attention_lengths),
-        "cross_attention_kv_heads": {name: spec.cross_attention_heads(name) for name in spec.cross_attention_lengths},
-        "kv_dtype": layout.dtype,
-    }
+    fingerprint = {key: value for key, value in spec_summary(spec).items() if key not in _POLICY_FIELDS}
+    fingerprint.update(
+        max_model_len=spec.max_model_len,
+        # Resolved per cache: an unset head count (None, the self-attention heads) and an explicit
+        # equal one mean the same pages.
+        cross_attention_kv_heads={name: spec.cross_attention_heads(name) for name in spec.cross_attention_lengths},
+        kv_dtype=layout.dtype,
+    )
     return json.loads(json.dumps(fingerprint))
 
 
