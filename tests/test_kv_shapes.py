@@ -172,6 +172,7 @@ def _setup(geometry: Geometry) -> dict[str, Any]:
 
 
 ATTENTION_ARGS = ("q", "k", "v", "extra_k", "extra_v")
+ONE_DEVICE = kv.KVSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("tp", "cfg")))
 
 
 def _cases(geometry: Geometry) -> dict[str, Case]:
@@ -233,6 +234,14 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
                                                                             a["start"], a["pages"])},
                               jittable=False),
         "paged_attention": Case(kv.paged_attention, paged_args, paged(kv.paged_attention)),
+        # A one-device mesh: the shard_map path with the whole pool as its one shard.
+        "sharded_write_block": Case(kv.sharded_write_block, dict(pools=s["pools"], pages=pages, k=s["block_k"],
+                                                                 v=s["block_v"]),
+                                    lambda a, c, xp: {"returns": kv.sharded_write_block(
+                                        layout, ONE_DEVICE, a["pools"], a["pages"], a["k"], a["v"])}),
+        "sharded_attention": Case(kv.sharded_attention, paged_args, lambda a, c, xp: {
+            "returns": kv.sharded_attention(kv.paged_attention, layout, ONE_DEVICE, a["pools"], a["cursor"], a["layer"],
+                                            *(a[n] for n in ATTENTION_ARGS), scale=a["scale"])}),
         "ref_paged_attention": Case(kv.ref_paged_attention, paged_args, paged(kv.ref_paged_attention)),
         "AttentionBackend": Case(kv.AttentionBackend, paged_args, paged(kv.attention_backend("xla"))),
         "ref_attention": Case(kv.ref_attention, dict(q=s["q"], k=s["block_k"][0], v=s["block_v"][0],
@@ -274,7 +283,8 @@ CASE_NAMES = list(_cases(GEOMETRIES["f32-gqa-extra"]))
 
 #: Public names that neither take nor return arrays.
 NO_ARRAYS = {"CURSOR_FIELDS", "KVLayout", "default_storage_dtype", "attention_backend", "attention_backends",
-             "check_attention_backend", "register_attention_backend", "unregister_attention_backend"}
+             "check_attention_backend", "register_attention_backend", "unregister_attention_backend", "KVSharding",
+             "check_mesh", "shard_zeros"}
 
 
 def test_every_public_name_with_arrays_documents_its_shapes():

@@ -68,6 +68,7 @@ from ardiff_jax.kv._ops import (
     write_block,
     write_pages,
 )
+from ardiff_jax.kv._sharding import KVSharding, check_mesh, shard_zeros, sharded_attention, sharded_write_block
 from ardiff_jax.kv._tables import (
     CURSOR_FIELDS,
     VisibleHistory,
@@ -91,6 +92,11 @@ __all__ = [
     "CURSOR_FIELDS",
     "KVLayout",
     "KVPools",
+    "KVSharding",
+    "check_mesh",
+    "shard_zeros",
+    "sharded_attention",
+    "sharded_write_block",
     "LayerKVCache",
     "PagedKVCaches",
     "VisibleHistory",

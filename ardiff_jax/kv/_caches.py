@@ -13,6 +13,7 @@ import numpy as np
 from ardiff_jax.kv._attention import check_attention_inputs, ref_paged_attention
 from ardiff_jax.kv._backends import attention_backend, check_attention_backend
 from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer
+from ardiff_jax.kv._sharding import KVSharding, sharded_attention
 from ardiff_jax.kv._tables import visible_table
 
 __all__ = ["PagedKVCaches", "LayerKVCache"]
@@ -40,6 +41,9 @@ class PagedKVCaches:
       backend: the registered attention backend :meth:`attend` calls (``"xla"`` by default;
         see :func:`~ardiff_jax.kv.register_attention_backend`). ValueError at construction
         if it is not registered.
+      sharding: the mesh the pools are split over (:class:`~ardiff_jax.kv.KVSharding`), or
+        ``None`` for pools on one device. With a mesh, :meth:`attend` runs the backend per
+        shard (:func:`~ardiff_jax.kv.sharded_attention`): no pool is gathered.
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
@@ -51,9 +55,14 @@ class PagedKVCaches:
     layout: KVLayout = dataclasses.field(metadata=dict(static=True))
     seq_len: int = dataclasses.field(metadata=dict(static=True))
     backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    sharding: KVSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         check_attention_backend(self.backend)
+        if self.sharding is not None:
+            if not isinstance(self.sharding, KVSharding):
+                raise TypeError(f"PagedKVCaches sharding must be a KVSharding or None, got {self.sharding!r}")
+            self.sharding.check_layout(self.layout)
 
     # -- sequence protocol ------------------------------------------------------------------
     def __len__(self) -> int:
@@ -120,9 +129,11 @@ class PagedKVCaches:
           returns: q.dtype[S, Hq, D]
         """
         layer = self._check_call(layer, q, k, v, extra_k, extra_v)
-        return attention_backend(self.backend)(
-            self.layout, self.pools, self.cursor, layer, q, k, v, extra_k, extra_v, scale=scale
-        )
+        backend = attention_backend(self.backend)
+        if self.sharding is not None:
+            return sharded_attention(backend, self.layout, self.sharding, self.pools, self.cursor, layer, q, k, v,
+                                     extra_k, extra_v, scale=scale)
+        return backend(self.layout, self.pools, self.cursor, layer, q, k, v, extra_k, extra_v, scale=scale)
 
     def ref_attend(
         self, layer: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *,
