@@ -36,6 +36,7 @@ __all__ = [
     "SupportsARDiffusionRequestValidation",
     "SupportsStepExecution",
     "SupportsARDiffusionSessionExport",
+    "SupportsARDiffusionMesh",
 ]
 
 
@@ -350,6 +351,21 @@ class SupportsARDiffusionSessionExport(Protocol):
     def export_ar_diffusion_session(self, session_id: str) -> Any: ...
 
     def import_ar_diffusion_session(self, session_id: str, state: Any) -> None: ...
+
+
+@runtime_checkable
+class SupportsARDiffusionMesh(Protocol):
+    """Optional: the pipeline can run its model on a ``jax.sharding.Mesh`` (``EngineConfig(mesh=...)``).
+
+    ``shard_ar_diffusion_model(mesh)`` is called once at load, after the runtime created
+    its pools on the mesh and before any request: the pipeline places its parameters
+    sharded (attention heads and FFN hidden over ``"tp"``) and its inputs replicated on the
+    mesh, so its jitted forwards run as one SPMD program next to the sharded pools. It must
+    raise (changing nothing) for a mesh its model cannot split over (e.g. heads that do not
+    divide by ``tp``). A runner refuses a mesh for a pipeline without this method.
+    """
+
+    def shard_ar_diffusion_model(self, mesh: Any) -> None: ...
 
 
 def spec_summary(spec: ARDiffusionKVCacheSpec) -> Mapping[str, Any]:

@@ -91,6 +91,12 @@ class EngineConfig:
         :class:`~ardiff_jax.SupportsARDiffusionSessionExport` is copied to host memory and
         restored into a free slot on its next request, exactly as it was; the host tier is
         itself LRU-bounded by this many bytes (a session dropped from it gets its close hook).
+      mesh: a ``jax.sharding.Mesh`` to run one replica on (``None``: one device). Axis
+        ``"tp"`` splits KV heads (and the model's heads and FFN hidden), axis ``"cfg"``
+        puts CFG branches (or, for one-branch pipelines, sessions) on separate device
+        groups; either may be absent or of size 1. The pipeline must implement
+        :class:`~ardiff_jax.capability.SupportsARDiffusionMesh`. Not combinable with
+        ``host_offload_bytes`` yet.
     """
 
     dtype: str = "bfloat16"
@@ -101,6 +107,7 @@ class EngineConfig:
     warmup: bool = True
     attention_backend: str = "xla"
     host_offload_bytes: int = 0
+    mesh: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", check_kv_dtype(self.dtype))
@@ -114,6 +121,12 @@ class EngineConfig:
                            check_non_negative_int("EngineConfig host_offload_bytes", self.host_offload_bytes))
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"EngineConfig attention_backend must be a backend name, got {self.attention_backend!r}")
+        if self.mesh is not None:
+            if not isinstance(self.mesh, jax.sharding.Mesh):
+                raise TypeError(f"EngineConfig mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
+            if self.host_offload_bytes:
+                raise ValueError("EngineConfig: host offload is not available on a mesh yet; set host_offload_bytes=0 "
+                                 "or mesh=None")
 
 
 @dataclasses.dataclass(frozen=True)

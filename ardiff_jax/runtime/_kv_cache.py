@@ -21,12 +21,16 @@ from ardiff_jax._checks import check_session_id
 from ardiff_jax.kv import (
     KVLayout,
     KVPools,
+    KVSharding,
     allocate_pools,
     check_attention_backend,
+    check_mesh,
     commit_block,
     default_storage_dtype,
     read_pages,
     restore_pages,
+    shard_zeros,
+    sharded_write_block,
     write_pages,
 )
 from ardiff_jax.runtime._legacy import spec_from_kwargs
@@ -41,6 +45,8 @@ logger = logging.getLogger("ardiff_jax.runtime")
 
 #: :func:`~ardiff_jax.kv.read_pages` jitted: a copy of one slot's pages (the pools are not donated).
 _copy_pages = jax.jit(read_pages, static_argnums=(0, 3))
+#: :func:`~ardiff_jax.kv.sharded_write_block` jitted with the pools donated: the commit on a mesh.
+_commit_block_sharded = jax.jit(sharded_write_block, static_argnums=(0, 1), donate_argnums=2)
 
 
 class ARDiffusionKVCache:
@@ -53,7 +59,12 @@ class ARDiffusionKVCache:
         ``device.memory_stats()`` where the backend has it, else the host's available RAM.
       gpu_memory_fraction: share of the free memory for KV, in ``(0, 1]``; a soft floor
         (one session that fits the free memory is always admitted).
-      device: where the pools live (default: the first device).
+      device: where the pools live (default: the first device). Not with ``mesh``.
+      mesh: a ``jax.sharding.Mesh`` with axes ``"tp"`` and/or ``"cfg"``: the pools are created
+        already split (KV heads over ``"tp"``, runs over ``"cfg"``, branch-major when
+        ``cfg > 1`` so each local branch lives on its own device group), commits and
+        attention run per shard, cross-attention caches are split by heads, and the plan is
+        per device (``available_memory_bytes`` is one device's). See ``docs/scaling.md``.
       storage_dtype: dtype of the pool arrays; default per backend (``uint16`` bit patterns
         for 16-bit floats on CPU, the logical dtype elsewhere).
       attention_backend: the registered paged-attention backend the states' views call.
@@ -75,6 +86,7 @@ class ARDiffusionKVCache:
         storage_dtype: Any = None,
         attention_backend: str = "xla",
         host_offload_bytes: int = 0,
+        mesh: Any = None,
         **spec_fields: Any,
     ) -> None:
         if spec is None and spec_fields:
@@ -86,6 +98,14 @@ class ARDiffusionKVCache:
         dtype = check_kv_dtype(dtype)
         self._attention_backend = check_attention_backend(attention_backend)
         self._closed = False
+        self._sharding = None if mesh is None else KVSharding(check_mesh(mesh))
+        if self._sharding is not None:
+            if device is not None:
+                raise ValueError("ARDiffusionKVCache takes a device or a mesh, not both")
+            if host_offload_bytes:
+                raise ValueError(
+                    "AR-Diffusion host offload is not available on a mesh yet: pass host_offload_bytes=0 with mesh")
+            device = mesh.devices.flat[0]  # every device of the mesh has the same free memory to plan against
         self._device = device if device is not None else jax.devices()[0]
         if available_memory_bytes is None:
             available, source = free_memory_bytes(self._device)
@@ -95,6 +115,8 @@ class ARDiffusionKVCache:
         self._plan: MemoryPlan = plan_memory(
             spec, dtype=dtype, available_memory_bytes=available, gpu_memory_fraction=gpu_memory_fraction,
             memory_source=source, host_offload_bytes=host_offload_bytes,
+            tp=1 if self._sharding is None else self._sharding.tp,
+            cfg=1 if self._sharding is None else self._sharding.cfg,
         )
         plan = self._plan
         if storage_dtype is None:
@@ -113,7 +135,9 @@ class ARDiffusionKVCache:
             dtype=dtype,
             storage_dtype=storage_dtype,
         )
-        self._pools: KVPools = allocate_pools(self._layout, self._device)
+        if self._sharding is not None:
+            self._sharding.check_layout(self._layout)
+        self._pools: KVPools = self._allocate()
         self._free_slots = list(range(plan.session_capacity))  # a heap: lowest free slot first
         self._host_programs: tuple[Any, Any] | None = None  # (offload, restore), compiled at first use
         self._host_kind = host_memory_kind(self._device)  # where offloaded pages live (None: numpy copies)
@@ -143,6 +167,21 @@ class ARDiffusionKVCache:
     @property
     def device(self) -> jax.Device:
         return self._device
+
+    @property
+    def sharding(self) -> KVSharding | None:
+        """How the pools are split over the mesh (``None``: one device)."""
+        return self._sharding
+
+    @property
+    def branch_major(self) -> bool:
+        """Runs numbered ``local_index * capacity + slot`` (pools split over ``"cfg"``) instead of slot-major."""
+        return self._sharding is not None and self._sharding.cfg > 1
+
+    @property
+    def cross_attention_placement(self) -> Any:
+        """Where published cross-attention arrays ``[L, N, H, D]`` go: the device, or heads over ``"tp"``."""
+        return self._device if self._sharding is None else self._sharding.heads_sharding(4)
 
     @property
     def dtype(self) -> str:
@@ -249,6 +288,9 @@ class ARDiffusionKVCache:
         return self._spec.num_local_kv_branches * self._layout.run_pages
 
     def _slot_start(self, slot: int) -> np.int32:
+        if self._sharding is not None:
+            raise NotImplementedError(
+                "AR-Diffusion slot copies (host offload, session files) are not available on a mesh yet")
         if not 0 <= slot < self.session_capacity:
             raise IndexError(f"AR-Diffusion slot {slot} out of range [0, {self.session_capacity})")
         return np.int32(slot * self.session_pages)
@@ -337,6 +379,9 @@ class ARDiffusionKVCache:
     def _write_block(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
         """One donated write of a committed block; swaps the pool references after dispatch."""
         self.check_pools()
+        if self._sharding is not None:
+            self._pools = _commit_block_sharded(self._layout, self._sharding, self._pools, pages, k, v)
+            return
         self._pools = commit_block(self._layout, self._pools, pages, k, v)
 
     def _replace_pools(self, pools: KVPools) -> None:
@@ -358,7 +403,15 @@ class ARDiffusionKVCache:
                 f"AR-Diffusion reallocate_pools needs every session closed; open: {list(self._states)}"
             )
         self._pools.delete()
-        self._pools = allocate_pools(self._layout, self._device)
+        self._pools = self._allocate()
+
+    def _allocate(self) -> KVPools:
+        """Zeroed pools: on the device, or created already split over the mesh (no full-size buffer anywhere)."""
+        if self._sharding is None:
+            return allocate_pools(self._layout, self._device)
+        layout, where = self._layout, self._sharding.pool_sharding
+        return KVPools(k=shard_zeros(layout.pool_shape, layout.storage_dtype, where),
+                       v=shard_zeros(layout.pool_shape, layout.storage_dtype, where))
 
     def close(self) -> None:
         """Close every session and free the pools now (notebooks: release device memory). Idempotent."""
@@ -378,8 +431,11 @@ class ARDiffusionKVCache:
         """Live device bytes owned by the manager: pools and published cross-attention arrays."""
         states = list(self._states.values())  # one read: another thread may open or close sessions meanwhile
         cross = sum(state.cross_attention_bytes for state in states)
+        live = not (self._closed or self._pools.is_deleted())
+        shards = 1 if self._sharding is None else self._sharding.num_shards
         return {
-            "pool_bytes": 0 if self._closed or self._pools.is_deleted() else self._layout.pool_bytes,
+            "pool_bytes": self._layout.pool_bytes if live else 0,
+            "pool_bytes_per_device": self._layout.pool_bytes // shards if live else 0,
             "cross_attention_bytes": cross,
             "open_sessions": len(states),
             "free_slots": len(self._free_slots),

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ardiff_jax._checks import check_non_negative_int
+from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax.capability import ARDiffusionKVCacheSpec
 from ardiff_jax.types import check_kv_dtype
 
@@ -125,8 +125,29 @@ class MemoryPlan:
     pool_pages: int
     dtype: str
     host_offload_bytes: int = 0
+    tp: int = 1
+    cfg: int = 1
 
     # -- derived --------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        """Devices one replica's pools are split over (``tp * cfg``)."""
+        return self.tp * self.cfg
+
+    @property
+    def page_bytes_per_device(self) -> int:
+        """One page's bytes averaged over the devices: heads split ``tp`` ways, pages ``cfg`` ways."""
+        return -(-self.page_bytes // self.num_shards)
+
+    @property
+    def cross_attention_bytes_per_session_per_device(self) -> int:
+        """Cross caches are split by heads over ``tp`` and held by every ``cfg`` group."""
+        return -(-self.cross_attention_bytes_per_session // self.tp)
+
+    @property
+    def pool_bytes_per_device(self) -> int:
+        """Bytes of the K and V pools one device holds."""
+        return self.pool_bytes // self.num_shards
     @property
     def offload_bytes_per_session(self) -> int:
         """``H``: host bytes of one offloaded session (runs, cross caches, model-owned bound)."""
@@ -143,12 +164,14 @@ class MemoryPlan:
         return _managed_pages(self.num_local_kv_branches, self.run_pages, self.frames_per_block, sessions)
 
     def required_bytes(self, sessions: int) -> int:
-        """``required(c)``: bytes the plan charges for ``c`` resident sessions."""
-        return (
-            self.scratch_bytes
-            + sessions * (self.cross_attention_bytes_per_session + self.model_owned_bytes_per_session)
-            + self.managed_pages_for(sessions) * self.page_bytes
-        )
+        """``required(c)``: bytes the plan charges one device for ``c`` resident sessions.
+
+        On one device this is the reference's ``X + c*C + c*M + N(c)*P``; on a mesh the
+        scratch and page terms are divided by ``tp * cfg`` and ``C`` by ``tp`` (rounded up).
+        """
+        return _required_per_device(self.scratch_bytes, self.cross_attention_bytes_per_session,
+                                    self.model_owned_bytes_per_session, self.managed_pages_for(sessions),
+                                    self.page_bytes, sessions, self.tp, self.cfg)
 
     @property
     def required_one_session_bytes(self) -> int:
@@ -188,6 +211,10 @@ class MemoryPlan:
             budget_raised=self.budget_raised,
             offload_bytes_per_session=self.offload_bytes_per_session,
             host_session_capacity=self.host_session_capacity,
+            num_shards=self.num_shards,
+            page_bytes_per_device=self.page_bytes_per_device,
+            cross_attention_bytes_per_session_per_device=self.cross_attention_bytes_per_session_per_device,
+            pool_bytes_per_device=self.pool_bytes_per_device,
         )
         return out
 
@@ -214,6 +241,8 @@ class MemoryPlan:
             ("planned for capacity", size(self.planned_bytes)),
             ("allocated pool pages", f"{self.pool_pages} ({size(self.pool_bytes)})"),
             ("KV dtype", self.dtype),
+            ("mesh", f"tp={self.tp} x cfg={self.cfg}" if self.num_shards > 1 else "one device"),
+            ("pool bytes per device", size(self.pool_bytes_per_device)),
             ("host tier", size(self.host_offload_bytes) if self.host_offload_bytes else "off"),
             ("host bytes per offloaded session", size(self.offload_bytes_per_session)),
             ("offloaded sessions that fit", str(self.host_session_capacity)),
@@ -232,10 +261,15 @@ def plan_memory(
     memory_source: str = "explicit",
     scratch_override: int | None = None,
     host_offload_bytes: int = 0,
+    tp: int = 1,
+    cfg: int = 1,
 ) -> MemoryPlan:
     """Compute the plan for ``spec`` given free memory; ValueError if one session cannot fit.
 
-    ``host_offload_bytes`` sizes the host tier (it changes no device term).
+    ``host_offload_bytes`` sizes the host tier (it changes no device term). ``tp`` and
+    ``cfg`` plan a mesh: ``available_memory_bytes`` is then one device's, KV heads (self
+    and cross) split ``tp`` ways, pages ``cfg`` ways (whole runs per group, so the capacity
+    is rounded down until ``local branches * capacity`` divides by ``cfg``).
     """
     if not isinstance(spec, ARDiffusionKVCacheSpec):
         raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
@@ -248,6 +282,13 @@ def plan_memory(
     override = scratch_blocks_override() if scratch_override is None else scratch_override
     override = check_non_negative_int("scratch override", override)
     host_offload_bytes = check_non_negative_int("host_offload_bytes", host_offload_bytes)
+    tp, cfg = check_positive_int("tp", tp), check_positive_int("cfg", cfg)
+    if spec.num_kv_heads % tp:
+        raise ValueError(f"AR-Diffusion tensor parallelism: {spec.num_kv_heads} KV heads do not split over tp={tp}")
+    for cache in spec.cross_attention:
+        if spec.cross_attention_heads(cache.name) % tp:
+            raise ValueError(f"AR-Diffusion tensor parallelism: cross-attention {cache.name!r} has "
+                             f"{spec.cross_attention_heads(cache.name)} heads, which do not split over tp={tp}")
 
     num_local = spec.num_local_kv_branches
     tokens = spec.tokens_per_frame
@@ -264,14 +305,15 @@ def plan_memory(
     model_owned = spec.model_owned_state_bytes_per_session
     run_pages = spec.sink_frames + spec.window_frames
 
-    per_session = cross_per_session + model_owned
     pages_one = _managed_pages(num_local, run_pages, spec.frames_per_block, 1)
-    required_one = scratch_bytes + per_session + pages_one * page_bytes
+    required_one = _required_per_device(scratch_bytes, cross_per_session, model_owned, pages_one, page_bytes, 1,
+                                        tp, cfg)
 
     configured = math.floor(available_memory_bytes * gpu_memory_fraction)
     if required_one > available_memory_bytes:
         raise ValueError(
-            "AR-Diffusion KV cache: available device memory cannot fit one session: "
+            "AR-Diffusion KV cache: available device memory cannot fit one session"
+            + (f" on a tp={tp} x cfg={cfg} mesh (per device): " if tp * cfg > 1 else ": ") +
             f"available={available_memory_bytes} bytes, required={required_one} bytes "
             f"(scratch {scratch_bytes}, cross-attention {cross_per_session}, model-owned {model_owned}, "
             f"{pages_one} pages of {page_bytes})"
@@ -283,9 +325,21 @@ def plan_memory(
             "admitting one session anyway (it fits the %d bytes free)",
             gpu_memory_fraction, configured, required_one, available_memory_bytes,
         )
-    # required(c) is linear in c: required(1) + (c - 1) * marginal.
-    marginal = per_session + num_local * run_pages * page_bytes
+    # required(c) is linear in c (up to rounding): the largest c within the budget.
+    marginal = _required_per_device(0, cross_per_session, model_owned, num_local * run_pages, page_bytes, 1, tp, cfg)
     capacity = min(spec.session_capacity, 1 + (budget - required_one) // marginal)
+    while capacity > 1 and _required_per_device(scratch_bytes, cross_per_session, model_owned,
+                                                _managed_pages(num_local, run_pages, spec.frames_per_block, capacity),
+                                                page_bytes, capacity, tp, cfg) > budget:
+        capacity -= 1  # per-device rounding may cost a session
+    # Each "cfg" group holds whole runs: local branches x capacity must split over the groups.
+    step = cfg // math.gcd(num_local, cfg)
+    capacity -= capacity % step
+    if capacity == 0:
+        raise ValueError(
+            f"AR-Diffusion CFG parallelism: {num_local} local branch(es) per session split over cfg={cfg} device "
+            f"groups need sessions in multiples of {step}, but only {min(spec.session_capacity, step - 1)} fit "
+            f"(requested session_capacity {spec.session_capacity})")
     return MemoryPlan(
         available_bytes=available_memory_bytes,
         memory_source=memory_source,
@@ -306,4 +360,14 @@ def plan_memory(
         pool_pages=capacity * num_local * run_pages,
         dtype=jnp.dtype(dtype).name,
         host_offload_bytes=host_offload_bytes,
+        tp=tp,
+        cfg=cfg,
     )
+
+
+def _required_per_device(scratch: int, cross: int, model_owned: int, pages: int, page_bytes: int, sessions: int,
+                         tp: int, cfg: int) -> int:
+    # Pages and scratch split over every shard, cross caches over "tp" only (each "cfg"
+    # group keeps every branch's), model-owned state is replicated. Rounded up per device.
+    shards = tp * cfg
+    return (-(-(scratch + pages * page_bytes) // shards) + sessions * (-(-cross // tp) + model_owned))

@@ -40,6 +40,7 @@ from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
 from ardiff_jax.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionPipeline,
+    SupportsARDiffusionMesh,
     SupportsARDiffusionRequestValidation,
     SupportsARDiffusionSessionExport,
     SupportsARDiffusionWarmup,
@@ -146,6 +147,9 @@ class ARDiffusionModelRunner:
                 f"({', '.join(_PIPELINE_METHODS)}); missing: {', '.join(missing)}. Use a plain (non-AR) engine for "
                 "pipelines without the AR-Diffusion capability"
             )
+        if config.mesh is not None and not isinstance(pipeline, SupportsARDiffusionMesh):
+            raise TypeError(f"EngineConfig(mesh=...) needs a pipeline that implements SupportsARDiffusionMesh "
+                            f"(shard_ar_diffusion_model(mesh)); {type(pipeline).__name__} does not")
         if getattr(pipeline, "supports_request_batch", False):
             raise ValueError("ARDiffusionModelRunner does not support request-batch execution pipelines")
         other = _BOUND_PIPELINES.get(id(pipeline))
@@ -181,8 +185,14 @@ class ARDiffusionModelRunner:
         self._kv_cache = ARDiffusionKVCache(
             spec, dtype=config.dtype, available_memory_bytes=config.available_memory_bytes,
             gpu_memory_fraction=config.gpu_memory_fraction, attention_backend=config.attention_backend,
-            host_offload_bytes=config.host_offload_bytes,
+            host_offload_bytes=config.host_offload_bytes, mesh=config.mesh,
         )
+        if config.mesh is not None:
+            try:
+                pipeline.shard_ar_diffusion_model(config.mesh)
+            except BaseException:
+                self._kv_cache.close()
+                raise
         self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
         self._exporter = pipeline if isinstance(pipeline, SupportsARDiffusionSessionExport) else None
         self._host = HostSessionTier(config.host_offload_bytes if self._exporter is not None else 0)
@@ -619,6 +629,8 @@ class ARDiffusionModelRunner:
                 "pipeline": pipeline_name(self._pipeline)}
 
     def _require_exporter(self, what: str) -> None:
+        if self._kv_cache.sharding is not None:
+            raise NotImplementedError(f"{what} is not available on a mesh yet (the pools are split over devices)")
         if self._exporter is None:
             raise TypeError(f"{what} needs a pipeline that implements SupportsARDiffusionSessionExport; "
                             f"{type(self._pipeline).__name__} does not")

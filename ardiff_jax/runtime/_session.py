@@ -153,16 +153,26 @@ def reset_session_kv(spec: ARDiffusionKVCacheSpec, session: SessionKV, keep_cros
     return new_session_kv(spec, session.session_id, session.slot, kept)
 
 
-def run_base(spec: ARDiffusionKVCacheSpec, layout: KVLayout, slot: int, local_index: int) -> int:
-    """First page of the run of (``slot``, ``local_index``)."""
-    return (slot * spec.num_local_kv_branches + local_index) * layout.run_pages
+def run_base(spec: ARDiffusionKVCacheSpec, layout: KVLayout, slot: int, local_index: int, *,
+             branch_major: bool = False) -> int:
+    """First page of the run of (``slot``, ``local_index``).
+
+    Slot-major by default (a session's runs are adjacent, so it is one contiguous slice).
+    ``branch_major`` (pools split over a ``"cfg"`` mesh axis) numbers runs
+    ``local_index * capacity + slot``, so each local branch of every session lands in the
+    same device group.
+    """
+    num_local = spec.num_local_kv_branches
+    if branch_major:
+        return (local_index * (layout.num_runs // num_local) + slot) * layout.run_pages
+    return (slot * num_local + local_index) * layout.run_pages
 
 
-def branch_cursor_array(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, branch: str
-                        ) -> np.ndarray:
+def branch_cursor_array(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, branch: str, *,
+                        branch_major: bool = False) -> np.ndarray:
     """The ``i32[3]`` cursor (run base, committed, visible start) that jitted code reads."""
     cursor = session.cursor(branch)
-    base = run_base(spec, layout, session.slot, spec.branch(branch).local_index)
+    base = run_base(spec, layout, session.slot, spec.branch(branch).local_index, branch_major=branch_major)
     return make_cursor(base, cursor.committed_frames, cursor.visible_start_frame)
 
 

@@ -247,7 +247,8 @@ class ARDiffusionKVState(LegacyStateAPI):
             )
 
     def _run_base(self, local_index: int) -> int:
-        return run_base(self._cache.spec, self._cache.layout, self._value.slot, local_index)  # one rule, in _session
+        return run_base(self._cache.spec, self._cache.layout, self._value.slot, local_index,  # one rule, in _session
+                        branch_major=self._cache.branch_major)
 
     def has_pending_context(self, kv_branch: str) -> bool:
         """Whether ``kv_branch`` has a forward context from ``get_kv_caches`` not yet committed or discarded."""
@@ -294,7 +295,7 @@ class ARDiffusionKVState(LegacyStateAPI):
         cursor = make_cursor(self._run_base(adapter.local_index), branch_cursor.committed_frames,
                              branch_cursor.visible_start_frame)
         caches = PagedKVCaches(pools=self._cache.pools, cursor=cursor, layout=layout, seq_len=seq_len,
-                               backend=self._cache.attention_backend)
+                               backend=self._cache.attention_backend, sharding=self._cache.sharding)
         self._pending[kv_branch] = _PendingContext(seq_len, num_frames, bool(commit_current))
         return caches
 
@@ -415,10 +416,10 @@ class ARDiffusionKVState(LegacyStateAPI):
             )
         self._check_usable()  # the iterator may have run arbitrary code (e.g. closed the state)
         dtype = self._cache.layout.dtype
-        device = self._cache.device
+        placement = self._cache.cross_attention_placement  # a device, or KV heads split over "tp"
         published = CrossAttentionKV(
-            k=jax.device_put(jnp.stack(keys).astype(dtype), device),
-            v=jax.device_put(jnp.stack(values).astype(dtype), device),
+            k=jax.device_put(jnp.stack(keys).astype(dtype), placement),
+            v=jax.device_put(jnp.stack(values).astype(dtype), placement),
         )
         self._publish(publish_cross_attention(self._value, kv_branch, cache_name, published))  # the one swap
 

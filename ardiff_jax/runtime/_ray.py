@@ -1,0 +1,272 @@
+"""Replicas in Ray actors (the ``[ray]`` extra): ``RayReplica``, ``RayEngineProxy``, ``ray_replicas``.
+
+A :class:`RayReplica` actor builds one :class:`~ardiff_jax.runtime.ARDiffusionEngine` in its
+own process from a picklable ``engine_factory()`` and answers the engine's calls. A
+:class:`RayEngineProxy` is the engine on the client side, so
+``ARDiffusionRouter([RayEngineProxy(actor), ...])`` routes across processes and hosts
+exactly as across local engines.
+
+Every call returns what the engine returned, with jax arrays turned into numpy arrays in
+the actor (a client needs no device, and a jax array would otherwise come back committed
+to the client's default device), together with the session events the call produced. The
+proxy delivers those events to its listeners before it returns, so the router's
+bookkeeping follows the remote engine exactly as it follows a local one. An exception the
+engine raised is raised by the proxy as the same exception (same type and message, the
+actor's traceback attached as a note).
+
+Ray is imported only when one of these is used: importing :mod:`ardiff_jax` never imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ardiff_jax._checks import check_positive_int, check_session_id
+from ardiff_jax.runtime._router import _add_listener
+from ardiff_jax.runtime._runner import SessionEvent
+from ardiff_jax.types import DiffusionRequest, StepResult, StepSchedulerOutput
+
+__all__ = ["EngineReplica", "RayEngineProxy", "RayReplica", "ray_replica_class", "ray_replicas"]
+
+logger = logging.getLogger("ardiff_jax.runtime")
+
+#: Engine attributes a proxy reads from its actor.
+_ATTRIBUTES = ("sessions", "offloaded_sessions", "session_capacity", "memory_plan")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError("Ray replicas need the ray package: pip install 'ardiff_jax[ray]'") from error
+    return ray
+
+
+class Reply(NamedTuple):
+    """One engine call's answer from an actor: its value or the exception it raised, and its session events."""
+
+    value: Any
+    error: BaseException | None
+    events: tuple[SessionEvent, ...]
+
+
+def host_values(value: Any) -> Any:
+    """``value`` with every jax array (in a pytree, or a :class:`StepResult`'s output) as a numpy array."""
+    import jax
+
+    if isinstance(value, StepResult):
+        return dataclasses.replace(value, output=host_values(value.output))
+    return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf, value)
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` with the actor's traceback as a note, or a RuntimeError naming it when it cannot be pickled."""
+    ray = _import_ray()
+    error.add_note("raised in the Ray replica:\n" + "".join(traceback.format_exception(error)).rstrip())
+    try:
+        ray.cloudpickle.loads(ray.cloudpickle.dumps(error))
+    except Exception:  # an exception that cannot travel still has to say what happened
+        return RuntimeError(f"{type(error).__name__}: {error} (in the Ray replica; the exception could not be "
+                            "sent back)\n" + "\n".join(error.__notes__))
+    return error
+
+
+class EngineReplica:
+    """What a :class:`RayReplica` actor runs: one engine, built in the actor by ``engine_factory()``.
+
+    Each engine method answers a :class:`Reply`; an exception of the engine is caught and
+    sent back as the reply's ``error`` (Ray would otherwise wrap it). The session events of
+    the engine's runner are collected and sent back with the reply of the call that caused
+    them.
+    """
+
+    def __init__(self, engine_factory: Callable[[], Any]) -> None:
+        if not callable(engine_factory):
+            raise TypeError(f"engine_factory must be callable, got {engine_factory!r}")
+        engine = engine_factory()
+        self._events: list[SessionEvent] = []
+        if not _add_listener(engine, self._events.append):
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
+            raise TypeError(f"engine_factory must build an ARDiffusionEngine, got {type(engine).__name__} "
+                            "(no runner.add_session_listener)")
+        self._engine = engine
+
+    def _call(self, method: str, *args: Any) -> Reply:
+        try:
+            value, error = host_values(getattr(self._engine, method)(*args)), None
+        except Exception as raised:
+            value, error = None, _portable(raised)
+        events, self._events = tuple(self._events), []
+        return Reply(value, error, events)
+
+    def ready(self) -> bool:
+        """True once the engine is built (the constructor's error otherwise)."""
+        return True
+
+    def read(self, name: str) -> Any:
+        if name not in _ATTRIBUTES:
+            raise ValueError(f"an engine replica exposes {', '.join(_ATTRIBUTES)}, not {name!r}")
+        return getattr(self._engine, name)
+
+    def generate(self, request: DiffusionRequest) -> Reply:
+        return self._call("generate", request)
+
+    def step(self, scheduler_output: StepSchedulerOutput) -> Reply:
+        return self._call("step", scheduler_output)
+
+    def reset_session(self, session_id: str) -> Reply:
+        return self._call("reset_session", session_id)
+
+    def close_session(self, session_id: str) -> Reply:
+        return self._call("close_session", session_id)
+
+    def save_session(self, session_id: str, path: str) -> Reply:
+        return self._call("save_session", session_id, path)
+
+    def load_session(self, path: str, session_id: str | None) -> Reply:
+        return self._call("load_session", path, session_id)
+
+    def close(self) -> Reply:
+        return self._call("close")
+
+
+@functools.cache
+def ray_replica_class() -> Any:
+    """The Ray actor class over :class:`EngineReplica` (made on first use; imports ray)."""
+    return _import_ray().remote(EngineReplica)
+
+
+def __getattr__(name: str) -> Any:
+    # ``RayReplica`` is the actor class; building it imports ray, so it is made when first asked for.
+    if name == "RayReplica":
+        return ray_replica_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RayEngineProxy:
+    """An engine in a :class:`RayReplica` actor, with the engine's API (each call one ``ray.get``).
+
+    Args:
+      actor: a handle of a ``RayReplica`` actor.
+      owns_actor: kill the actor in :meth:`close` (after closing its engine); :func:`ray_replicas`
+        hands out proxies that own their actors.
+    """
+
+    def __init__(self, actor: Any, *, owns_actor: bool = False) -> None:
+        if not callable(getattr(getattr(actor, "generate", None), "remote", None)):
+            raise TypeError(f"RayEngineProxy needs a RayReplica actor handle, got {actor!r}")
+        self._actor = actor
+        self._owns_actor = bool(owns_actor)
+        self._listeners: list[Callable[[SessionEvent], None]] = []
+        self._closed = False
+
+    @property
+    def actor(self) -> Any:
+        return self._actor
+
+    def _call(self, method: str, *args: Any) -> Any:
+        reply = _import_ray().get(getattr(self._actor, method).remote(*args))
+        for event in reply.events:
+            for listener in list(self._listeners):
+                try:
+                    listener(event)
+                except Exception:  # as in the runner: a listener must never break the call
+                    logger.exception("AR-Diffusion session listener failed on %s", event)
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def _read(self, name: str) -> Any:
+        return _import_ray().get(self._actor.read.remote(name))
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        return self._read("sessions")
+
+    @property
+    def offloaded_sessions(self) -> tuple[str, ...]:
+        return self._read("offloaded_sessions")
+
+    @property
+    def session_capacity(self) -> int:
+        return self._read("session_capacity")
+
+    @property
+    def memory_plan(self) -> Any:
+        return self._read("memory_plan")
+
+    def add_session_listener(self, listener: Callable[[SessionEvent], None]) -> None:
+        """Call ``listener(SessionEvent)`` for the remote engine's events, before the call that caused them returns."""
+        if not callable(listener):
+            raise TypeError(f"session listeners must be callable, got {type(listener).__name__}")
+        self._listeners.append(listener)
+
+    def generate(self, request: DiffusionRequest) -> Any:
+        return self._call("generate", request)
+
+    def step(self, scheduler_output: StepSchedulerOutput) -> StepResult | None:
+        return self._call("step", scheduler_output)
+
+    def reset_session(self, session_id: str) -> None:
+        self._call("reset_session", check_session_id(session_id))
+
+    def close_session(self, session_id: str) -> None:
+        self._call("close_session", check_session_id(session_id))
+
+    def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
+        """Save on the actor's host: ``path`` is a path there."""
+        return self._call("save_session", check_session_id(session_id), os.fspath(path))
+
+    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None) -> str:
+        """Load on the actor's host: ``path`` is a path there."""
+        return self._call("load_session", os.fspath(path), session_id)
+
+    def close(self) -> None:
+        """Close the remote engine (and kill the actor when this proxy owns it). Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._call("close")
+        finally:
+            self._closed = True
+            if self._owns_actor:
+                _import_ray().kill(self._actor)
+
+    def __enter__(self) -> RayEngineProxy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def ray_replicas(engine_factory: Callable[[], Any], num_replicas: int, **actor_options: Any) -> list[RayEngineProxy]:
+    """Start ``num_replicas`` :class:`RayReplica` actors, each building its engine with ``engine_factory()``.
+
+    ``actor_options`` go to ``RayReplica.options`` (``num_gpus=1``, ``runtime_env=...``,
+    ``scheduling_strategy=...``). Waits until every engine is built; if one fails, every
+    actor started here is killed and the error raised. Returns proxies that own their actors.
+    """
+    ray = _import_ray()
+    check_positive_int("num_replicas", num_replicas)
+    if not callable(engine_factory):
+        raise TypeError(f"engine_factory must be callable, got {engine_factory!r}")
+    actor_class = ray_replica_class().options(**actor_options)
+    actors = [actor_class.remote(engine_factory) for _ in range(num_replicas)]
+    try:
+        ray.get([actor.ready.remote() for actor in actors])
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        raise
+    return [RayEngineProxy(actor, owns_actor=True) for actor in actors]

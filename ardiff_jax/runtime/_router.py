@@ -1,0 +1,463 @@
+"""``ARDiffusionRouter``: several engines (one per device group) behind one engine-shaped API.
+
+A session's KV lives in exactly one replica's pools, so every call for a session must
+reach that replica. The router keeps a sticky map session id -> replica:
+
+* a session id the router has not placed goes to the least loaded replica (load: sessions
+  placed there and not closed; ties -> the lowest index), and stays there;
+* a session the replica evicts (LRU, with or without host offload) stays placed: its next
+  request re-enters on the same replica, as a new session there exactly as the reference's
+  evicted session would (``docs/reference_behaviour.md``, "Runner"), or restored from the
+  host tier;
+* a session that is gone for good leaves the map: closed (``close_session``, a request
+  with ``close_session``, a finished or failed stepwise request, ``finished_req_ids``), or
+  released by its replica because its own call failed (the replica's ``SessionEvent``
+  reasons ``"forward_exception"``, ``"restore_failed"``, ``"save_failed"``). Sessions
+  released because *another* session lost the pools (``"pools_lost"``) or dropped from a
+  host tier (``"host_eviction"``) lost their KV like an evicted session and stay placed.
+
+Policy and execution are apart, as in the runner: :class:`ReplicaAssignments` decides
+(host only); the router executes. Each replica is called by one router thread at a time
+(its lock), so the replica's session events reach the router inside that call, before
+the call returns, and no placement can change under a call that is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ardiff_jax._checks import check_int, check_session_id
+from ardiff_jax.runtime._engine import ARDiffusionEngine
+from ardiff_jax.runtime._memory import MemoryPlan
+from ardiff_jax.runtime._persist import _read_manifest
+from ardiff_jax.runtime._runner import ARDiffusionModelRunner, SessionEvent
+from ardiff_jax.types import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
+
+__all__ = ["GONE_RELEASE_REASONS", "ARDiffusionRouter", "ReplicaAssignments", "RouterMemoryPlan"]
+
+#: ``SessionEvent("released", reason=...)`` reasons after which a session id is no longer placed.
+GONE_RELEASE_REASONS = frozenset({"close", "forward_exception", "restore_failed", "save_failed"})
+
+#: What a replica must offer (methods, then attributes read without calling them here).
+_REPLICA_METHODS = ("generate", "step", "reset_session", "close_session", "save_session", "load_session", "close")
+_REPLICA_ATTRIBUTES = ("sessions", "offloaded_sessions", "session_capacity", "memory_plan")
+
+
+class ReplicaAssignments:
+    """Which replica owns each placed session id, and each replica's load (host only; decides, never executes).
+
+    Args:
+      num_replicas: how many replicas there are (``>= 1``).
+    """
+
+    def __init__(self, num_replicas: int) -> None:
+        if check_int("ReplicaAssignments num_replicas", num_replicas) < 1:
+            raise ValueError(f"ReplicaAssignments num_replicas must be at least 1, got {num_replicas!r}")
+        self._owner: dict[str, int] = {}
+        self._loads = [0] * num_replicas
+
+    @property
+    def loads(self) -> tuple[int, ...]:
+        """Sessions placed on each replica and not yet gone."""
+        return tuple(self._loads)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._owner
+
+    def replica_of(self, session_id: str) -> int | None:
+        return self._owner.get(session_id)
+
+    def least_loaded(self) -> int:
+        """The replica a new session goes to: the smallest load, the lowest index on a tie."""
+        return min(range(len(self._loads)), key=self._loads.__getitem__)
+
+    def check_replica(self, index: Any) -> int:
+        index = check_int("replica", index)
+        if not 0 <= index < len(self._loads):
+            raise ValueError(f"replica must be an index in [0, {len(self._loads)}), got {index}")
+        return index
+
+    def assign(self, session_id: str, index: int) -> None:
+        """Place an unplaced session on replica ``index``."""
+        if session_id in self._owner:
+            raise ValueError(f"AR-Diffusion session {session_id!r} is placed on replica {self._owner[session_id]} "
+                             "already")
+        self._owner[session_id] = self.check_replica(index)
+        self._loads[index] += 1
+
+    def unassign(self, session_id: str, index: int) -> bool:
+        """Forget ``session_id`` if replica ``index`` owns it; whether it did."""
+        if self._owner.get(session_id) != index:
+            return False
+        del self._owner[session_id]
+        self._loads[index] -= 1
+        return True
+
+    def placed_on(self, index: int) -> tuple[str, ...]:
+        return tuple(session_id for session_id, owner in self._owner.items() if owner == index)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterMemoryPlan:
+    """The replicas' memory plans, and the totals a serving layer sizes its admission with."""
+
+    replicas: tuple[MemoryPlan, ...]
+
+    @property
+    def session_capacity(self) -> int:
+        """Resident sessions all replicas hold at once."""
+        return sum(plan.session_capacity for plan in self.replicas)
+
+    @property
+    def host_offload_bytes(self) -> int:
+        return sum(plan.host_offload_bytes for plan in self.replicas)
+
+    @property
+    def host_session_capacity(self) -> int:
+        """Offloaded sessions all replicas' host tiers hold at once (each tier is bounded on its own)."""
+        return sum(plan.host_session_capacity for plan in self.replicas)
+
+
+class ARDiffusionRouter:
+    """Route every request, tick, reset and close of a session to the replica that owns it.
+
+    Args:
+      replicas: engines (:class:`~ardiff_jax.runtime.ARDiffusionEngine`, or anything with its
+        methods, e.g. :class:`~ardiff_jax.runtime.RayEngineProxy`), each with its own pools.
+        The router owns them: :meth:`close` closes every one.
+
+    The engine's API, routed (see the module docstring for the placement rules)::
+
+        router = ARDiffusionRouter.from_devices(make_pipeline, EngineConfig(), jax.devices())
+        out = router.generate(DiffusionRequest("r1", extra_args={"session_id": "player-7"}))
+        router.close_session("player-7")
+
+    Replicas that offer ``add_session_listener`` (on themselves or their ``runner``) tell the
+    router about failed sessions; without it a failed session simply stays placed and
+    re-enters on its replica. Calling a replica directly bypasses the router's map.
+    """
+
+    def __init__(self, replicas: Sequence[Any]) -> None:
+        if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence):
+            raise TypeError(f"replicas must be a sequence of engines, got {type(replicas).__name__}")
+        replicas = tuple(replicas)
+        if not replicas:
+            raise ValueError("ARDiffusionRouter needs at least one replica, got none")
+        for index, replica in enumerate(replicas):
+            missing = [name for name in _REPLICA_METHODS if not callable(getattr(replica, name, None))]
+            missing += [name for name in _REPLICA_ATTRIBUTES if name not in dir(replica)]
+            if missing:
+                raise TypeError(f"replica {index} ({type(replica).__name__}) is not engine-like: it has no "
+                                f"{', '.join(missing)}")
+        if len({id(replica) for replica in replicas}) != len(replicas):
+            raise ValueError("ARDiffusionRouter replicas must be distinct engines; one appears twice")
+        self._replicas = replicas
+        self._assignments = ReplicaAssignments(len(replicas))
+        self._lock = threading.Lock()  # guards the assignments; never held while a replica runs
+        # Reentrant: a session listener may call back into the router on the replica it listens to.
+        self._replica_locks = tuple(threading.RLock() for _ in replicas)
+        self._closed = False
+        self._listening = tuple(_add_listener(replica, self._listener(index)) for index, replica in enumerate(replicas))
+
+    @classmethod
+    def from_devices(cls, pipeline_factory: Callable[[Any], Any], config: EngineConfig | None,
+                     devices_or_meshes: Sequence[Any]) -> ARDiffusionRouter:
+        """One :class:`~ardiff_jax.runtime.ARDiffusionEngine` per device (or per ``jax.sharding.Mesh``).
+
+        ``pipeline_factory(device_or_mesh)`` builds each replica's pipeline (one pipeline
+        instance per engine; share weights between them through the pipeline's own means).
+        A plain device only reaches the factory and ``config`` is used as is; a mesh also
+        becomes the replica's ``EngineConfig(mesh=...)``. If a replica fails to build, the
+        ones built already are closed and the error is raised.
+        """
+        import jax  # local: the router itself needs no backend
+
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if not callable(pipeline_factory):
+            raise TypeError(f"pipeline_factory must be callable, got {pipeline_factory!r}")
+        items = tuple(devices_or_meshes)
+        if not items:
+            raise ValueError("from_devices needs at least one device or mesh, got none")
+        configs = []
+        for item in items:
+            if isinstance(item, jax.sharding.Mesh):
+                if "mesh" not in {field.name for field in dataclasses.fields(EngineConfig)}:
+                    raise TypeError("this ardiff_jax's EngineConfig has no mesh field: pass devices, not meshes")
+                configs.append(dataclasses.replace(config, mesh=item))
+            elif isinstance(item, jax.Device):
+                configs.append(config)
+            else:
+                raise TypeError(f"from_devices takes jax devices or jax.sharding.Mesh objects, got {item!r}")
+        engines: list[ARDiffusionEngine] = []
+        try:
+            for item, replica_config in zip(items, configs):
+                engines.append(ARDiffusionEngine(pipeline_factory(item), replica_config))
+            return cls(engines)
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+
+    # -- views ------------------------------------------------------------------------------------------
+    @property
+    def replicas(self) -> tuple[Any, ...]:
+        return self._replicas
+
+    @property
+    def replica_loads(self) -> tuple[int, ...]:
+        """Sessions placed on each replica and not yet gone (evicted ones included)."""
+        with self._lock:
+            return self._assignments.loads
+
+    def replica_of(self, session_id: str) -> int | None:
+        """The replica that owns ``session_id``, or ``None`` when the router has not placed it."""
+        check_session_id(session_id)
+        with self._lock:
+            return self._assignments.replica_of(session_id)
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        """Resident session ids: replica 0's (least recently used first), then replica 1's, ..."""
+        return tuple(session_id for replica in self._replicas for session_id in replica.sessions)
+
+    @property
+    def offloaded_sessions(self) -> tuple[str, ...]:
+        """Session ids held in the replicas' host tiers, replica by replica."""
+        return tuple(session_id for replica in self._replicas for session_id in replica.offloaded_sessions)
+
+    @property
+    def session_capacity(self) -> int:
+        """Resident sessions all replicas hold at once (the sum of theirs)."""
+        return sum(replica.session_capacity for replica in self._replicas)
+
+    @property
+    def memory_plan(self) -> RouterMemoryPlan:
+        return RouterMemoryPlan(tuple(replica.memory_plan for replica in self._replicas))
+
+    @property
+    def runner(self) -> ARDiffusionRouter:
+        """The router itself: serving code that subscribes through ``engine.runner.add_session_listener`` works."""
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_session_listener(self, listener: Callable[[SessionEvent], None]) -> None:
+        """Call ``listener(SessionEvent)`` on every replica's session events (TypeError where a replica has none)."""
+        if not callable(listener):
+            raise TypeError(f"session listeners must be callable, got {type(listener).__name__}")
+        silent = [index for index, listening in enumerate(self._listening) if not listening]
+        if silent:
+            raise TypeError(f"replicas {silent} do not report session events (no add_session_listener)")
+        for replica in self._replicas:
+            _add_listener(replica, listener)
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def generate(self, request: DiffusionRequest) -> Any:
+        """Run one request on the replica that owns its session (placing a new session first)."""
+        if not isinstance(request, DiffusionRequest):
+            raise TypeError(f"execute_model expects a DiffusionRequest, got {type(request).__name__}")
+        # The runner's own rule: a typed tick is authoritative, a missing id means "default".
+        session_id, _, close_after, _ = ARDiffusionModelRunner._request_session(request)
+        with self._owning(session_id, place=True) as index:
+            output = self._replicas[index].generate(request)
+            if close_after:
+                self._forget(index, (session_id,))
+        return output
+
+    def step(self, scheduler_output: StepSchedulerOutput) -> StepResult | None:
+        """One stepwise tick, split by owner.
+
+        The scheduled request (at most one; its session id is its request id) runs on its
+        replica together with the ``finished_req_ids`` that replica owns; then every other
+        replica owning finished ids gets a tick with only those. The result is the scheduled
+        request's (``None`` when nothing was scheduled). If the scheduled request raises, the
+        other replicas' finished ids are not released by this call: name them again in the
+        next tick. Finished ids the router never placed are ignored (nothing holds them).
+        """
+        if not isinstance(scheduler_output, StepSchedulerOutput):
+            raise TypeError(
+                f"execute_stepwise expects a StepSchedulerOutput, got {type(scheduler_output).__name__}")
+        if len(scheduler_output.scheduled) > 1:
+            raise RuntimeError("ARDiffusionModelRunner stepwise execution supports one request at a time, got "
+                               f"{len(scheduler_output.scheduled)}")
+        with self._lock:
+            self._check_open()
+        finished = scheduler_output.finished_req_ids
+        result: StepResult | None = None
+        ran_on: int | None = None
+        if scheduler_output.scheduled:
+            request = scheduler_output.scheduled[0]
+            session_id = request.request_id
+            with self._owning(session_id, place=True) as index:
+                own = self._placed_among(finished, index)
+                result = self._replicas[index].step(StepSchedulerOutput(scheduled=(request,), finished_req_ids=own))
+                # A scheduled id that is also finished was released and then started again: it stays.
+                gone = own - {session_id}
+                if result is not None and (result.finished or result.error):
+                    gone |= {session_id}
+                self._forget(index, gone)
+                ran_on = index
+        for index, replica in enumerate(self._replicas):
+            if index == ran_on:
+                continue
+            with self._replica_locks[index]:
+                own = self._placed_among(finished, index)
+                if own:
+                    replica.step(StepSchedulerOutput(finished_req_ids=own))
+                    self._forget(index, own)
+        return result
+
+    def reset_session(self, session_id: str) -> None:
+        """Reset the session on its replica (it stays placed there); nothing for an id the router never placed."""
+        check_session_id(session_id)
+        with self._owning(session_id, place=False) as index:
+            if index is not None:
+                self._replicas[index].reset_session(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        """Close the session on its replica and forget its placement; nothing for an id the router never placed."""
+        check_session_id(session_id)
+        with self._owning(session_id, place=False) as index:
+            if index is not None:
+                self._replicas[index].close_session(session_id)
+                self._forget(index, (session_id,))
+
+    def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
+        """Write the session (resident or offloaded on its replica) to ``path``; it keeps running there."""
+        check_session_id(session_id)
+        with self._owning(session_id, place=False) as index:
+            if index is None:
+                raise KeyError(f"AR-Diffusion session {session_id!r} is neither resident nor offloaded")
+            return self._replicas[index].save_session(session_id, path)
+
+    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None, *,
+                     replica: int | None = None) -> str:
+        """Make a saved session resident (as ``session_id``, default its saved id) and place it; returns the id.
+
+        A new id goes to ``replica`` when given, else to the least loaded one. An id the
+        router has placed already loads on its own replica (which refuses it while the
+        session is resident or offloaded there); naming another ``replica`` for it is a
+        ValueError. The saved id is read from the file's manifest here, so the file must be
+        readable where the router runs.
+        """
+        if replica is not None:
+            with self._lock:
+                replica = self._assignments.check_replica(replica)
+        if session_id is None:
+            session_id = check_session_id(_read_manifest(Path(path))["session_id"], "saved session id")
+        else:
+            check_session_id(session_id)
+        with self._owning(session_id, place=True, replica=replica) as index:
+            return self._replicas[index].load_session(path, session_id)
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every replica (their sessions get close hooks) and forget every placement. Idempotent.
+
+        Every replica is closed even when one fails; the first error is raised afterwards.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        errors: list[BaseException] = []
+        for index, replica in enumerate(self._replicas):
+            with self._replica_locks[index]:
+                try:
+                    replica.close()
+                except Exception as error:
+                    errors.append(error)
+                with self._lock:
+                    for session_id in self._assignments.placed_on(index):
+                        self._assignments.unassign(session_id, index)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> ARDiffusionRouter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ARDiffusionRouter is closed")
+
+    @contextlib.contextmanager
+    def _owning(self, session_id: str, *, place: bool, replica: int | None = None) -> Iterator[Any]:
+        """Hold the lock of the session's replica and yield its index (``None``: unplaced and not ``place``).
+
+        An unplaced session is placed first (on ``replica``, else the least loaded one) when
+        ``place``. The placement is checked again once the replica's lock is held: a close on
+        another thread may have removed it meanwhile, and then the session is placed anew. A
+        call that placed the session and raised leaves nothing of it on the replica (a
+        refused request created nothing, a failed one was released): the placement is undone.
+        """
+        while True:
+            with self._lock:
+                self._check_open()
+                index = self._assignments.replica_of(session_id)
+                if replica is not None and index is not None and index != replica:
+                    raise ValueError(f"AR-Diffusion session {session_id!r} is placed on replica {index}, not "
+                                     f"{replica}; close it first or use another session_id")
+                placed_here = index is None and place
+                if placed_here:
+                    index = self._assignments.least_loaded() if replica is None else replica
+                    self._assignments.assign(session_id, index)
+            if index is None:
+                yield None
+                return
+            with self._replica_locks[index]:
+                with self._lock:
+                    current = None if self._closed else self._assignments.replica_of(session_id)
+                if current != index:
+                    continue  # closed meanwhile: look again (a closed router raises there)
+                try:
+                    yield index
+                except BaseException:
+                    if placed_here:
+                        self._forget(index, (session_id,))
+                    raise
+                return
+
+    def _placed_among(self, session_ids: frozenset[str], index: int) -> frozenset[str]:
+        with self._lock:
+            return frozenset(s for s in session_ids if self._assignments.replica_of(s) == index)
+
+    def _forget(self, index: int, session_ids: Iterable[str]) -> None:
+        """Drop the placements of ``session_ids`` on replica ``index`` (gone for good); others are left alone."""
+        with self._lock:
+            for session_id in session_ids:
+                self._assignments.unassign(session_id, index)
+
+    def _listener(self, index: int) -> Callable[[SessionEvent], None]:
+        def on_event(event: SessionEvent) -> None:
+            if event.kind == "released" and event.reason in GONE_RELEASE_REASONS:
+                self._forget(index, (event.session_id,))
+
+        return on_event
+
+
+def _add_listener(replica: Any, listener: Callable[[SessionEvent], None]) -> bool:
+    """Subscribe ``listener`` to the replica's session events (engine: its runner's); whether it could."""
+    add = getattr(replica, "add_session_listener", None)
+    if not callable(add):
+        add = getattr(getattr(replica, "runner", None), "add_session_listener", None)
+    if not callable(add):
+        return False
+    add(listener)
+    return True
