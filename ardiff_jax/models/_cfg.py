@@ -310,8 +310,82 @@ def _initial_noise(session_key: jax.Array, block_index: jax.Array, video_shape: 
             jax.random.normal(action_key, action_shape, jnp.float32))
 
 
+def _branch_parallel(dit: Any, attention: Any, cursors: jax.Array, cross: tuple[Any, Any], *args: Any) -> Any:
+    """``dit(*args, text_kv, image_kv, ..., attention=branch view)`` for both branches in one vmapped call.
+
+    The branch axis is placed on the mesh's ``"cfg"`` axis: with the pools split
+    branch-major over ``"cfg"`` (the runtime's layout), each device group runs its own
+    branch over its own pages, and the attention never crosses groups
+    (:func:`~ardiff_jax.kv.sharded_attention`'s batching rule).
+    """
+    mesh = attention.sharding.mesh
+    on_groups = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cfg"))
+    cursors, cross = jax.lax.with_sharding_constraint((cursors, cross), on_groups)
+    x_t, t, frame_start, registers = args
+
+    def one_branch(cursor: jax.Array, text_kv: Any, image_kv: Any) -> Any:
+        view = dataclasses.replace(attention, cursor=cursor)
+        return dit(x_t, t, frame_start, text_kv, image_kv, registers, attention=view)
+
+    return jax.vmap(one_branch)(cursors, *cross)
+
+
+def _cfg_step_parallel(
+    graphdef: Any,
+    params: Any,
+    attention: Any,  # PagedKVCaches of the positive branch (pools, layout, sharding)
+    cursors: jax.Array,  # i32[2, 3]: positive, negative
+    x_t: jax.Array,
+    a_t: jax.Array,
+    state_features: jax.Array,
+    t: jax.Array,
+    sigma: jax.Array,
+    sigma_next: jax.Array,
+    session_key: jax.Array,
+    block_index: jax.Array,
+    step_index: jax.Array,
+    frame_start: jax.Array,
+    cross: tuple[Any, Any],  # (text_kv, image_kv | None), each stacked [2, L, N, H, D]: positive, negative
+    guidance_scale: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`_cfg_step` with both branches computed at once, one per ``"cfg"`` device group."""
+    modules = nnx.merge(graphdef, params)
+    dit = modules.transformer
+    registers = _register_features(dit.config, a_t, state_features)
+    out = _branch_parallel(dit, attention, cursors, cross, x_t, t, frame_start, registers)
+    pos_video, neg_video = out.video[0], out.video[1]
+    # The guidance combine is the one exchange between the groups (video-sized).
+    video_flow = neg_video + guidance_scale * (pos_video - neg_video)
+    action_flow = out.registers[0, : a_t.shape[0], : a_t.shape[1]]
+    x0 = x_t - sigma * video_flow
+    a0 = a_t - sigma * action_flow
+    video_key, action_key = jax.random.split(step_noise_key(session_key, block_index, step_index))
+    x_next = renoise(x0, sigma_next, jax.random.normal(video_key, x_t.shape, jnp.float32))
+    a_next = renoise(a0, sigma_next, jax.random.normal(action_key, a_t.shape, jnp.float32))
+    return x_next, x0, a_next, a0
+
+
+def _cfg_commit_parallel(
+    graphdef: Any,
+    params: Any,
+    attention: Any,
+    cursors: jax.Array,  # i32[2, 3]
+    latents: jax.Array,
+    frame_start: jax.Array,
+    cross: tuple[Any, Any],
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`_cfg_commit` of both branches at once: ``-> (k, v)`` each ``[2, L, n*T, H, D]``."""
+    modules = nnx.merge(graphdef, params)
+    out = _branch_parallel(modules.transformer, attention, cursors, cross, latents, jnp.float32(0.0), frame_start,
+                           None)
+    return out.k, out.v
+
+
 #: One CFG denoise step over both branches: ``-> (x_next, x0, a_next, a0)``.
 cfg_step = jax.jit(_cfg_step, static_argnums=0)
+#: The same with the branches on separate ``"cfg"`` device groups (one SPMD program).
+cfg_step_parallel = jax.jit(_cfg_step_parallel, static_argnums=0)
+cfg_commit_parallel = jax.jit(_cfg_commit_parallel, static_argnums=0)
 #: The committing forward of observed frames on one branch (t = 0): ``-> (k, v)`` each ``[L, n*T, H, D]``.
 cfg_commit = jax.jit(_cfg_commit, static_argnums=0)
 initial_noise = jax.jit(_initial_noise, static_argnums=(2, 3))
@@ -493,14 +567,36 @@ class CFGWorldActionPipeline(PipelineBase):
         session.block_index += 1
         return with_tick_metadata({"actions": actions, "video": video}, request)
 
+    @staticmethod
+    def _cfg_parallel(view: Any) -> bool:
+        """Whether the pools put the two branches on two ``"cfg"`` device groups (then: one call for both)."""
+        return view.sharding is not None and view.sharding.cfg == 2
+
+    def _stacked_cross(self, state: Any) -> tuple[Any, Any]:
+        """Both branches' cross caches stacked ``[2, L, N, H, D]`` (positive first)."""
+        pos, neg = self._kv_get_cross(state, False), self._kv_get_cross(state, True)
+        stack = (lambda a, b: None if a is None else jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b))
+        return stack(pos[0], neg[0]), stack(pos[1], neg[1])
+
     def _commit_observation(self, state: Any, latents: jax.Array) -> None:
         """Prefill: the observed latent frames, clean (t = 0), committed on each branch."""
         seq_len = latents.shape[0] * self.config.tokens_per_frame
+        frame_starts = [np.int32(state.adapter(self._branch(neg)).committed_frames) for neg in (False, True)]
+        pos = self._kv_get(state, False, seq_len, update_kv_cache=True)
+        # Both branches commit the same observations, so they share a frame position.
+        if self._cfg_parallel(pos) and frame_starts[0] == frame_starts[1]:
+            neg = self._kv_get(state, True, seq_len, update_kv_cache=True)
+            k, v = cfg_commit_parallel(self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), latents,
+                                       frame_starts[0], self._stacked_cross(state))
+            self._kv_commit(state, False, (k[0], v[0]))
+            self._kv_commit(state, True, (k[1], v[1]))
+            return
         for is_negative in (False, True):
-            caches = self._kv_get(state, is_negative, seq_len, update_kv_cache=True)
+            # Each view after the previous commit: a commit replaces (donates) the pools a view holds.
+            caches = pos if not is_negative else self._kv_get(state, True, seq_len, update_kv_cache=True)
             text_kv, image_kv = self._kv_get_cross(state, is_negative)
-            frame_start = np.int32(state.adapter(self._branch(is_negative)).committed_frames)
-            k, v = cfg_commit(self._graphdef, self._params, caches, latents, frame_start, text_kv, image_kv)
+            k, v = cfg_commit(self._graphdef, self._params, caches, latents, frame_starts[is_negative], text_kv,
+                              image_kv)
             self._kv_commit(state, is_negative, (k, v))
 
     def _denoise(self, state: Any, session: _CFGSession, robot_state: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -520,6 +616,12 @@ class CFGWorldActionPipeline(PipelineBase):
             pos = self._kv_get(state, False, seq_len, update_kv_cache=False)
             neg = self._kv_get(state, True, seq_len, update_kv_cache=False)
             t, sigma, sigma_next = self.schedule.step_args(step)
+            if self._cfg_parallel(pos):
+                x, x0, a, a0 = cfg_step_parallel(
+                    self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), x, a, state_features, t,
+                    sigma, sigma_next, session.key, block_index, np.int32(step), frame_start,
+                    self._stacked_cross(state), scale)
+                continue
             x, x0, a, a0 = cfg_step(self._graphdef, self._params, pos, neg, x, a, state_features, t, sigma,
                                     sigma_next, session.key, block_index, np.int32(step), frame_start, pos_cross,
                                     neg_cross, scale)

@@ -522,6 +522,36 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         """Sessions with model-owned state."""
         return tuple(self._sessions)
 
+    # -- SupportsARDiffusionMesh: one replica on a jax.sharding.Mesh ---------------------------------
+    def shard_ar_diffusion_model(self, mesh: Any) -> None:
+        """Place the weights on ``mesh`` by their annotations; inputs and session state replicated.
+
+        Attention heads, the FFN hidden layer and the q/k norms split over ``"tp"`` (the
+        ``CausalDiT`` annotations; a mesh without ``"tp"`` replicates them), everything else
+        is replicated. Called by the runner at load (``EngineConfig(mesh=...)``); raises
+        ValueError, changing nothing, when the model's heads or FFN do not split over ``tp``.
+        """
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if self._sessions:
+            raise RuntimeError(f"{type(self).__name__}: shard the model before any session runs")
+        tp = int(mesh.shape.get("tp", 1))
+        config = self.config
+        for what, size in (("attention heads", config.num_heads), ("FFN hidden units", config.ffn_dim)):
+            if size % tp:
+                raise ValueError(f"{type(self).__name__} cannot split {size} {what} over tp={tp}")
+        axes = {name for name, size in mesh.shape.items() if size > 1}
+
+        def placement(spec: jax.sharding.PartitionSpec) -> jax.sharding.NamedSharding:
+            # Annotated axes the mesh does not split are replicated.
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                *(name if name in axes else None for name in spec)))
+
+        specs = nnx.get_partition_spec(self._params)
+        shardings = jax.tree.map(placement, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        self._params = jax.device_put(self._params, shardings)
+        self.device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
     # -- SupportsARDiffusionSessionExport: the runtime offloads, saves and restores sessions ------------
     def export_ar_diffusion_session(self, session_id: str) -> dict[str, Any]:
         """Move a session's model state out (``{}`` when it has none); the pipeline forgets it."""

@@ -136,18 +136,37 @@ def _layer_norm(x: jax.Array, eps: float) -> jax.Array:
 # -- modules -------------------------------------------------------------------------------
 
 
-def _linear(config: CausalDiTConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+#: Mesh axis of tensor parallelism: attention heads and the FFN hidden layer split over it.
+TP = "tp"
+
+
+def _partitioned(init: Any, names: tuple[str | None, ...] | None) -> Any:
+    # Annotations only (no mesh needed at construction): a pipeline places the weights on a
+    # mesh later (PipelineBase.shard_ar_diffusion_model), reading them with nnx.get_partition_spec.
+    return init if names is None else nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def _linear(config: CausalDiTConfig, din: int, dout: int, rngs: nnx.Rngs, split: str | None = None) -> nnx.Linear:
+    """A Wan linear layer; ``split`` is its tensor-parallel role.
+
+    ``"column"``: outputs (heads, FFN hidden) split over ``"tp"``; ``"row"``: inputs split,
+    so XLA sums the partial products across ``"tp"`` (Megatron's pairing: one all-reduce
+    per attention and per FFN).
+    """
     # Wan initialises linear layers with Xavier-uniform weights and zero biases.
+    kernel_names, bias_names = {None: (None, None), "column": ((None, TP), (TP,)), "row": ((TP, None), None)}[split]
     return nnx.Linear(din, dout, dtype=config.dtype, param_dtype=config.param_dtype,
-                      kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)
+                      kernel_init=_partitioned(nnx.initializers.xavier_uniform(), kernel_names),
+                      bias_init=_partitioned(nnx.initializers.zeros_init(), bias_names), rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
     """RMS norm over the last axis with a learned scale, computed in float32."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: str) -> None:
+    def __init__(self, dim: int, eps: float, param_dtype: str, split: bool = False) -> None:
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        # A norm over q or k (heads x head_dim) is split with the heads; XLA reduces across "tp".
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **({"sharding_names": (TP,), "eager_sharding": False} if split else {}))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(_F32)
@@ -174,12 +193,12 @@ class SelfAttention(nnx.Module):
     def __init__(self, config: CausalDiTConfig, rngs: nnx.Rngs) -> None:
         dim = config.dim
         self.config = config
-        self.q = _linear(config, dim, dim, rngs)
-        self.k = _linear(config, dim, dim, rngs)
-        self.v = _linear(config, dim, dim, rngs)
-        self.o = _linear(config, dim, dim, rngs)
-        self.norm_q = RMSNorm(dim, config.eps, config.param_dtype)
-        self.norm_k = RMSNorm(dim, config.eps, config.param_dtype)
+        self.q = _linear(config, dim, dim, rngs, "column")
+        self.k = _linear(config, dim, dim, rngs, "column")
+        self.v = _linear(config, dim, dim, rngs, "column")
+        self.o = _linear(config, dim, dim, rngs, "row")
+        self.norm_q = RMSNorm(dim, config.eps, config.param_dtype, split=True)
+        self.norm_k = RMSNorm(dim, config.eps, config.param_dtype, split=True)
 
     def __call__(
         self,
@@ -216,16 +235,16 @@ class CrossAttention(nnx.Module):
     def __init__(self, config: CausalDiTConfig, rngs: nnx.Rngs) -> None:
         dim = config.dim
         self.config = config
-        self.q = _linear(config, dim, dim, rngs)
-        self.k = _linear(config, dim, dim, rngs)
-        self.v = _linear(config, dim, dim, rngs)
-        self.o = _linear(config, dim, dim, rngs)
-        self.norm_q = RMSNorm(dim, config.eps, config.param_dtype)
-        self.norm_k = RMSNorm(dim, config.eps, config.param_dtype)
+        self.q = _linear(config, dim, dim, rngs, "column")
+        self.k = _linear(config, dim, dim, rngs, "column")
+        self.v = _linear(config, dim, dim, rngs, "column")
+        self.o = _linear(config, dim, dim, rngs, "row")
+        self.norm_q = RMSNorm(dim, config.eps, config.param_dtype, split=True)
+        self.norm_k = RMSNorm(dim, config.eps, config.param_dtype, split=True)
         if config.image_len:
-            self.k_img = _linear(config, dim, dim, rngs)
-            self.v_img = _linear(config, dim, dim, rngs)
-            self.norm_k_img = RMSNorm(dim, config.eps, config.param_dtype)
+            self.k_img = _linear(config, dim, dim, rngs, "column")
+            self.v_img = _linear(config, dim, dim, rngs, "column")
+            self.norm_k_img = RMSNorm(dim, config.eps, config.param_dtype, split=True)
 
     def _heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(x.shape[0], self.config.num_heads, self.config.head_dim)
@@ -258,8 +277,8 @@ class DiTBlock(nnx.Module):
         self.self_attn = SelfAttention(config, rngs)
         self.norm3 = AffineLayerNorm(config.dim, config.eps, config.param_dtype)
         self.cross_attn = CrossAttention(config, rngs)
-        self.ffn_in = _linear(config, config.dim, config.ffn_dim, rngs)
-        self.ffn_out = _linear(config, config.ffn_dim, config.dim, rngs)
+        self.ffn_in = _linear(config, config.dim, config.ffn_dim, rngs, "column")
+        self.ffn_out = _linear(config, config.ffn_dim, config.dim, rngs, "row")
 
     def __call__(
         self,
@@ -323,7 +342,7 @@ class CausalDiT(nnx.Module):
             self.register_head = _linear(config, dim, config.register_dim, rngs)
 
         @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})  # layers: not split
         def make_blocks(rngs: nnx.Rngs) -> DiTBlock:
             return DiTBlock(config, rngs)
 
