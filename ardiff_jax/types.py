@@ -84,8 +84,10 @@ class EngineConfig:
       step_execution: enable :meth:`~ardiff_jax.ARDiffusionModelRunner.execute_stepwise`;
         the pipeline must implement :class:`~ardiff_jax.SupportsStepExecution`.
       warmup: run the pipeline's warmup provider at load, when it has one.
-      attention_backend: the paged-attention implementation (``"xla"``, or a name
-        registered with :func:`ardiff_jax.kv.register_attention_backend`).
+      attention_backend: the paged-attention implementation: ``"auto"`` (default: cuDNN
+        flash attention on a GPU where the layout allows it, else ``"xla"``; the choice is
+        logged and readable as ``engine.runner.kv_cache.attention_backend``), ``"xla"``,
+        ``"cudnn"``, or a name registered with :func:`ardiff_jax.kv.register_attention_backend`.
       host_offload_bytes: host memory for sessions the LRU evicts (0: off, the reference's
         behaviour). When positive, an evicted session of a pipeline that implements
         :class:`~ardiff_jax.SupportsARDiffusionSessionExport` is copied to host memory and
@@ -105,7 +107,7 @@ class EngineConfig:
     max_num_seqs: int = 1
     step_execution: bool = False
     warmup: bool = True
-    attention_backend: str = "xla"
+    attention_backend: str = "auto"
     host_offload_bytes: int = 0
     mesh: Any = None
 

@@ -168,7 +168,7 @@ def test_unknown_backend_fails_at_construction_before_any_pool(monkeypatch, reco
     real_allocate = kv_cache_module.allocate_pools
     monkeypatch.setattr(kv_cache_module, "allocate_pools",
                         lambda *args, **kwargs: allocations.append(args) or real_allocate(*args, **kwargs))
-    listed = r"'no-such-backend'; registered: 'xla', 'test-recording'"
+    listed = r"'no-such-backend'; registered: 'xla', 'cudnn', 'test-recording'"
     with pytest.raises(ValueError, match=listed):
         ARDiffusionKVCache(make_spec(), dtype="float32", available_memory_bytes=AMPLE,
                            attention_backend="no-such-backend")
@@ -224,13 +224,13 @@ def test_registry_rejects_bad_registrations_and_protects_xla(recording_backend):
                  lambda: unregister_attention_backend("xla")):
         with pytest.raises(ValueError, match="built-in"):
             call()
-    with pytest.raises(ValueError, match="unknown attention backend 'test-other'; registered: 'xla', 'test-recording'"):
+    with pytest.raises(ValueError, match="unknown attention backend 'test-other'; registered: 'xla', 'cudnn', 'test-recording'"):
         unregister_attention_backend("test-other")
     for name in ("test-other", 3, None, ["xla"]):
         with pytest.raises(ValueError, match="unknown attention backend"):
             check_attention_backend(name)
     assert check_attention_backend("test-recording") == "test-recording"
-    assert attention_backends() == ("xla", "test-recording")
+    assert attention_backends() == ("xla", "cudnn", "test-recording")
     assert attention_backend("xla", jitted=False) is paged_attention
 
 
@@ -379,3 +379,14 @@ def test_functional_core_range_checks_concrete_layers(layer):
             call()
     np.testing.assert_array_equal(np.asarray(read_run(layout, pools, -1, np.int32(0))[0]),
                                   np.asarray(read_run(layout, pools, 1, np.int32(0))[0]))
+
+
+def test_auto_backend_picks_cudnn_only_where_it_can_run_and_says_why(caplog):
+    caplog.set_level("INFO", logger="ardiff_jax.runtime")
+    cache = ARDiffusionKVCache(make_spec(), dtype="bfloat16", available_memory_bytes=AMPLE, attention_backend="auto")
+    try:
+        assert cache.attention_backend == "xla"  # this machine has no GPU
+        assert "attention backend 'xla': cuDNN flash attention unavailable" in caplog.text
+        assert EngineConfig().attention_backend == "auto"
+    finally:
+        cache.close()

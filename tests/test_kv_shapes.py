@@ -234,6 +234,11 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
                                                                             a["start"], a["pages"])},
                               jittable=False),
         "paged_attention": Case(kv.paged_attention, paged_args, paged(kv.paged_attention)),
+        "ordered_window_attention": Case(kv.ordered_window_attention, paged_args, paged(kv.ordered_window_attention)),
+        # cuDNN runs on GPUs only (it refuses elsewhere, tested in test_cudnn_backend.py): the
+        # CPU check of its documented shapes goes through the same ordered read with XLA.
+        "cudnn_paged_attention": Case(kv.cudnn_paged_attention, paged_args, paged(
+            kv.cudnn_paged_attention if jax.default_backend() == "gpu" else kv.ordered_window_attention)),
         # A one-device mesh: the shard_map path with the whole pool as its one shard.
         "sharded_write_block": Case(kv.sharded_write_block, dict(pools=s["pools"], pages=pages, k=s["block_k"],
                                                                  v=s["block_v"]),
@@ -284,7 +289,7 @@ CASE_NAMES = list(_cases(GEOMETRIES["f32-gqa-extra"]))
 #: Public names that neither take nor return arrays.
 NO_ARRAYS = {"CURSOR_FIELDS", "KVLayout", "default_storage_dtype", "attention_backend", "attention_backends",
              "check_attention_backend", "register_attention_backend", "unregister_attention_backend", "KVSharding",
-             "check_mesh", "shard_zeros"}
+             "check_mesh", "shard_zeros", "cudnn_support", "select_attention_backend"}
 
 
 def test_every_public_name_with_arrays_documents_its_shapes():

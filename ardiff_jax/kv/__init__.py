@@ -51,6 +51,12 @@ from ardiff_jax.kv._backends import (
     unregister_attention_backend,
 )
 from ardiff_jax.kv._caches import LayerKVCache, PagedKVCaches
+from ardiff_jax.kv._cudnn import (
+    cudnn_paged_attention,
+    cudnn_support,
+    ordered_window_attention,
+    select_attention_backend,
+)
 from ardiff_jax.kv._layout import (
     KVLayout,
     KVPools,
@@ -87,6 +93,10 @@ __all__ = [
     "attention_backend",
     "attention_backends",
     "check_attention_backend",
+    "cudnn_paged_attention",
+    "cudnn_support",
+    "ordered_window_attention",
+    "select_attention_backend",
     "register_attention_backend",
     "unregister_attention_backend",
     "CURSOR_FIELDS",

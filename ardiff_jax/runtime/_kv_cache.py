@@ -29,6 +29,7 @@ from ardiff_jax.kv import (
     default_storage_dtype,
     read_pages,
     restore_pages,
+    select_attention_backend,
     shard_zeros,
     sharded_write_block,
     write_pages,
@@ -42,6 +43,9 @@ from ardiff_jax.types import check_kv_dtype
 __all__ = ["ARDiffusionKVCache"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
+
+#: ``attention_backend="auto"``: cuDNN where it can run the layout, else XLA (see ``select_attention_backend``).
+AUTO_BACKEND = "auto"
 
 #: :func:`~ardiff_jax.kv.read_pages` jitted: a copy of one slot's pages (the pools are not donated).
 _copy_pages = jax.jit(read_pages, static_argnums=(0, 3))
@@ -67,7 +71,10 @@ class ARDiffusionKVCache:
         per device (``available_memory_bytes`` is one device's). See ``docs/scaling.md``.
       storage_dtype: dtype of the pool arrays; default per backend (``uint16`` bit patterns
         for 16-bit floats on CPU, the logical dtype elsewhere).
-      attention_backend: the registered paged-attention backend the states' views call.
+      attention_backend: the registered paged-attention backend the states' views call, or
+        ``"auto"``: cuDNN flash attention (``"cudnn"``) where it can run the layout (a GPU,
+        16-bit KV, head size a multiple of 8 up to 128), else ``"xla"``; the choice and its
+        reason are logged.
       host_offload_bytes: the host tier's size, for the plan's host rows (the runner owns the tier).
       **spec_fields: instead of ``spec``, its fields as keywords (the reference manager's
         form); the former experimental names (``num_frame_per_block``, ``local_branches``,
@@ -84,7 +91,7 @@ class ARDiffusionKVCache:
         gpu_memory_fraction: float = 0.1,
         device: jax.Device | None = None,
         storage_dtype: Any = None,
-        attention_backend: str = "xla",
+        attention_backend: str = "auto",
         host_offload_bytes: int = 0,
         mesh: Any = None,
         **spec_fields: Any,
@@ -96,7 +103,8 @@ class ARDiffusionKVCache:
         if not isinstance(spec, ARDiffusionKVCacheSpec):
             raise TypeError(f"spec must be an ARDiffusionKVCacheSpec, got {type(spec).__name__}")
         dtype = check_kv_dtype(dtype)
-        self._attention_backend = check_attention_backend(attention_backend)
+        if attention_backend != AUTO_BACKEND:
+            check_attention_backend(attention_backend)
         self._closed = False
         self._sharding = None if mesh is None else KVSharding(check_mesh(mesh))
         if self._sharding is not None:
@@ -137,6 +145,10 @@ class ARDiffusionKVCache:
         )
         if self._sharding is not None:
             self._sharding.check_layout(self._layout)
+        if attention_backend == AUTO_BACKEND:
+            attention_backend, why = select_attention_backend(self._layout, self._device.platform)
+            logger.info("AR-Diffusion attention backend %r: %s", attention_backend, why)
+        self._attention_backend = attention_backend
         self._pools: KVPools = self._allocate()
         self._free_slots = list(range(plan.session_capacity))  # a heap: lowest free slot first
         self._host_programs: tuple[Any, Any] | None = None  # (offload, restore), compiled at first use
