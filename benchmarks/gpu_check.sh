@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check (benchmarks/gpu_check.py): KV commit vs its write floor, the attention backends at a
+# full Wan-1.3B window vs the H200 floors, and the wan_1_3b world rollout through the engine; one JSON.
+# Usage: bash benchmarks/gpu_check.sh [--smoke] [--out PATH] [--budget-s S] [--world-backend auto|xla|cudnn]
+# The script's own time guard ends it before the 290 s timeout below; the JSON is rewritten after
+# every section, so even a killed run leaves what it measured.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # `-m benchmarks.gpu_check` from any directory
+
+out="$root/benchmarks/results/gpu_check.json"
+previous=""
+explicit_out=0
+for arg in "$@"; do
+  if [[ "$previous" == "--out" ]]; then
+    out="$arg"; explicit_out=1
+  elif [[ "$arg" == --out=* ]]; then
+    out="${arg#--out=}"; explicit_out=1
+  elif [[ "$arg" == "--smoke" && $explicit_out -eq 0 ]]; then
+    out="$root/benchmarks/results/gpu_check_smoke.json"
+  fi
+  previous="$arg"
+done
+
+status=0
+timeout 290 "${PYTHON:-python}" -m benchmarks.gpu_check "$@" || status=$?
+if [[ $status -eq 124 ]]; then
+  echo "gpu_check: killed by the 290 s timeout; partial results (\"complete\": false) in $out" >&2
+fi
+echo "gpu_check JSON: $out"
+exit "$status"

@@ -1,0 +1,116 @@
+"""``benchmarks/gpu_check``: the GPU check's smoke mode runs on CPU and writes a well-formed JSON.
+
+Structure only, never timings (as ``tests/test_benchmarks_smoke.py``): the shell wrapper runs
+``--smoke`` in a subprocess into a temporary path; cuDNN must be recorded as skipped with the
+reason, every section present, the reference figures labelled, the world rollout finite and
+free of recompiles. The time guard is checked in-process with a zero budget: every section is
+skipped with its reason and the JSON is still written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path
+    sys.path.insert(0, str(ROOT))
+
+pytest.importorskip("benchmarks.common")
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
+    out = tmp_path / "nested" / "gpu_check.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--smoke", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"gpu_check JSON: {out}" in done.stdout
+    record = json.loads(out.read_text())
+
+    assert record["benchmark"] == "gpu_check" and record["mode"] == "smoke" and record["complete"] is True
+    assert record["time_guard"]["skipped"] == [] and record["time_guard"]["elapsed_s"] > 0
+    assert record["device"]["platform"] == "cpu" and record["machine"]["jax_backend"] == "cpu"
+    assert record["hardware_floors"]["bandwidth_bytes_per_s"] == 4.8e12
+    assert record["hardware_floors"]["bf16_dense_flops_per_s"] == 989e12
+
+    commit = record["commit"]
+    assert set(commit["stats"]) == {"commit_block", "floor"} and _positive(commit["commit_block/floor"])
+    assert commit["layout"]["dtype"] == "bfloat16" and commit["layout"]["storage_dtype"] == "uint16"
+    assert _positive(commit["block_bytes"])
+
+    attend = record["attend"]
+    reason = "platform is 'cpu', cuDNN flash attention needs 'gpu'"
+    assert attend["cudnn_support"] == {"supported": False, "reason": reason}
+    assert attend["backends"]["cudnn"] == {"skipped": reason}
+    assert attend["backends"]["dense_contiguous_cudnn"] == {"skipped": reason}
+    xla = attend["backends"]["xla"]
+    for key in ("median_ms", "x_bandwidth_floor", "x_flop_floor", "achieved_GBps", "achieved_TFLOPs"):
+        assert _positive(xla[key]), key
+    floors = attend["floors"]
+    # tiny: sink 1 + window 5 frames of 16 tokens, 2 KV heads x 16, bf16; 2 frames of queries.
+    assert floors["keys"] == 96 and floors["queries"] == 32
+    assert floors["window_bytes_one_layer"] == 2 * 96 * 2 * 16 * 2
+    assert floors["bandwidth_floor_ms"] == pytest.approx(floors["window_bytes_one_layer"] / 4.8e12 * 1e3)
+    assert floors["flop_floor_ms"] == pytest.approx(4 * 32 * 96 * 2 * 16 / 989e12 * 1e3)
+    agreement = attend["agreement_with_reference"]
+    assert agreement["xla_max_abs_diff"] < 0.05 * max(1.0, agreement["max_abs_reference"])
+
+    world = record["world"]
+    assert world["preset"] == "tiny" and world["backends_planned"] == ["xla"]
+    assert "platform is 'cpu'" in world["backend_choice_reason"]
+    assert world["reference_fps"]["LongLive-1.3B"]["video_frames_per_s"] == 20.7
+    assert world["reference_fps"]["Self-Forcing (chunk-wise, Wan2.1-1.3B)"]["video_frames_per_s"] == 17.0
+    assert "label" in world["reference_fps"] and "4" in world["video_frames_note"]
+    result = world["results"]["xla"]
+    assert result["blocks_timed"] == 2 and result["latents_finite"] is True
+    assert result["xla_compiles_during_timed_blocks"] == 0
+    assert _positive(result["latent_frames_per_s"])
+    assert result["video_frames_per_s"] == pytest.approx(4 * result["latent_frames_per_s"])
+    assert result["video_frames_per_s_over_reference"]["LongLive-1.3B"] == pytest.approx(
+        result["video_frames_per_s"] / 20.7)
+
+
+def test_time_guard_skips_sections_and_still_writes(tmp_path):
+    from benchmarks import gpu_check
+
+    out = tmp_path / "guarded.json"
+    record = gpu_check.run(smoke=True, out=out, budget_s=0.0)
+    written = json.loads(out.read_text())
+    assert written["complete"] is False and record["complete"] is False
+    for section in ("commit", "attend", "world"):
+        assert written[section]["skipped"].startswith(f"{section}: "), written[section]
+        assert "left of 0 s" in written[section]["skipped"]
+    assert len(written["time_guard"]["skipped"]) == 3
+
+
+def test_hard_deadline_aborts_an_overrunning_section(tmp_path, monkeypatch):
+    import time
+
+    from benchmarks import gpu_check
+
+    def overrun(*args, **kwargs):
+        while True:  # the SIGALRM handler raises between these bytecodes
+            time.sleep(0.05)
+
+    monkeypatch.setattr(gpu_check, "HARD_GRACE_S", 0.0)
+    monkeypatch.setattr(gpu_check, "measure_commit", overrun)
+    out = tmp_path / "aborted.json"
+    start = time.monotonic()
+    gpu_check.run(smoke=True, out=out, budget_s=3.0)
+    assert time.monotonic() - start < 10
+    written = json.loads(out.read_text())
+    assert written["commit"] == {"aborted": "hard deadline of 3 s reached"}
+    assert written["complete"] is False
+    # The sections after it found no time left and were skipped, not started.
+    assert "skipped" in written["attend"] and "skipped" in written["world"]
