@@ -31,9 +31,11 @@ import numpy as np
 from ardiff_jax.kv import (
     KVLayout,
     KVPools,
+    KVSharding,
     PagedKVCaches,
     advance_cursor,
     block_pages,
+    sharded_write_block,
     write_block,
 )
 from ardiff_jax._checks import check_not_traced
@@ -45,7 +47,7 @@ __all__ = ["BlockFn", "rollout_blocks", "rollout_sessions"]
 BlockFn = Callable[[PagedKVCaches, Any], tuple[Any, jax.Array, jax.Array]]
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_fn", "num_frames", "backend"),
+@functools.partial(jax.jit, static_argnames=("layout", "block_fn", "num_frames", "backend", "sharding"),
                    donate_argnames=("pools",))
 def rollout_blocks(
     layout: KVLayout,
@@ -57,12 +59,15 @@ def rollout_blocks(
     *,
     num_frames: int,
     backend: str = "xla",
+    sharding: KVSharding | None = None,
 ) -> tuple[KVPools, jax.Array, Any]:
     """Run ``num_steps`` committing blocks, each on the session ``session_index[i]``.
 
     DONATES ``pools``. Returns ``(pools, cursors, ys)``; ``ys`` stacks each step's ``y``.
     ``backend`` names the attention backend of the views ``block_fn`` receives
-    (:func:`rollout_sessions` passes its cache's).
+    (:func:`rollout_sessions` passes its cache's). ``sharding`` is the mesh the pools are
+    split over (``None``: one device): block writes and attention then run per shard, so
+    the loop never gathers a pool.
     Shapes depend only on the layout, ``num_frames`` and the step count, so every fill
     level, ring wrap and session mix runs the same program.
     """
@@ -74,12 +79,18 @@ def rollout_blocks(
     # write of the same carried buffer makes it copy a whole pool per step. The deferral is
     # exact: a committed block is written before any later forward runs, and its pages are
     # invisible to the forward that produced it.
+    def write(pools: KVPools, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPools:
+        if sharding is None:
+            return write_block(layout, pools, pages, k, v)
+        return sharded_write_block(layout, sharding, pools, pages, k, v)
+
     def step(carry: tuple[KVPools, jax.Array, tuple[jax.Array, jax.Array, jax.Array]], inputs: tuple[jax.Array, Any]):
         pools, cursors, (pending_pages, pending_k, pending_v) = carry
-        pools = write_block(layout, pools, pending_pages, pending_k, pending_v)
+        pools = write(pools, pending_pages, pending_k, pending_v)
         index, x = inputs
         cursor = cursors[index]
-        caches = PagedKVCaches(pools=pools, cursor=cursor, layout=layout, seq_len=seq_len, backend=backend)
+        caches = PagedKVCaches(pools=pools, cursor=cursor, layout=layout, seq_len=seq_len, backend=backend,
+                               sharding=sharding)
         y, k, v = block_fn(caches, x)
         pages = block_pages(layout, cursor[0], cursor[1], num_frames, jnp)
         cursors = cursors.at[index].set(advance_cursor(layout, cursor, num_frames, jnp))
@@ -90,7 +101,7 @@ def rollout_blocks(
     nothing = (layout.null_page + jnp.arange(num_frames, dtype=jnp.int32), jnp.zeros(block_shape, layout.dtype),
                jnp.zeros(block_shape, layout.dtype))
     (pools, cursors, pending), ys = jax.lax.scan(step, (pools, cursors, nothing), (session_index, xs))
-    pools = write_block(layout, pools, *pending)
+    pools = write(pools, *pending)
     return pools, cursors, ys
 
 
@@ -137,10 +148,11 @@ def rollout_sessions(
     planned = list(before)
     for index in session_index:
         planned[index] = commit_frames(spec, layout, planned[index], branch, int(num_frames))
-    cursors = np.stack([branch_cursor_array(spec, layout, value, branch) for value in before])
+    cursors = np.stack([branch_cursor_array(spec, layout, value, branch, branch_major=cache.branch_major)
+                        for value in before])
     cache.check_pools()
     pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index, num_frames=num_frames,
-                                  backend=cache.attention_backend)
+                                  backend=cache.attention_backend, sharding=cache.sharding)
     # Under an enclosing jax transformation nothing ran (and nothing was donated): refuse before publishing.
     check_not_traced("rollout_sessions (inside jax.jit or another transformation)", pools.k)
     cache._replace_pools(pools)

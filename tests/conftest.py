@@ -6,7 +6,13 @@ lives here rather than in .ci/run).
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# tests/mesh needs 8 virtual devices, which must be configured before jax starts: the main
+# run leaves it to tests/test_mesh.py, which runs it in a subprocess.
+collect_ignore = [] if os.environ.get("ARDIFF_MESH_SUITE") == "1" else ["mesh"]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
