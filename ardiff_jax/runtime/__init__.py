@@ -11,7 +11,10 @@ Power-user names live here; :mod:`ardiff_jax` re-exports what most users start w
   :data:`SESSION_FORMAT_VERSION`;
 * KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`,
   :class:`ARDiffusionRequestAdapter`; memory plan: :class:`MemoryPlan`, :func:`plan_memory`;
-* execution: :class:`ARDiffusionModelRunner`, :class:`ARDiffusionEngine`, :class:`SessionEvent`.
+* execution: :class:`ARDiffusionModelRunner`, :class:`ARDiffusionEngine`, :class:`SessionEvent`;
+* replicas: :class:`ARDiffusionRouter` (sessions sticky to one engine, new ones to the least
+  loaded), and with the ``[ray]`` extra :func:`ray_replicas` / :class:`RayEngineProxy`
+  (each replica a Ray actor owning its engine; ``RayReplica`` is built on first use).
 """
 
 from ardiff_jax.runtime._engine import ARDiffusionEngine
@@ -25,6 +28,8 @@ from ardiff_jax.runtime._memory import (
 )
 from ardiff_jax.runtime._offload import HostSessionTier, OffloadedSession
 from ardiff_jax.runtime._persist import SESSION_FORMAT_VERSION, SessionFileError
+from ardiff_jax.runtime._ray import EngineReplica, RayEngineProxy, ray_replica_class, ray_replicas
+from ardiff_jax.runtime._router import ARDiffusionRouter, ReplicaAssignments, RouterMemoryPlan
 from ardiff_jax.runtime._runner import WARMUP_SESSION_ID, ARDiffusionModelRunner, SessionEvent
 from ardiff_jax.runtime._session import (
     BranchCursor,
@@ -54,6 +59,13 @@ from ardiff_jax.types import (  # noqa: F401 - re-exported for code written befo
 )
 
 __all__ = [
+    "ARDiffusionRouter",
+    "EngineReplica",
+    "RayEngineProxy",
+    "ReplicaAssignments",
+    "RouterMemoryPlan",
+    "ray_replica_class",
+    "ray_replicas",
     "SCRATCH_BLOCKS_ENV",
     "SESSION_FORMAT_VERSION",
     "WARMUP_SESSION_ID",
@@ -84,3 +96,9 @@ __all__ = [
     "scratch_blocks_override",
     "session_kv_from_saved",
 ]
+
+
+def __getattr__(name: str):  # RayReplica is built on first use: importing ardiff_jax never imports ray
+    if name == "RayReplica":
+        return ray_replica_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

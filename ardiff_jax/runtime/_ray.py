@@ -14,7 +14,14 @@ bookkeeping follows the remote engine exactly as it follows a local one. An exce
 engine raised is raised by the proxy as the same exception (same type and message, the
 actor's traceback attached as a note).
 
+A replica that spans hosts (one engine on a mesh over several hosts' devices) is one
+actor per host, each running the same engine on its process of the multi-host JAX
+program; one proxy over all of them sends every call to every host and answers with
+process 0's reply (see :class:`RayEngineProxy`).
+
 Ray is imported only when one of these is used: importing :mod:`ardiff_jax` never imports it.
+``RayReplica`` (the actor class, ``ray.remote(EngineReplica)``) is therefore made on first
+access, by :func:`ray_replica_class`.
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ from ardiff_jax.runtime._router import _add_listener
 from ardiff_jax.runtime._runner import SessionEvent
 from ardiff_jax.types import DiffusionRequest, StepResult, StepSchedulerOutput
 
-__all__ = ["EngineReplica", "RayEngineProxy", "RayReplica", "ray_replica_class", "ray_replicas"]
+__all__ = ["EngineReplica", "RayEngineProxy", "Reply", "host_values", "ray_replica_class", "ray_replicas"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
 
-#: Engine attributes a proxy reads from its actor.
+#: Engine attributes a proxy reads from its actor, and the engine methods it calls.
 _ATTRIBUTES = ("sessions", "offloaded_sessions", "session_capacity", "memory_plan")
+_METHODS = ("generate", "step", "reset_session", "close_session", "save_session", "load_session", "close")
 
 
 def _import_ray() -> Any:
@@ -83,10 +91,10 @@ def _portable(error: Exception) -> Exception:
 class EngineReplica:
     """What a :class:`RayReplica` actor runs: one engine, built in the actor by ``engine_factory()``.
 
-    Each engine method answers a :class:`Reply`; an exception of the engine is caught and
-    sent back as the reply's ``error`` (Ray would otherwise wrap it). The session events of
-    the engine's runner are collected and sent back with the reply of the call that caused
-    them.
+    :meth:`call` runs one engine method and answers a :class:`Reply`: an exception of the
+    engine is caught and sent back as the reply's ``error`` (Ray would otherwise wrap it),
+    and the session events of the engine's runner go back with the reply of the call that
+    caused them.
     """
 
     def __init__(self, engine_factory: Callable[[], Any]) -> None:
@@ -102,43 +110,28 @@ class EngineReplica:
                             "(no runner.add_session_listener)")
         self._engine = engine
 
-    def _call(self, method: str, *args: Any) -> Reply:
-        try:
-            value, error = host_values(getattr(self._engine, method)(*args)), None
-        except Exception as raised:
-            value, error = None, _portable(raised)
-        events, self._events = tuple(self._events), []
-        return Reply(value, error, events)
-
     def ready(self) -> bool:
         """True once the engine is built (the constructor's error otherwise)."""
         return True
 
     def read(self, name: str) -> Any:
+        """The engine's ``sessions``, ``offloaded_sessions``, ``session_capacity`` or ``memory_plan``."""
         if name not in _ATTRIBUTES:
             raise ValueError(f"an engine replica exposes {', '.join(_ATTRIBUTES)}, not {name!r}")
         return getattr(self._engine, name)
 
-    def generate(self, request: DiffusionRequest) -> Reply:
-        return self._call("generate", request)
-
-    def step(self, scheduler_output: StepSchedulerOutput) -> Reply:
-        return self._call("step", scheduler_output)
-
-    def reset_session(self, session_id: str) -> Reply:
-        return self._call("reset_session", session_id)
-
-    def close_session(self, session_id: str) -> Reply:
-        return self._call("close_session", session_id)
-
-    def save_session(self, session_id: str, path: str) -> Reply:
-        return self._call("save_session", session_id, path)
-
-    def load_session(self, path: str, session_id: str | None) -> Reply:
-        return self._call("load_session", path, session_id)
-
-    def close(self) -> Reply:
-        return self._call("close")
+    def call(self, method: str, args: tuple[Any, ...], send_value: bool = True) -> Reply:
+        """``engine.<method>(*args)``; without ``send_value`` the reply carries no value (a follower host's)."""
+        if method not in _METHODS:
+            raise ValueError(f"an engine replica runs {', '.join(_METHODS)}, not {method!r}")
+        try:
+            value, error = getattr(self._engine, method)(*args), None
+            value = host_values(value) if send_value else None
+        except Exception as raised:
+            value, error = None, _portable(raised)
+        events = tuple(self._events)
+        self._events.clear()  # in place: the engine's listener appends to this very list
+        return Reply(value, error, events)
 
 
 @functools.cache
@@ -155,40 +148,65 @@ def __getattr__(name: str) -> Any:
 
 
 class RayEngineProxy:
-    """An engine in a :class:`RayReplica` actor, with the engine's API (each call one ``ray.get``).
+    """An engine in :class:`RayReplica` actors, with the engine's API (each call one ``ray.get``).
 
     Args:
-      actor: a handle of a ``RayReplica`` actor.
-      owns_actor: kill the actor in :meth:`close` (after closing its engine); :func:`ray_replicas`
-        hands out proxies that own their actors.
+      actor: a ``RayReplica`` actor handle, or the handles of one replica that spans hosts,
+        process 0's first: each host runs the same engine on its share of one multi-host
+        mesh, and multi-controller JAX needs every process to run every call, in the same
+        order. Every call goes to all of them at once; the answer (value, exception,
+        session events) is process 0's, and a host that disagrees with it (one raised, the
+        other did not) is a RuntimeError: that replica's hosts have diverged. Attributes
+        (``sessions``, ...) are read from process 0.
+      owns_actor: kill the actors in :meth:`close` (after closing their engines);
+        :func:`ray_replicas` hands out proxies that own their actors.
     """
 
     def __init__(self, actor: Any, *, owns_actor: bool = False) -> None:
-        if not callable(getattr(getattr(actor, "generate", None), "remote", None)):
-            raise TypeError(f"RayEngineProxy needs a RayReplica actor handle, got {actor!r}")
-        self._actor = actor
+        actors = tuple(actor) if isinstance(actor, (list, tuple)) else (actor,)
+        if not actors:
+            raise ValueError("RayEngineProxy needs at least one RayReplica actor handle, got none")
+        for handle in actors:
+            if not callable(getattr(getattr(handle, "call", None), "remote", None)):
+                raise TypeError(f"RayEngineProxy needs RayReplica actor handles, got {handle!r}")
+        self._actors = actors
         self._owns_actor = bool(owns_actor)
         self._listeners: list[Callable[[SessionEvent], None]] = []
         self._closed = False
 
     @property
     def actor(self) -> Any:
-        return self._actor
+        """Process 0's actor (the only one of a single-host replica)."""
+        return self._actors[0]
+
+    @property
+    def actors(self) -> tuple[Any, ...]:
+        return self._actors
 
     def _call(self, method: str, *args: Any) -> Any:
-        reply = _import_ray().get(getattr(self._actor, method).remote(*args))
+        ray = _import_ray()
+        # Every host's call is submitted before waiting on any: their collectives meet in the middle.
+        lead = self._actors[0].call.remote(method, args)
+        follow = [actor.call.remote(method, args, False) for actor in self._actors[1:]]
+        reply, followers = ray.get(lead), ray.get(follow)
         for event in reply.events:
             for listener in list(self._listeners):
                 try:
                     listener(event)
                 except Exception:  # as in the runner: a listener must never break the call
                     logger.exception("AR-Diffusion session listener failed on %s", event)
+        diverged = [process for process, other in enumerate(followers, 1)
+                    if (other.error is None) != (reply.error is None)]
+        if diverged:
+            errors = {0: reply.error, **{p: followers[p - 1].error for p in diverged}}
+            raise RuntimeError(f"the hosts of this replica disagree on {method}: errors by process {errors}; their "
+                               "engines may have diverged, close this replica")
         if reply.error is not None:
             raise reply.error
         return reply.value
 
     def _read(self, name: str) -> Any:
-        return _import_ray().get(self._actor.read.remote(name))
+        return _import_ray().get(self._actors[0].read.remote(name))
 
     @property
     def sessions(self) -> tuple[str, ...]:
@@ -241,7 +259,8 @@ class RayEngineProxy:
         finally:
             self._closed = True
             if self._owns_actor:
-                _import_ray().kill(self._actor)
+                for actor in self._actors:
+                    _import_ray().kill(actor)
 
     def __enter__(self) -> RayEngineProxy:
         return self

@@ -14,7 +14,10 @@ reach that replica. The router keeps a sticky map session id -> replica:
   released by its replica because its own call failed (the replica's ``SessionEvent``
   reasons ``"forward_exception"``, ``"restore_failed"``, ``"save_failed"``). Sessions
   released because *another* session lost the pools (``"pools_lost"``) or dropped from a
-  host tier (``"host_eviction"``) lost their KV like an evicted session and stay placed.
+  host tier (``"host_eviction"``) lost their KV like an evicted session and stay placed;
+* a session a replica makes resident (``"created"``, ``"restored"``) while it is unplaced
+  is placed there: a stepwise tick that finishes a request id and schedules it again
+  releases it (``"close"``) and starts it anew within one call.
 
 Policy and execution are apart, as in the runner: :class:`ReplicaAssignments` decides
 (host only); the router executes. Each replica is called by one router thread at a time
@@ -32,7 +35,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ardiff_jax._checks import check_int, check_session_id
+import numpy as np
+
+from ardiff_jax._checks import check_int, check_positive_int, check_session_id
 from ardiff_jax.runtime._engine import ARDiffusionEngine
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._persist import _read_manifest
@@ -57,10 +62,8 @@ class ReplicaAssignments:
     """
 
     def __init__(self, num_replicas: int) -> None:
-        if check_int("ReplicaAssignments num_replicas", num_replicas) < 1:
-            raise ValueError(f"ReplicaAssignments num_replicas must be at least 1, got {num_replicas!r}")
         self._owner: dict[str, int] = {}
-        self._loads = [0] * num_replicas
+        self._loads = [0] * check_positive_int("ReplicaAssignments num_replicas", num_replicas)
 
     @property
     def loads(self) -> tuple[int, ...]:
@@ -91,7 +94,8 @@ class ReplicaAssignments:
         if session_id in self._owner:
             raise ValueError(f"AR-Diffusion session {session_id!r} is placed on replica {self._owner[session_id]} "
                              "already")
-        self._owner[session_id] = self.check_replica(index)
+        index = self.check_replica(index)
+        self._owner[session_id] = index
         self._loads[index] += 1
 
     def unassign(self, session_id: str, index: int) -> bool:
@@ -143,7 +147,7 @@ class ARDiffusionRouter:
 
     Replicas that offer ``add_session_listener`` (on themselves or their ``runner``) tell the
     router about failed sessions; without it a failed session simply stays placed and
-    re-enters on its replica. Calling a replica directly bypasses the router's map.
+    re-enters on its replica. Calling a replica directly bypasses the router's checks.
     """
 
     def __init__(self, replicas: Sequence[Any]) -> None:
@@ -175,9 +179,11 @@ class ARDiffusionRouter:
 
         ``pipeline_factory(device_or_mesh)`` builds each replica's pipeline (one pipeline
         instance per engine; share weights between them through the pipeline's own means).
-        A plain device only reaches the factory and ``config`` is used as is; a mesh also
-        becomes the replica's ``EngineConfig(mesh=...)``. If a replica fails to build, the
-        ones built already are closed and the error is raised.
+        A plain device becomes a one-device mesh, so the replica's pools, weights and
+        inputs live on that device (``EngineConfig(mesh=...)``; the pipeline must implement
+        :class:`~ardiff_jax.capability.SupportsARDiffusionMesh`, as the reference pipelines
+        do); a mesh becomes the replica's ``EngineConfig(mesh=...)`` as given. If a replica fails to build, the ones
+        built already are closed and the error is raised.
         """
         import jax  # local: the router itself needs no backend
 
@@ -192,11 +198,10 @@ class ARDiffusionRouter:
         configs = []
         for item in items:
             if isinstance(item, jax.sharding.Mesh):
-                if "mesh" not in {field.name for field in dataclasses.fields(EngineConfig)}:
-                    raise TypeError("this ardiff_jax's EngineConfig has no mesh field: pass devices, not meshes")
                 configs.append(dataclasses.replace(config, mesh=item))
             elif isinstance(item, jax.Device):
-                configs.append(config)
+                one_device = jax.sharding.Mesh(np.array([item]).reshape(1, 1), ("cfg", "tp"))
+                configs.append(dataclasses.replace(config, mesh=one_device))
             else:
                 raise TypeError(f"from_devices takes jax devices or jax.sharding.Mesh objects, got {item!r}")
         engines: list[ARDiffusionEngine] = []
@@ -448,6 +453,12 @@ class ARDiffusionRouter:
         def on_event(event: SessionEvent) -> None:
             if event.kind == "released" and event.reason in GONE_RELEASE_REASONS:
                 self._forget(index, (event.session_id,))
+            elif event.kind in ("created", "restored"):
+                # Resident here means owned here: a session released and started again within one call
+                # (a stepwise tick that schedules a finished id) is placed again where it now lives.
+                with self._lock:
+                    if event.session_id not in self._assignments:
+                        self._assignments.assign(event.session_id, index)
 
         return on_event
 
