@@ -1,7 +1,9 @@
 """The ``ardiff-jax`` command line.
 
 ``ardiff-jax plan`` prints the memory plan of a shipped example geometry against the
-free memory of this machine (or an explicit budget), without allocating anything.
+free memory of this machine (or an explicit budget), without allocating anything. With
+``--tp``/``--cfg`` the plan is one device's of that mesh; ``--devices`` adds how many
+replicas of the mesh fit and their sessions.
 
 ``ardiff-jax demo`` plays the trained SpriteWorld model in several sessions through the
 engine, next to the simulator, and writes GIFs, a contact sheet and a JSON summary of its
@@ -165,28 +167,56 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     _add_budget_arguments(plan)
     plan.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
                       help="host memory for evicted sessions (EngineConfig.host_offload_bytes; default 0: off)")
+    plan.add_argument("--tp", type=_positive_int, default=1,
+                      help="tensor-parallel devices per replica: KV heads split this way (default 1)")
+    plan.add_argument("--cfg", type=_positive_int, default=1,
+                      help="device groups per replica holding whole runs, e.g. one per CFG branch (default 1)")
+    plan.add_argument("--devices", type=_positive_int, default=None,
+                      help="devices available: also print the replicas of the tp x cfg mesh that fit and their "
+                           "total sessions")
     plan.add_argument("--json", action="store_true", help="print the geometry and plan as JSON")
     plan.set_defaults(run=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    devices_per_replica = args.tp * args.cfg
+    if args.devices is not None and args.devices < devices_per_replica:
+        return _refuse("plan", f"--devices {args.devices} cannot hold one tp={args.tp} x cfg={args.cfg} replica "
+                               f"({devices_per_replica} devices)")
     spec = example_spec(args.geometry)
     available = _available_bytes(args)
     source = "explicit"
     if available is None:
         available, source = free_memory_bytes()
     try:
+        # On a mesh the budget is one device's memory and the plan is per device.
         plan = plan_memory(spec, dtype=args.dtype, available_memory_bytes=available,
                            gpu_memory_fraction=args.fraction, memory_source=source,
-                           host_offload_bytes=args.host_offload_bytes)
+                           host_offload_bytes=args.host_offload_bytes, tp=args.tp, cfg=args.cfg)
     except ValueError as error:
-        return _refuse("plan", f"--geometry {args.geometry} does not fit the memory budget: {error}")
+        where = f" on a tp={args.tp} x cfg={args.cfg} mesh" if devices_per_replica > 1 else ""
+        return _refuse("plan", f"--geometry {args.geometry}{where} does not fit: {error}")
+    replicas = None if args.devices is None else args.devices // devices_per_replica
     if args.json:
-        print(json.dumps({"geometry": args.geometry, "spec": spec_summary(spec), "plan": plan.as_dict()}, indent=2))
-    else:
-        geometry = ", ".join(f"{key}={value}" for key, value in spec_summary(spec).items())
-        print(f"geometry {args.geometry}: {geometry}")
-        print(plan)
+        mesh = {"tp": args.tp, "cfg": args.cfg, "devices_per_replica": devices_per_replica,
+                "sessions_per_replica": plan.session_capacity}
+        if replicas is not None:
+            mesh.update(devices=args.devices, replicas=replicas, total_sessions=replicas * plan.session_capacity)
+        print(json.dumps({"geometry": args.geometry, "spec": spec_summary(spec), "plan": plan.as_dict(),
+                          "mesh": mesh}, indent=2))
+        return 0
+    geometry = ", ".join(f"{key}={value}" for key, value in spec_summary(spec).items())
+    print(f"geometry {args.geometry}: {geometry}")
+    print(plan)
+    if devices_per_replica > 1:
+        print(f"per device: page {plan.page_bytes_per_device:,} B, cross-attention per session "
+              f"{plan.cross_attention_bytes_per_session_per_device:,} B, pool {plan.pool_bytes_per_device:,} B")
+    print(f"devices per replica: {devices_per_replica} (tp={args.tp} x cfg={args.cfg}), "
+          f"{plan.session_capacity} sessions each")
+    if replicas is not None:
+        idle = args.devices - replicas * devices_per_replica
+        print(f"on {args.devices} devices: {replicas} replicas x {plan.session_capacity} sessions = "
+              f"{replicas * plan.session_capacity} sessions" + (f" ({idle} devices unused)" if idle else ""))
     return 0
 
 

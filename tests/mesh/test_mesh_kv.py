@@ -157,7 +157,7 @@ def test_bfloat16_pools_stored_as_bits_shard_the_same():
     layout = KVLayout(num_layers=2, num_pages=20, tokens_per_frame=4, num_kv_heads=8, head_size=8, sink_frames=1,
                       window_frames=4, frames_per_block=2, scratch_pages=3, dtype="bfloat16", storage_dtype="uint16")
     sharding = KVSharding(make_mesh((2, 2)))
-    pools, sharded, cursors = _fill(layout, sharding, dtype=jnp.bfloat16)
+    pools, sharded, cursors = _fill(layout, sharding, steps=3, dtype=jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(pools.k), np.asarray(sharded.k))
     q = jnp.ones((4, 8, 8), jnp.bfloat16)
     k = jnp.ones((8, 8, 8), jnp.bfloat16)
