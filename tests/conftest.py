@@ -23,3 +23,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if passed == 0 and exitstatus == 0 and not session.config.option.collectonly:
         session.exitstatus = 1
         reporter.write_line("no test passed: failing the run (see tests/conftest.py)", red=True)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Start the mesh suite's subprocess now, so it runs alongside the rest (see tests/test_mesh.py)."""
+    if os.environ.get("ARDIFF_MESH_SUITE") == "1" or config.option.collectonly:
+        return
+    if any(item.path.name == "test_mesh.py" for item in items):
+        from test_mesh import start_mesh_suite
+
+        config.ardiff_mesh_suite = start_mesh_suite()
