@@ -125,7 +125,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig attention_backend must be a backend name, got {self.attention_backend!r}")
         if self.mesh is not None:
             if not isinstance(self.mesh, jax.sharding.Mesh):
-                raise TypeError(f"EngineConfig mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
+                raise TypeError(
+                    f"EngineConfig mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
             if self.host_offload_bytes:
                 raise ValueError("EngineConfig: host offload is not available on a mesh yet; set host_offload_bytes=0 "
                                  "or mesh=None")

@@ -306,7 +306,3 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
 
     return attend
 
-
-def pool_bytes_per_device(pools: KVPools) -> int:
-    """Bytes of both pools held by one device (the first addressable shard of each)."""
-    return int(sum(np.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize for x in (pools.k, pools.v)))

@@ -310,7 +310,8 @@ def _initial_noise(session_key: jax.Array, block_index: jax.Array, video_shape: 
             jax.random.normal(action_key, action_shape, jnp.float32))
 
 
-def _branch_parallel(dit: Any, attention: Any, cursors: jax.Array, cross: tuple[Any, Any], *args: Any) -> Any:
+def _branch_parallel(dit: Any, attention: Any, cursors: jax.Array, pos_cross: tuple[Any, Any],
+                     neg_cross: tuple[Any, Any], *args: Any) -> Any:
     """``dit(*args, text_kv, image_kv, ..., attention=branch view)`` for both branches in one vmapped call.
 
     The branch axis is placed on the mesh's ``"cfg"`` axis: with the pools split
@@ -320,6 +321,8 @@ def _branch_parallel(dit: Any, attention: Any, cursors: jax.Array, cross: tuple[
     """
     mesh = attention.sharding.mesh
     on_groups = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cfg"))
+    # Stacked inside the program: [2, L, N, H, D] per cache, positive first (image_kv may be None).
+    cross = jax.tree.map(lambda p, n: jnp.stack([p, n]), pos_cross, neg_cross)
     cursors, cross = jax.lax.with_sharding_constraint((cursors, cross), on_groups)
     x_t, t, frame_start, registers = args
 
@@ -345,14 +348,15 @@ def _cfg_step_parallel(
     block_index: jax.Array,
     step_index: jax.Array,
     frame_start: jax.Array,
-    cross: tuple[Any, Any],  # (text_kv, image_kv | None), each stacked [2, L, N, H, D]: positive, negative
+    pos_cross: tuple[Any, Any],  # (text_kv, image_kv | None) of the positive branch
+    neg_cross: tuple[Any, Any],
     guidance_scale: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """:func:`_cfg_step` with both branches computed at once, one per ``"cfg"`` device group."""
     modules = nnx.merge(graphdef, params)
     dit = modules.transformer
     registers = _register_features(dit.config, a_t, state_features)
-    out = _branch_parallel(dit, attention, cursors, cross, x_t, t, frame_start, registers)
+    out = _branch_parallel(dit, attention, cursors, pos_cross, neg_cross, x_t, t, frame_start, registers)
     pos_video, neg_video = out.video[0], out.video[1]
     # The guidance combine is the one exchange between the groups (video-sized).
     video_flow = neg_video + guidance_scale * (pos_video - neg_video)
@@ -372,12 +376,13 @@ def _cfg_commit_parallel(
     cursors: jax.Array,  # i32[2, 3]
     latents: jax.Array,
     frame_start: jax.Array,
-    cross: tuple[Any, Any],
+    pos_cross: tuple[Any, Any],
+    neg_cross: tuple[Any, Any],
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`_cfg_commit` of both branches at once: ``-> (k, v)`` each ``[2, L, n*T, H, D]``."""
     modules = nnx.merge(graphdef, params)
-    out = _branch_parallel(modules.transformer, attention, cursors, cross, latents, jnp.float32(0.0), frame_start,
-                           None)
+    out = _branch_parallel(modules.transformer, attention, cursors, pos_cross, neg_cross, latents, jnp.float32(0.0),
+                           frame_start, None)
     return out.k, out.v
 
 
@@ -572,12 +577,6 @@ class CFGWorldActionPipeline(PipelineBase):
         """Whether the pools put the two branches on two ``"cfg"`` device groups (then: one call for both)."""
         return view.sharding is not None and view.sharding.cfg == 2
 
-    def _stacked_cross(self, state: Any) -> tuple[Any, Any]:
-        """Both branches' cross caches stacked ``[2, L, N, H, D]`` (positive first)."""
-        pos, neg = self._kv_get_cross(state, False), self._kv_get_cross(state, True)
-        stack = (lambda a, b: None if a is None else jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b))
-        return stack(pos[0], neg[0]), stack(pos[1], neg[1])
-
     def _commit_observation(self, state: Any, latents: jax.Array) -> None:
         """Prefill: the observed latent frames, clean (t = 0), committed on each branch."""
         seq_len = latents.shape[0] * self.config.tokens_per_frame
@@ -587,7 +586,8 @@ class CFGWorldActionPipeline(PipelineBase):
         if self._cfg_parallel(pos) and frame_starts[0] == frame_starts[1]:
             neg = self._kv_get(state, True, seq_len, update_kv_cache=True)
             k, v = cfg_commit_parallel(self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), latents,
-                                       frame_starts[0], self._stacked_cross(state))
+                                       frame_starts[0], self._kv_get_cross(state, False),
+                                       self._kv_get_cross(state, True))
             self._kv_commit(state, False, (k[0], v[0]))
             self._kv_commit(state, True, (k[1], v[1]))
             return
@@ -620,7 +620,7 @@ class CFGWorldActionPipeline(PipelineBase):
                 x, x0, a, a0 = cfg_step_parallel(
                     self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), x, a, state_features, t,
                     sigma, sigma_next, session.key, block_index, np.int32(step), frame_start,
-                    self._stacked_cross(state), scale)
+                    pos_cross, neg_cross, scale)
                 continue
             x, x0, a, a0 = cfg_step(self._graphdef, self._params, pos, neg, x, a, state_features, t, sigma,
                                     sigma_next, session.key, block_index, np.int32(step), frame_start, pos_cross,

@@ -166,7 +166,8 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype: str, split: bool = False) -> None:
         self.eps = eps
         # A norm over q or k (heads x head_dim) is split with the heads; XLA reduces across "tp".
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **({"out_sharding": (TP,), "eager_sharding": False} if split else {}))
+        annotation = {"out_sharding": (TP,), "eager_sharding": False} if split else {}
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **annotation)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(_F32)
