@@ -23,6 +23,7 @@ from ardiff_jax.models import (
     tokenize_prompt,
 )
 from ardiff_jax.runtime import ARDiffusionKVCache
+from helpers import count_compiles
 from ardiff_jax.training import (
     TrainConfig,
     batch_loss,
@@ -41,6 +42,12 @@ def _text_kv(modules, cfg):
     return modules.transformer.text_cross_kv(modules.text_encoder(jnp.asarray(tokenize_prompt("", cfg.text_len))))
 
 
+@nnx.jit
+def _forward(transformer, video, t, start, text_kv, registers, attention):
+    # Jitted: one compile per geometry instead of the eager op-by-op forward.
+    return transformer(video, t, start, text_kv, None, registers, attention=attention)
+
+
 def _cached_prediction(modules, cfg, spec, latents, registers, x_t, t):
     """Commit blocks 0..k-1 through the paged runtime at t = 0, then predict block k from x_t."""
     cache = ARDiffusionKVCache(spec, dtype=jnp.float32, available_memory_bytes=10**8, gpu_memory_fraction=1.0)
@@ -51,12 +58,12 @@ def _cached_prediction(modules, cfg, spec, latents, registers, x_t, t):
     num_blocks = latents.shape[0] // f
     for j in range(num_blocks):
         caches = state.get_kv_caches("main", seq_len=seq_len, commit_current=True)
-        out = modules.transformer(latents[j * f:(j + 1) * f], jnp.float32(0.0), jnp.int32(j * f), text_kv, None,
-                                  registers[j], attention=caches)
+        out = _forward(modules.transformer, latents[j * f:(j + 1) * f], jnp.float32(0.0), jnp.int32(j * f), text_kv,
+                       registers[j], caches)
         state.commit_paged_context("main", kv=(out.k, out.v))
     caches = state.get_kv_caches("main", seq_len=seq_len, commit_current=False)
-    out = modules.transformer(x_t, jnp.float32(t), jnp.int32(num_blocks * f), text_kv, None, registers[num_blocks],
-                              attention=caches)
+    out = _forward(modules.transformer, x_t, jnp.float32(t), jnp.int32(num_blocks * f), text_kv, registers[num_blocks],
+                   caches)
     cache.close()
     return np.asarray(out.video)
 
@@ -70,9 +77,10 @@ def _training_prediction(modules, cfg, latents, registers, x_t, t):
     starts = jnp.arange(num_blocks + 1, dtype=jnp.int32) * f
     is_clean = jnp.arange(num_blocks + 1) < num_blocks
     timesteps = jnp.concatenate([jnp.zeros((num_blocks,)), jnp.full((1,), t)])
-    out = modules.transformer.forward_blocks(instances, timesteps, starts, _text_kv(modules, cfg), None,
-                                             registers[:num_blocks + 1],
-                                             attention=MaskedAttention(block_causal_mask(cfg, starts, is_clean)))
+    forward_blocks = nnx.jit(lambda transformer, *args, mask: transformer.forward_blocks(
+        *args, attention=MaskedAttention(mask)))
+    out = forward_blocks(modules.transformer, instances, timesteps, starts, _text_kv(modules, cfg), None,
+                         registers[:num_blocks + 1], mask=block_causal_mask(cfg, starts, is_clean))
     return np.asarray(out.video[-1])
 
 
@@ -125,22 +133,29 @@ def _tiny_train_config(**overrides):
     return TrainConfig(**fields)
 
 
+#: One config for the loss, checkpoint and resume tests: they share one compiled step.
+SHARED_CONFIG = dict(steps=12)
+
+
 def test_loss_falls():
-    config = _tiny_train_config(steps=12)
+    config = _tiny_train_config(**SHARED_CONFIG)
     graphdef, state = init_train_state(config)
     step = make_train_step(config, graphdef)
     held_out = sample_training_batch(999, 0, 8, config.sequence_frames, config.max_gap)
     key = jax.random.key(7)
-    before = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.objective))
+    # Jitted: one compile instead of the eager op-by-op forward (~15 s on CPU).
+    held_out_loss = jax.jit(lambda params: batch_loss(graphdef, params, config.model_config, held_out, key,
+                                                      config.objective))
+    before = float(held_out_loss(state.params))
     for i in range(config.steps):
         state, _ = step(state, sample_training_batch(config.seed, i, config.batch_size, config.sequence_frames,
                                                      config.max_gap))
-    after = float(batch_loss(graphdef, state.params, config.model_config, held_out, key, config.objective))
+    after = float(held_out_loss(state.params))
     assert after < 0.6 * before, (before, after)
 
 
 def test_checkpoint_round_trips_bit_exactly(tmp_path):
-    config = _tiny_train_config(steps=2)
+    config = _tiny_train_config(**SHARED_CONFIG)
     graphdef, state = init_train_state(config)
     step = make_train_step(config, graphdef)
     state, _ = step(state, sample_training_batch(0, 0, config.batch_size, config.sequence_frames, config.max_gap))
@@ -155,19 +170,21 @@ def test_checkpoint_round_trips_bit_exactly(tmp_path):
 
 
 def test_resumed_run_continues_the_same_run(tmp_path, capsys):
-    config = _tiny_train_config(steps=4, checkpoint_every=2)
+    config = _tiny_train_config(**SHARED_CONFIG)  # a checkpoint every 4 steps
     straight = train(config, tmp_path / "straight", progress=False)
-    interrupted = train(config, tmp_path / "resumed", progress=True, stop_after=2)
-    assert len(interrupted.losses) == 2 and interrupted.resumed_from is None
-    resumed = train(config, tmp_path / "resumed", progress=False)
-    assert resumed.resumed_from == 2
+    interrupted = train(config, tmp_path / "resumed", progress=True, stop_after=4)
+    assert len(interrupted.losses) == 4 and interrupted.resumed_from is None
+    with count_compiles() as compiled:
+        resumed = train(config, tmp_path / "resumed", progress=False)
+    assert resumed.resumed_from == 4
+    assert "step" not in compiled, compiled  # the same config and graph reuse the compiled step
     assert resumed.losses == straight.losses
     for a, b in zip(jax.tree.leaves(nnx.split(resumed.modules)[1]), jax.tree.leaves(nnx.split(straight.modules)[1]),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "train" in capsys.readouterr().err  # the tqdm bar
     record = json.loads((tmp_path / "resumed" / "losses.json").read_text())
-    assert len(record["losses"]) == 4 and record["wall_seconds"] > 0
+    assert len(record["losses"]) == 12 and record["wall_seconds"] > 0
     png = (tmp_path / "resumed" / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 

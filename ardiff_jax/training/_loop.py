@@ -128,12 +128,25 @@ def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
     """``(graphdef, state)`` at step 0: fresh weights from ``config.seed``."""
     modules = DiTModules.create(config.model_config, config.seed)
     graphdef, params = nnx.split(modules)
-    return graphdef, TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(config).init(params))
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(config).init(params))
+    # Committed to the default device, as a restored checkpoint is: a fresh and a resumed run
+    # then present the same argument signature and share one compiled step.
+    return graphdef, jax.device_put(state, jax.devices()[0])
 
 
 def make_train_step(config: TrainConfig, graphdef: Any
                     ) -> Callable[[TrainState, TrainingBatch], tuple[TrainState, jax.Array]]:
-    """The jitted step ``(state, batch) -> (state, loss)``; the step's noise key is ``fold_in(seed, step)``."""
+    """The jitted step ``(state, batch) -> (state, loss)``; the step's noise key is ``fold_in(seed, step)``.
+
+    One step function per ``(config, graphdef)`` in a process: a resumed run (or a second
+    :func:`train` with the same config) reuses the compiled step instead of compiling again.
+    """
+    return _train_step(config, graphdef)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(config: TrainConfig, graphdef: Any
+                ) -> Callable[[TrainState, TrainingBatch], tuple[TrainState, jax.Array]]:
     optax = _optional("optax")
     optimizer = make_optimizer(config)
     model_config = config.model_config
