@@ -25,6 +25,10 @@ pool is ever gathered to one device:
   ``"cfg"``: each group attends for its own branch over its own pages and nothing is
   exchanged at all. A branch whose run is not on the group the batch position maps it to
   comes back as NaN, never as another branch's answer.
+
+Host offload and session files copy whole runs (:func:`sharded_read_runs`,
+:func:`sharded_write_runs`): each group reads or writes only the runs it holds, and the
+copy's bytes (never the pool's) cross groups once.
 """
 
 from __future__ import annotations
@@ -36,13 +40,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ardiff_jax.kv._layout import KVLayout, KVPools
-from ardiff_jax.kv._ops import write_block
+from ardiff_jax.kv._ops import read_pages, write_block, write_pages
 
 __all__ = ["KVSharding", "check_mesh", "sharded_write_block", "sharded_attention", "shard_zeros"]
 
@@ -175,8 +178,17 @@ def sharded_write_block(
       k, v: float[L, f*T, H, D]
       returns: KVPools; k, v: storage[L, P, T, H, D]
     """
+    return _write_program(layout, sharding)(pools, jnp.asarray(pages, jnp.int32), k, v)
+
+
+@functools.cache
+def _write_program(layout: KVLayout, sharding: KVSharding) -> Any:
+    """The per-shard write as one jitted program (inlined under an outer ``jit``).
+
+    Jitted here so that an eager call compiles once: an eager ``shard_map`` runs op by op,
+    measured at ~5 s per call on CPU for a small pool.
+    """
     local = sharding.local_layout(layout)
-    pages = jnp.asarray(pages, jnp.int32)
     block_spec = sharding.heads_spec(4)
 
     def write_local(pools: KVPools, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPools:
@@ -186,8 +198,112 @@ def sharded_write_block(
         return write_block(local, pools, local_pages, k, v)
 
     pool_specs = KVPools(k=sharding.pool_spec, v=sharding.pool_spec)
-    return jax.shard_map(write_local, mesh=sharding.mesh, in_specs=(pool_specs, P(), block_spec, block_spec),
-                         out_specs=pool_specs)(pools, pages, k, v)
+    return jax.jit(jax.shard_map(write_local, mesh=sharding.mesh, in_specs=(pool_specs, P(), block_spec, block_spec),
+                                 out_specs=pool_specs))
+
+
+def sharded_read_runs(
+    layout: KVLayout,
+    sharding: KVSharding,
+    pools: KVPools,
+    run_starts: jax.Array,  # global first page of each run; the runtime checks them on the host
+) -> KVPools:
+    """Copy whole runs out of split pools, wherever their ``"cfg"`` group is: one session's KV.
+
+    The runs come out concatenated in ``run_starts`` order, exactly as
+    :func:`~ardiff_jax.kv.read_pages` returns adjacent runs of an unsharded pool, so a copy
+    taken on a mesh and one taken on one device are the same array. Each group reads the
+    runs it holds (zeros for the others) and one ``psum`` over ``"cfg"`` on the stored bits
+    (as unsigned integers, so ``-0.0`` and NaN payloads survive) gives every group the copy;
+    heads stay split over ``"tp"``.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      run_starts: i32[R]
+      returns: KVPools; k, v: storage[L, R*(K+W), T, H, D]
+    """
+    run_starts = jnp.asarray(run_starts, jnp.int32)
+    return _read_runs_program(layout, sharding, int(run_starts.shape[0]))(pools, run_starts)
+
+
+def sharded_write_runs(
+    layout: KVLayout,
+    sharding: KVSharding,
+    pools: KVPools,
+    run_starts: jax.Array,  # global first page of each run; the runtime checks them on the host
+    pages: KVPools,  # what sharded_read_runs (or read_pages) returned
+) -> KVPools:
+    """Write whole runs back into split pools: the inverse of :func:`sharded_read_runs`.
+
+    Each group writes the runs it holds and leaves every other page as it was; the stored
+    bits are written unchanged, so a round trip is bit-exact.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      run_starts: i32[R]
+      pages: KVPools; k, v: storage[L, R*(K+W), T, H, D]
+      returns: KVPools; k, v: storage[L, P, T, H, D]
+    """
+    run_starts = jnp.asarray(run_starts, jnp.int32)
+    return _write_runs_program(layout, sharding, int(run_starts.shape[0]))(pools, run_starts, pages)
+
+
+def _local_run(sharding: KVSharding, local: KVLayout, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(first local page, whether this shard's group holds the run)`` of a run at global ``start``."""
+    local_start = start - _group_offset(sharding, local)
+    owner = (local_start >= 0) & (local_start < local.num_pages)
+    return jnp.clip(local_start, 0, local.num_pages - local.run_pages), owner
+
+
+def _unsigned(x: jax.Array) -> jax.Array:
+    """The stored bits of ``x`` as an unsigned integer of the same width (integer sums keep them exact)."""
+    bits = jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+    return x if x.dtype == bits else jax.lax.bitcast_convert_type(x, bits)
+
+
+def _bits_as(x: jax.Array, dtype: Any) -> jax.Array:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+@functools.cache
+def _read_runs_program(layout: KVLayout, sharding: KVSharding, num_runs: int) -> Any:
+    local = sharding.local_layout(layout)
+    pool_specs = KVPools(k=sharding.pool_spec, v=sharding.pool_spec)
+    copy_spec = sharding.heads_spec(5)
+
+    def read_local(pools: KVPools, run_starts: jax.Array) -> KVPools:
+        runs = []
+        for r in range(num_runs):
+            first, owner = _local_run(sharding, local, run_starts[r])
+            run = read_pages(local, pools, first, local.run_pages)
+            runs.append(jax.tree.map(lambda x: jnp.where(owner, x, jnp.zeros_like(x)), run))
+        copy = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs)
+        if sharding.cfg == 1:
+            return copy
+        # Exactly one group holds each run; the others add zero bits.
+        return jax.tree.map(lambda x: _bits_as(jax.lax.psum(_unsigned(x), CFG_AXIS), x.dtype), copy)
+
+    return jax.jit(jax.shard_map(read_local, mesh=sharding.mesh, in_specs=(pool_specs, P()),
+                                 out_specs=KVPools(k=copy_spec, v=copy_spec)))
+
+
+@functools.cache
+def _write_runs_program(layout: KVLayout, sharding: KVSharding, num_runs: int) -> Any:
+    local = sharding.local_layout(layout)
+    pool_specs = KVPools(k=sharding.pool_spec, v=sharding.pool_spec)
+    copy_spec = sharding.heads_spec(5)
+
+    def write_local(pools: KVPools, run_starts: jax.Array, pages: KVPools) -> KVPools:
+        for r in range(num_runs):
+            first, owner = _local_run(sharding, local, run_starts[r])
+            new = jax.tree.map(lambda x: x[:, r * local.run_pages:(r + 1) * local.run_pages], pages)
+            old = read_pages(local, pools, first, local.run_pages)
+            pools = write_pages(local, pools, first, jax.tree.map(lambda n, o: jnp.where(owner, n, o), new, old))
+        return pools
+
+    return jax.jit(jax.shard_map(write_local, mesh=sharding.mesh,
+                                 in_specs=(pool_specs, P(), KVPools(k=copy_spec, v=copy_spec)),
+                                 out_specs=pool_specs))
 
 
 def _scale_array(layout: KVLayout, scale: Any) -> jax.Array:
@@ -247,28 +363,31 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
         out = backend(local, pools, local_cursor, layer, q, k, v, extra_k, extra_v, scale=scale)
         return out, owner
 
-    def specs(arrays: tuple[jax.Array, ...], batched: bool) -> tuple[P, ...]:
-        # [..., H, D] arrays: heads over "tp"; a leading branch axis over "cfg".
-        if batched:
-            return tuple(P(CFG_AXIS, *sharding.heads_spec(x.ndim - 1)) for x in arrays)
-        return tuple(sharding.heads_spec(x.ndim) for x in arrays)
+    def branch_specs(arrays: tuple[jax.Array, ...]) -> tuple[P, ...]:
+        # [B, ..., H, D] arrays: a leading branch axis over "cfg", heads over "tp".
+        return tuple(P(CFG_AXIS, *sharding.heads_spec(x.ndim - 1)) for x in arrays)
+
+    def owner_select(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
+                     k: jax.Array, v: jax.Array, *extras: jax.Array) -> jax.Array:
+        out, owner = local_attend(pools, cursor, layer, scale, q, k, v, *extras)
+        if sharding.cfg == 1:
+            return out
+        # Only the group holding the run read real history: the groups exchange the
+        # attention output (q-sized), never pool pages.
+        return jax.lax.psum(jnp.where(owner, out, jnp.zeros_like(out)), CFG_AXIS)
+
+    @functools.cache
+    def unbatched_program(ndims: tuple[int, ...]) -> Any:
+        # Jitted so that an eager call compiles once (an eager shard_map runs op by op, ~5 s a call).
+        return jax.jit(jax.shard_map(owner_select, mesh=sharding.mesh,
+                                     in_specs=(pool_specs, P(), P(), P(), *(sharding.heads_spec(n) for n in ndims)),
+                                     out_specs=sharding.heads_spec(ndims[0])))
 
     @custom_vmap
     def attend(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
                k: jax.Array, v: jax.Array, *extras: jax.Array) -> jax.Array:
-        def body(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array, k: jax.Array,
-                 v: jax.Array, *extras: jax.Array) -> jax.Array:
-            out, owner = local_attend(pools, cursor, layer, scale, q, k, v, *extras)
-            if sharding.cfg == 1:
-                return out
-            # Only the group holding the run read real history: the groups exchange the
-            # attention output (q-sized), never pool pages.
-            return jax.lax.psum(jnp.where(owner, out, jnp.zeros_like(out)), CFG_AXIS)
-
         arrays = (q, k, v, *extras)
-        return jax.shard_map(body, mesh=sharding.mesh,
-                             in_specs=(pool_specs, P(), P(), P(), *specs(arrays, False)),
-                             out_specs=sharding.heads_spec(q.ndim))(pools, cursor, layer, scale, *arrays)
+        return unbatched_program(tuple(x.ndim for x in arrays))(pools, cursor, layer, scale, *arrays)
 
     @attend.def_vmap
     def attend_batched(axis_size: int, in_batched: list[Any], pools: KVPools, cursor: jax.Array, layer: jax.Array,
@@ -298,10 +417,10 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
             # A branch whose run lives on another group cannot be answered here: NaN, not a wrong answer.
             return jnp.where(owner, out, jnp.full_like(out, jnp.nan))[None]
 
-        out = jax.shard_map(body, mesh=sharding.mesh,
-                            in_specs=(pool_specs, P(CFG_AXIS), P(), P(), *specs(tuple(batched), True)),
-                            out_specs=P(CFG_AXIS, *sharding.heads_spec(q.ndim - 1)))(pools, cursor, layer, scale,
-                                                                                       *batched)
+        out = jax.jit(jax.shard_map(body, mesh=sharding.mesh,
+                                    in_specs=(pool_specs, P(CFG_AXIS), P(), P(), *branch_specs(tuple(batched))),
+                                    out_specs=P(CFG_AXIS, *sharding.heads_spec(q.ndim - 1))))(
+            pools, cursor, layer, scale, *batched)
         return out, True
 
     return attend

@@ -23,12 +23,16 @@ from ardiff_jax.kv import (
     block_pages,
     make_cursor,
     paged_attention,
+    read_pages,
     ref_paged_attention,
     shard_zeros,
     sharded_attention,
     sharded_write_block,
     write_block,
+    write_pages,
 )
+from ardiff_jax.kv._sharding import sharded_read_runs, sharded_write_runs
+from helpers import count_compiles
 from meshes import MESH_SHAPES, assert_no_pool_collective, collectives, make_mesh
 
 LAYOUT = KVLayout(num_layers=2, num_pages=4 * 5, tokens_per_frame=4, num_kv_heads=8, head_size=8, sink_frames=1,
@@ -191,3 +195,65 @@ def test_the_check_catches_the_pool_gather_a_naive_program_makes():
     for hlo in (naive_write, naive_read):
         with pytest.raises(AssertionError):
             assert_no_pool_collective(hlo, LAYOUT.num_pages, 2)
+
+
+def test_eager_calls_compile_once_and_equal_the_jitted_ones():
+    # An eager shard_map runs op by op (seconds a call): the sharded functions jit their program.
+    sharding = KVSharding(make_mesh((2, 2)))
+    pools, sharded, cursors = _fill(LAYOUT, sharding)
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(6, 16, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(8, 8, 8)), jnp.float32)
+    pages = np.array([5, 6], np.int32)
+    block = jnp.asarray(rng.normal(size=(2, 8, 8, 8)), jnp.float32)
+    cursor = cursors[3]
+
+    def both():
+        return (sharded_attention(paged_attention, LAYOUT, sharding, sharded, cursor, 1, q, k, k),
+                sharded_write_block(LAYOUT, sharding, sharded, pages, block, block))
+
+    both()  # compiles
+    with count_compiles() as compiled:
+        out, written = both()
+    assert compiled == []
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_paged_attention(LAYOUT, pools, cursor, 1, q, k, k)),
+                               atol=2e-6, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(written.k), np.asarray(write_block(LAYOUT, pools, pages, block, block).k))
+
+
+@pytest.mark.parametrize("mesh_name", list(MESH_SHAPES))
+def test_slot_copies_of_split_pools_equal_the_one_device_copies_bit_for_bit(mesh_name):
+    shape = MESH_SHAPES[mesh_name]
+    sharding = KVSharding(make_mesh(shape))
+    pools, sharded, _ = _fill(LAYOUT, sharding)
+    # Bits a float sum would change: -0.0 and a NaN payload (the copy moves stored bits, not values).
+    odd = np.array([-0.0, np.float32(np.nan)], np.float32)
+    odd[1] = np.frombuffer(np.uint32(0x7FC0_1234).tobytes(), np.float32)[0]
+    pools = KVPools(k=pools.k.at[0, 15, 0, 0, :2].set(odd), v=pools.v)
+    sharded = jax.device_put(pools, sharded.k.sharding)
+    runs = LAYOUT.num_runs
+    starts = np.array([3, 0], np.int32) * LAYOUT.run_pages if shape[0] == 1 else \
+        np.array([1, runs // 2 + 1], np.int32) * LAYOUT.run_pages  # two runs on different cfg groups
+    want = [read_pages(LAYOUT, pools, int(start), LAYOUT.run_pages) for start in starts]
+    read = jax.jit(sharded_read_runs, static_argnums=(0, 1))
+    copy = read(LAYOUT, sharding, sharded, starts)
+    for name in ("k", "v"):
+        expected = np.concatenate([np.asarray(getattr(w, name)) for w in want], axis=1)
+        assert np.asarray(getattr(copy, name)).tobytes() == expected.tobytes()
+    assert copy.k.sharding.is_equivalent_to(sharding.heads_sharding(5), 5)  # heads over tp, whole over cfg
+    hlo = read.lower(LAYOUT, sharding, sharded, starts).compile().as_text()
+    # What crosses cfg groups is the copy itself (one all-reduce per pool of the copy's local shape), never a pool.
+    local_copy = (LAYOUT.num_layers, 2 * LAYOUT.run_pages, LAYOUT.tokens_per_frame, LAYOUT.num_kv_heads // shape[1],
+                  LAYOUT.head_size)
+    exchanged = [shape_ for _, shapes in collectives(hlo) for shape_ in shapes]
+    assert set(exchanged) <= {local_copy} and len(exchanged) == (2 if shape[0] > 1 else 0), collectives(hlo)
+    # Written back into empty split pools: exactly those runs, every other page untouched.
+    empty = _sharded_pools(LAYOUT, sharding)
+    written = jax.jit(sharded_write_runs, static_argnums=(0, 1), donate_argnums=2)(LAYOUT, sharding, empty, starts,
+                                                                                    copy)
+    expected = allocate_pools(LAYOUT)
+    for start, run in zip(starts, want):
+        expected = write_pages(LAYOUT, expected, int(start), run)
+    for name in ("k", "v"):
+        assert np.asarray(getattr(written, name)).tobytes() == np.asarray(getattr(expected, name)).tobytes()
+    assert written.k.sharding.is_equivalent_to(sharding.pool_sharding, 5)
