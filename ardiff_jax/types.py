@@ -127,9 +127,6 @@ class EngineConfig:
             if not isinstance(self.mesh, jax.sharding.Mesh):
                 raise TypeError(
                     f"EngineConfig mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
-            if self.host_offload_bytes:
-                raise ValueError("EngineConfig: host offload is not available on a mesh yet; set host_offload_bytes=0 "
-                                 "or mesh=None")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,11 @@ from ardiff_jax.kv import (
     sharded_write_block,
     write_pages,
 )
+from ardiff_jax.kv._sharding import sharded_read_runs, sharded_write_runs
 from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.runtime._offload import host_memory_kind, to_host
+from ardiff_jax.runtime._session import run_base
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import check_kv_dtype
 
@@ -51,6 +53,9 @@ AUTO_BACKEND = "auto"
 _copy_pages = jax.jit(read_pages, static_argnums=(0, 3))
 #: :func:`~ardiff_jax.kv.sharded_write_block` jitted with the pools donated: the commit on a mesh.
 _commit_block_sharded = jax.jit(sharded_write_block, static_argnums=(0, 1), donate_argnums=2)
+#: A slot's runs copied out of split pools (not donated) and written back (pools donated).
+_read_runs_sharded = jax.jit(sharded_read_runs, static_argnums=(0, 1))
+_write_runs_sharded = jax.jit(sharded_write_runs, static_argnums=(0, 1), donate_argnums=2)
 
 
 class ARDiffusionKVCache:
@@ -110,9 +115,6 @@ class ARDiffusionKVCache:
         if self._sharding is not None:
             if device is not None:
                 raise ValueError("ARDiffusionKVCache takes a device or a mesh, not both")
-            if host_offload_bytes:
-                raise ValueError(
-                    "AR-Diffusion host offload is not available on a mesh yet: pass host_offload_bytes=0 with mesh")
             device = mesh.devices.flat[0]  # every device of the mesh has the same free memory to plan against
         self._device = device if device is not None else jax.devices()[0]
         if available_memory_bytes is None:
@@ -194,6 +196,11 @@ class ARDiffusionKVCache:
     def cross_attention_placement(self) -> Any:
         """Where published cross-attention arrays ``[L, N, H, D]`` go: the device, or heads over ``"tp"``."""
         return self._device if self._sharding is None else self._sharding.heads_sharding(4)
+
+    @property
+    def state_placement(self) -> Any:
+        """Where a session's model state goes back to (offload, session files): the device, or the mesh, replicated."""
+        return self._device if self._sharding is None else self._sharding.replicated
 
     @property
     def dtype(self) -> str:
@@ -300,16 +307,32 @@ class ARDiffusionKVCache:
         return self._spec.num_local_kv_branches * self._layout.run_pages
 
     def _slot_start(self, slot: int) -> np.int32:
-        if self._sharding is not None:
-            raise NotImplementedError(
-                "AR-Diffusion slot copies (host offload, session files) are not available on a mesh yet")
         if not 0 <= slot < self.session_capacity:
             raise IndexError(f"AR-Diffusion slot {slot} out of range [0, {self.session_capacity})")
         return np.int32(slot * self.session_pages)
 
+    def _slot_run_starts(self, slot: int) -> np.ndarray:
+        """First page of each of ``slot``'s runs, in local-branch order (on a mesh they need not be adjacent)."""
+        self._slot_start(slot)  # range check
+        return np.array([run_base(self._spec, self._layout, slot, local, branch_major=self.branch_major)
+                         for local in range(self._spec.num_local_kv_branches)], np.int32)
+
+    @property
+    def slot_copy_sharding(self) -> jax.sharding.Sharding:
+        """Where a device copy of a slot lives: the device, or KV heads over ``"tp"`` on every device of the mesh."""
+        if self._sharding is None:
+            return jax.sharding.SingleDeviceSharding(self._device)
+        return self._sharding.heads_sharding(5)
+
     def read_slot(self, slot: int) -> KVPools:
-        """A device copy of ``slot``'s pages, ``storage[L, R*(K+W), T, H, D]`` (dispatched, not awaited)."""
+        """A device copy of ``slot``'s pages, ``storage[L, R*(K+W), T, H, D]`` (dispatched, not awaited).
+
+        The runs come in local-branch order on one device and on a mesh alike, so the copy
+        of a session is the same array wherever it was taken.
+        """
         self.check_pools()
+        if self._sharding is not None:
+            return _read_runs_sharded(self._layout, self._sharding, self._pools, self._slot_run_starts(slot))
         return _copy_pages(self._layout, self._pools, self._slot_start(slot), self.session_pages)
 
     def offload_slot(self, slot: int) -> KVPools:
@@ -317,24 +340,26 @@ class ARDiffusionKVCache:
 
         One program reads the slot and writes it straight into host memory: the bytes cross
         once. Where the backend cannot compile that, a device copy is moved to host memory
-        instead (two passes).
+        instead (two passes). On a mesh the host copy keeps the heads split over ``"tp"``
+        (each device's host memory holds its heads).
         """
         self.check_pools()
-        start = self._slot_start(slot)
+        where = self._slot_where(slot)
         offload = self._compiled_host_programs()[0]
         if offload is None:
             return to_host(self.read_slot(slot), self._device)
-        return offload(self._pools, start)
+        return offload(self._pools, where)
 
     def write_slot(self, slot: int, pages: KVPools) -> None:
         """Overwrite ``slot``'s pages with ``pages`` (host or device arrays): one donated in-place write.
 
         Shapes and dtypes are checked before anything moves; every page of the slot is written,
         so nothing of the slot's previous occupant survives. Pages in host memory (what
-        :meth:`offload_slot` returns) move to the device inside the writing program.
+        :meth:`offload_slot` returns) move to the device inside the writing program; other
+        arrays (numpy, another device, another mesh) are placed first.
         """
         self.check_pools()
-        start = self._slot_start(slot)
+        where = self._slot_where(slot)
         layout = self._layout
         shape = (layout.num_layers, self.session_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
         for name, array in (("k", pages.k), ("v", pages.v)):
@@ -342,13 +367,20 @@ class ARDiffusionKVCache:
                 raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
                                  f"{array.dtype}{list(array.shape)}")
         restore = self._compiled_host_programs()[1]
-        if restore is not None and all(isinstance(x, jax.Array) and x.sharding.memory_kind == self._host_kind
-                                       for x in (pages.k, pages.v)):
-            self._pools = restore(self._pools, start, pages)
+        host = None if self._host_kind is None else self.slot_copy_sharding.with_memory_kind(self._host_kind)
+        if restore is not None and all(isinstance(x, jax.Array) and x.sharding == host for x in (pages.k, pages.v)):
+            self._pools = restore(self._pools, where, pages)
             return
-        target = jax.sharding.SingleDeviceSharding(self._device)  # a bare device refuses host-memory arrays
+        target = self.slot_copy_sharding  # device memory: a bare device refuses host-memory arrays
         on_device = KVPools(k=jax.device_put(pages.k, target), v=jax.device_put(pages.v, target))
-        self._pools = restore_pages(layout, self._pools, start, on_device)
+        if self._sharding is None:
+            self._pools = restore_pages(layout, self._pools, where, on_device)
+        else:
+            self._pools = _write_runs_sharded(layout, self._sharding, self._pools, where, on_device)
+
+    def _slot_where(self, slot: int) -> np.ndarray:
+        """What the slot copy programs take: the first page (one device) or each run's first page (mesh)."""
+        return self._slot_start(slot) if self._sharding is None else self._slot_run_starts(slot)
 
     def _compiled_host_programs(self) -> tuple[Any, Any]:
         """``(offload, restore)``: slot <-> host memory in one program each, compiled once (``None`` if unsupported).
@@ -363,24 +395,31 @@ class ARDiffusionKVCache:
         if kind is None:
             self._host_programs = (None, None)
             return self._host_programs
-        layout, num_pages = self._layout, self.session_pages
-        host = jax.sharding.SingleDeviceSharding(self._device, memory_kind=kind)
-        device = jax.sharding.SingleDeviceSharding(self._device)
-        start = np.int32(0)
+        layout, num_pages, sharding = self._layout, self.session_pages, self._sharding
+        device = self.slot_copy_sharding
+        host = device.with_memory_kind(kind)
+        where = self._slot_where(0)
+
+        def read(pools: KVPools, where: Any) -> KVPools:
+            if sharding is None:
+                return read_pages(layout, pools, where, num_pages)
+            return sharded_read_runs(layout, sharding, pools, where)
+
+        def restore_from_host(pools: KVPools, where: Any, pages: KVPools) -> KVPools:
+            pages = jax.device_put(pages, device)
+            if sharding is None:
+                return write_pages(layout, pools, where, pages)
+            return sharded_write_runs(layout, sharding, pools, where, pages)
+
         try:
-            offload = jax.jit(read_pages, static_argnums=(0, 3), out_shardings=host).lower(
-                layout, self._pools, start, num_pages).compile()
+            offload = jax.jit(read, out_shardings=host).lower(self._pools, where).compile()
         except Exception as error:  # pragma: no cover - backends without host-memory outputs
             logger.warning("AR-Diffusion offload falls back to two passes (%r)", error)
             offload = None
-
-        def restore_from_host(pools: KVPools, first: Any, pages: KVPools) -> KVPools:
-            return write_pages(layout, pools, first, jax.device_put(pages, device))
-
         shape = (layout.num_layers, num_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
         spec = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(layout.storage_dtype), sharding=host)
         try:
-            restore = jax.jit(restore_from_host, donate_argnums=0).lower(self._pools, start,
+            restore = jax.jit(restore_from_host, donate_argnums=0).lower(self._pools, where,
                                                                          KVPools(k=spec, v=spec)).compile()
         except Exception as error:  # pragma: no cover - backends without host-memory inputs
             logger.warning("AR-Diffusion restore falls back to two passes (%r)", error)

@@ -76,9 +76,15 @@ def host_memory_kind(device: jax.Device) -> str | None:
     return PINNED_HOST if PINNED_HOST in kinds else None
 
 
-def device_memory(device: jax.Device) -> jax.sharding.Sharding:
-    """``device``'s default memory as a sharding: ``device_put`` to a bare device refuses a host-memory array."""
-    return jax.sharding.SingleDeviceSharding(device)
+def device_memory(placement: Any) -> jax.sharding.Sharding:
+    """``placement`` (a device or a sharding) in device memory: ``device_put`` to a bare device refuses host arrays."""
+    if isinstance(placement, jax.sharding.Sharding):
+        return placement.with_memory_kind(_device_kind(placement))
+    return jax.sharding.SingleDeviceSharding(placement)
+
+
+def _device_kind(sharding: jax.sharding.Sharding) -> str:
+    return next(iter(sharding.device_set)).default_memory().kind
 
 
 def _is_array(leaf: Any) -> bool:
@@ -88,17 +94,18 @@ def _is_array(leaf: Any) -> bool:
 def to_host(tree: Any, device: jax.Device) -> Any:
     """Every array of ``tree`` copied to host memory (asynchronously where the device allows).
 
-    jax arrays go to ``device``'s ``pinned_host`` memory kind (typed PRNG keys included);
+    jax arrays go to the ``pinned_host`` memory of the devices they are on, keeping their
+    layout (an array split over a mesh stays split, each device's part in its own host
+    memory); typed PRNG keys included. ``device`` says whether that memory kind exists.
     numpy arrays are copied, so the record never aliases a caller's buffer. Other leaves
     (ints, strings, ``None``) are kept.
     """
     kind = host_memory_kind(device)
-    host = None if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
 
     def move(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array):
-            if host is not None:
-                return jax.device_put(leaf, host)
+            if kind is not None:
+                return jax.device_put(leaf, leaf.sharding.with_memory_kind(kind))
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # pragma: no cover - no pinned_host
                 return leaf  # a key is a few bytes; numpy cannot hold one
             return np.array(leaf)  # pragma: no cover - backends without pinned_host
@@ -109,13 +116,22 @@ def to_host(tree: Any, device: jax.Device) -> Any:
     return jax.tree_util.tree_map(move, tree)
 
 
-def to_device(tree: Any, device: jax.Device) -> Any:
-    """Every jax array of ``tree`` back in ``device``'s default memory; numpy leaves stay numpy."""
+def to_device(tree: Any, placement: Any, *, numpy_too: bool = False) -> Any:
+    """Every jax array of ``tree`` back in device memory; numpy leaves stay numpy unless ``numpy_too``.
 
-    target = device_memory(device)
+    ``placement`` is a device or a sharding (on a mesh: replicated over it). An array
+    already on exactly those devices (what :func:`to_host` made) keeps its layout and only
+    moves to device memory; any other array is placed at ``placement``.
+    """
+    target = device_memory(placement)
+    kind = _device_kind(target)
 
     def move(leaf: Any) -> Any:
-        return jax.device_put(leaf, target) if isinstance(leaf, jax.Array) else leaf
+        if not isinstance(leaf, jax.Array):
+            return jax.device_put(leaf, target) if numpy_too and isinstance(leaf, np.ndarray) else leaf
+        if leaf.sharding.device_set == target.device_set:
+            return jax.device_put(leaf, leaf.sharding.with_memory_kind(kind))
+        return jax.device_put(leaf, target)
 
     return jax.tree_util.tree_map(move, tree)
 

@@ -131,7 +131,7 @@ def _encode_tree(tree: Any, arrays: dict[str, np.ndarray], where: str = "state")
                     "string keys, lists, tuples, None, bool, int, float, str and arrays only)")
 
 
-def _decode_tree(encoded: Any, arrays: dict[str, np.ndarray], device: jax.Device, where: str = "state") -> Any:
+def _decode_tree(encoded: Any, arrays: dict[str, np.ndarray], device: Any, where: str = "state") -> Any:
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
         return encoded
     if not isinstance(encoded, dict) or len(encoded) not in (1, 2, 3):
@@ -268,9 +268,11 @@ def _expected_shapes(manifest: dict[str, Any], spec: ARDiffusionKVCacheSpec, lay
 
 
 def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheSpec, layout: KVLayout,
-                      fingerprint: dict[str, Any], pipeline: str, session_pages: int, device: jax.Device
+                      fingerprint: dict[str, Any], pipeline: str, session_pages: int, device: Any
                       ) -> OffloadedSession:
-    """The validated record in ``path`` (host arrays; the pipeline state's jax arrays on ``device``).
+    """The validated record in ``path`` (host arrays; the pipeline state's jax arrays at ``device``).
+
+    ``device`` is a device or a sharding (on a mesh: replicated over it).
 
     SessionFileError (a ValueError) naming what is wrong; nothing outside the file is touched.
     """

@@ -52,7 +52,6 @@ from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
     HostSessionTier,
     OffloadedSession,
-    device_memory,
     host_cross_attention,
     record_nbytes,
     to_device,
@@ -481,7 +480,7 @@ class ARDiffusionModelRunner:
                 return
             try:
                 self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
-                                                                                 self._kv_cache.device))
+                                                                                 self._kv_cache.state_placement))
             except Exception:
                 self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
                 raise
@@ -597,8 +596,8 @@ class ARDiffusionModelRunner:
         session_id = record.session_id
         state = self._kv_cache.create_state(session_id)
         try:
-            device = device_memory(self._kv_cache.device)
-            cross = {key: type(kv)(k=jax.device_put(kv.k, device), v=jax.device_put(kv.v, device))
+            placement = self._kv_cache.cross_attention_placement  # on a mesh: heads over "tp"
+            cross = {key: type(kv)(*to_device((kv.k, kv.v), placement, numpy_too=True))
                      for key, kv in record.session.cross_attention.items()}
             value = check_session_kv(self._kv_cache.spec, SessionKV(
                 session_id=session_id, slot=state.slot, cursors=record.session.cursors, cross_attention=cross,
@@ -617,7 +616,7 @@ class ARDiffusionModelRunner:
         try:
             with self._running_pipeline_code(_ImportCall(session_id)):
                 self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
-                                                                                 self._kv_cache.device))
+                                                                                 self._kv_cache.state_placement))
         except BaseException:
             self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
             raise
@@ -629,8 +628,6 @@ class ARDiffusionModelRunner:
                 "pipeline": pipeline_name(self._pipeline)}
 
     def _require_exporter(self, what: str) -> None:
-        if self._kv_cache.sharding is not None:
-            raise NotImplementedError(f"{what} is not available on a mesh yet (the pools are split over devices)")
         if self._exporter is None:
             raise TypeError(f"{what} needs a pipeline that implements SupportsARDiffusionSessionExport; "
                             f"{type(self._pipeline).__name__} does not")
@@ -693,7 +690,7 @@ class ARDiffusionModelRunner:
         cache = self._kv_cache
         record = read_session_file(path, spec=cache.spec, layout=cache.layout, fingerprint=identity["fingerprint"],
                                    pipeline=identity["pipeline"], session_pages=cache.session_pages,
-                                   device=cache.device)
+                                   device=cache.state_placement)
         if session_id is not None and session_id != record.session_id:
             record = record.renamed(session_id)
         with self._locked():

@@ -60,12 +60,17 @@ def _outputs(output) -> list[np.ndarray]:
     return [np.asarray(output.latents)]
 
 
-def _run(kind: str, mesh, modules=None) -> tuple[list[list[np.ndarray]], ARDiffusionEngine]:
+def _engine(kind: str, mesh, modules=None, host_offload_bytes: int = 0) -> ARDiffusionEngine:
     pipeline = (_world if kind == "world" else _cfg)(modules)
+    return ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=2**30, mesh=mesh,
+                                                    warmup=False, host_offload_bytes=host_offload_bytes))
+
+
+def _run(kind: str, mesh, modules=None, host_offload_bytes: int = 0) -> tuple[list[list[np.ndarray]],
+                                                                              ARDiffusionEngine]:
     # The first pass is the warm-up the no-recompile check runs after.
-    engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=2**30, mesh=mesh,
-                                                      warmup=False))
-    return [_outputs(engine.generate(r)) for r in _requests(kind, pipeline)], engine
+    engine = _engine(kind, mesh, modules, host_offload_bytes)
+    return [_outputs(engine.generate(r)) for r in _requests(kind, engine.runner.pipeline)], engine
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +195,6 @@ def test_bad_mesh_configurations_are_refused_before_anything_runs():
     mesh = make_mesh((1, 4))
     with pytest.raises(TypeError, match="SupportsARDiffusionMesh"):
         ARDiffusionEngine(RecordingPipeline(small_spec(num_kv_heads=4), []), EngineConfig(mesh=mesh))
-    with pytest.raises(ValueError, match="host offload is not available on a mesh"):
-        EngineConfig(mesh=mesh, host_offload_bytes=2**20)
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
         EngineConfig(mesh="tp=4")
     # "tiny" has 2 heads: they do not split 4 ways (the plan refuses before any pool exists).
@@ -205,14 +208,63 @@ def test_bad_mesh_configurations_are_refused_before_anything_runs():
         ARDiffusionEngine(odd_ffn, EngineConfig(dtype="float32", available_memory_bytes=2**28, mesh=mesh))
 
 
-def test_session_files_are_refused_on_a_mesh(tmp_path):
-    pipeline = _world()
-    engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=2**28,
-                                                      mesh=make_mesh((1, 2)), warmup=False))
+HOST = 2**26
+
+
+def _assert_same(got, want, **tolerance):
+    for g_block, w_block in zip(got, want, strict=True):
+        for g, w in zip(g_block, w_block, strict=True):
+            np.testing.assert_allclose(g, w, **tolerance)
+
+
+@pytest.mark.parametrize("kind,mesh_name", [("world", "cfg2"), ("world", "tp2-cfg2"), ("cfg", "tp2-cfg2")])
+def test_sessions_offloaded_on_a_mesh_continue_as_on_one_device(baselines, kind, mesh_name):
+    """Round robin on capacity 2: every eviction is an offload, every return a restore, on a mesh as on one device."""
+    _, modules = baselines[kind]
+    expected, reference = _run(kind, None, modules, host_offload_bytes=HOST)
+    reference.close()
+    shape = MESH_SHAPES[mesh_name]
+    engine = _engine(kind, make_mesh(shape), modules, host_offload_bytes=HOST)
+    events = []
+    engine.runner.add_session_listener(lambda event: events.append((event.kind, event.session_id)))
     try:
-        engine.generate(_requests("world", pipeline)[0])
-        with pytest.raises(NotImplementedError, match="not available on a mesh"):
-            engine.save_session("a", tmp_path / "s")
-        assert engine.sessions == ("a",)
+        got = [_outputs(engine.generate(r)) for r in _requests(kind, engine.runner.pipeline)]
+        _assert_same(got, expected, atol=5e-5, rtol=1e-4)
+        restored = [sid for event_kind, sid in events if event_kind == "restored"]
+        assert len(restored) >= len(SESSIONS) and not [e for e in events if e[0] == "released"]
+        # Restored state is where it was: pools and cross caches split as planned, nothing on one device.
+        cache = engine.runner.kv_cache
+        assert cache.pools.k.sharding.spec == KVSharding(cache.sharding.mesh).pool_spec
+        state = cache.get_state(restored[-1])
+        for kv in state._value.cross_attention.values():
+            assert kv.k.sharding == cache.cross_attention_placement
+        # An offloaded session is held in host memory, heads still split over tp.
+        record = engine.runner._host.get(engine.offloaded_sessions[0])
+        assert record.pages.k.sharding.memory_kind == "pinned_host"
+        assert record.pages.k.addressable_shards[0].data.nbytes == record.pages.k.nbytes // shape[1]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["world", "cfg"])
+def test_session_files_move_between_a_mesh_and_one_device(baselines, kind, tmp_path):
+    """Saved on (tp=2, cfg=2), loaded on one device (and back): the session continues as if never moved."""
+    _, modules = baselines[kind]
+    straight = _engine(kind, None, modules)
+    requests = [r for r in _requests(kind, straight.runner.pipeline) if r.extra_args["session_id"] == "a"]
+    expected = [_outputs(straight.generate(r)) for r in requests]
+    straight.close()
+    meshed, single = _engine(kind, make_mesh((2, 2)), modules), _engine(kind, None, modules)
+    try:
+        got = [_outputs(meshed.generate(requests[0]))]
+        meshed.save_session("a", tmp_path / "from-mesh")
+        meshed.close_session("a")
+        assert single.load_session(tmp_path / "from-mesh") == "a"
+        got.append(_outputs(single.generate(requests[1])))
+        single.save_session("a", tmp_path / "from-device")
+        assert meshed.load_session(tmp_path / "from-device") == "a"
+        got.append(_outputs(meshed.generate(requests[2])))
+        _assert_same(got, expected, atol=5e-5, rtol=1e-4)
+    finally:
+        meshed.close()
+        single.close()
