@@ -69,6 +69,7 @@ class Geometry:
         return dict(L=layout.num_layers, P=layout.num_pages, T=T, H=layout.num_kv_heads, Hq=self.num_q_heads,
                     D=layout.head_size, K=K, W=W, f=f, E=self.num_extra, S=self.num_queries,
                     n=K + W,  # gather_pages reads a whole visible table
+                    R=2,  # the slot-copy cases copy two runs
                     N=f * T,  # ref_attention attends to one block
                     # visible_frames of the setup cursor (past one lap): the sink plus the newest W - f
                     # frames, or only the sink right after a reset boundary.
@@ -204,6 +205,8 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
     page_mask = kv.run_visibility(layout, s["committed"], np.int32(0), f)
     logical = np.asarray(jnp.asarray(s["block_k"]).astype(layout.dtype))
     run_pages = kv.read_pages(layout, s["pools"], 0, layout.run_pages)
+    two_runs = np.array([1, 0], np.int32) * layout.run_pages  # out of order: runs need not be adjacent
+    slot_copy = kv.sharded_read_runs(layout, ONE_DEVICE, s["pools"], two_runs)
     return {
         "KVPools": Case(KVPools, {}, lambda a, c, xp: vars(kv.allocate_pools(layout))),
         "allocate_pools": Case(kv.allocate_pools, {}, lambda a, c, xp: {"returns": kv.allocate_pools(layout)}),
@@ -244,6 +247,12 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
                                                                  v=s["block_v"]),
                                     lambda a, c, xp: {"returns": kv.sharded_write_block(
                                         layout, ONE_DEVICE, a["pools"], a["pages"], a["k"], a["v"])}),
+        "sharded_read_runs": Case(kv.sharded_read_runs, dict(pools=s["pools"], run_starts=two_runs),
+                                  lambda a, c, xp: {"returns": kv.sharded_read_runs(layout, ONE_DEVICE, a["pools"],
+                                                                                    a["run_starts"])}),
+        "sharded_write_runs": Case(kv.sharded_write_runs, dict(pools=s["pools"], run_starts=two_runs, pages=slot_copy),
+                                   lambda a, c, xp: {"returns": kv.sharded_write_runs(
+                                       layout, ONE_DEVICE, a["pools"], a["run_starts"], a["pages"])}),
         "sharded_attention": Case(kv.sharded_attention, paged_args, lambda a, c, xp: {
             "returns": kv.sharded_attention(kv.paged_attention, layout, ONE_DEVICE, a["pools"], a["cursor"], a["layer"],
                                             *(a[n] for n in ATTENTION_ARGS), scale=a["scale"])}),

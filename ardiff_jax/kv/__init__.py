@@ -74,7 +74,15 @@ from ardiff_jax.kv._ops import (
     write_block,
     write_pages,
 )
-from ardiff_jax.kv._sharding import KVSharding, check_mesh, shard_zeros, sharded_attention, sharded_write_block
+from ardiff_jax.kv._sharding import (
+    KVSharding,
+    check_mesh,
+    shard_zeros,
+    sharded_attention,
+    sharded_read_runs,
+    sharded_write_block,
+    sharded_write_runs,
+)
 from ardiff_jax.kv._tables import (
     CURSOR_FIELDS,
     VisibleHistory,
@@ -107,6 +115,8 @@ __all__ = [
     "shard_zeros",
     "sharded_attention",
     "sharded_write_block",
+    "sharded_read_runs",
+    "sharded_write_runs",
     "LayerKVCache",
     "PagedKVCaches",
     "VisibleHistory",

@@ -47,7 +47,8 @@ from jax.sharding import PartitionSpec as P
 from ardiff_jax.kv._layout import KVLayout, KVPools
 from ardiff_jax.kv._ops import read_pages, write_block, write_pages
 
-__all__ = ["KVSharding", "check_mesh", "sharded_write_block", "sharded_attention", "shard_zeros"]
+__all__ = ["KVSharding", "check_mesh", "sharded_write_block", "sharded_attention", "sharded_read_runs",
+           "sharded_write_runs", "shard_zeros"]
 
 #: The mesh axis names the runtime understands.
 TP_AXIS = "tp"
@@ -119,6 +120,18 @@ class KVSharding:
     def heads_sharding(self, ndim: int) -> NamedSharding:
         """Where a cross-attention cache ``[L, N, H, D]`` (or any ``[..., H, D]`` array) lives."""
         return NamedSharding(self.mesh, self.heads_spec(ndim))
+
+    def copy_spec(self, layout: KVLayout) -> P:
+        """A slot copy ``[L, n, T, H, D]``: heads over ``"tp"``, layers over ``"cfg"`` where they split evenly.
+
+        Splitting the layers keeps one copy of a session in all (host) memory together, not
+        one per ``"cfg"`` group; with layers that do not split, every group holds it whole.
+        """
+        split_layers = self.cfg > 1 and layout.num_layers % self.cfg == 0
+        return P(CFG_AXIS if split_layers else None, None, None, self.tp_axis, None)
+
+    def copy_sharding(self, layout: KVLayout) -> NamedSharding:
+        return NamedSharding(self.mesh, self.copy_spec(layout))
 
     @property
     def replicated(self) -> NamedSharding:
@@ -213,8 +226,10 @@ def sharded_read_runs(
     The runs come out concatenated in ``run_starts`` order, exactly as
     :func:`~ardiff_jax.kv.read_pages` returns adjacent runs of an unsharded pool, so a copy
     taken on a mesh and one taken on one device are the same array. Each group reads the
-    runs it holds (zeros for the others) and one ``psum`` over ``"cfg"`` on the stored bits
-    (as unsigned integers, so ``-0.0`` and NaN payloads survive) gives every group the copy;
+    runs it holds (zeros for the others) and one reduction over ``"cfg"`` on the stored bits
+    (as unsigned integers, so ``-0.0`` and NaN payloads survive) assembles the copy: a
+    reduce-scatter over the layers where they split evenly (each device keeps
+    ``1 / (tp * cfg)`` of the copy, :meth:`KVSharding.copy_spec`), else an all-reduce;
     heads stay split over ``"tp"``.
 
     Shapes:
@@ -269,7 +284,15 @@ def _bits_as(x: jax.Array, dtype: Any) -> jax.Array:
 def _read_runs_program(layout: KVLayout, sharding: KVSharding, num_runs: int) -> Any:
     local = sharding.local_layout(layout)
     pool_specs = KVPools(k=sharding.pool_spec, v=sharding.pool_spec)
-    copy_spec = sharding.heads_spec(5)
+    copy_spec = sharding.copy_spec(layout)
+    scatter_layers = copy_spec[0] is not None
+
+    def exchange(x: jax.Array) -> jax.Array:
+        # Exactly one group holds each run; the others add zero bits.
+        bits = _unsigned(x)
+        if scatter_layers:
+            return _bits_as(jax.lax.psum_scatter(bits, CFG_AXIS, scatter_dimension=0, tiled=True), x.dtype)
+        return _bits_as(jax.lax.psum(bits, CFG_AXIS), x.dtype)
 
     def read_local(pools: KVPools, run_starts: jax.Array) -> KVPools:
         runs = []
@@ -278,10 +301,7 @@ def _read_runs_program(layout: KVLayout, sharding: KVSharding, num_runs: int) ->
             run = read_pages(local, pools, first, local.run_pages)
             runs.append(jax.tree.map(lambda x: jnp.where(owner, x, jnp.zeros_like(x)), run))
         copy = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs)
-        if sharding.cfg == 1:
-            return copy
-        # Exactly one group holds each run; the others add zero bits.
-        return jax.tree.map(lambda x: _bits_as(jax.lax.psum(_unsigned(x), CFG_AXIS), x.dtype), copy)
+        return copy if sharding.cfg == 1 else jax.tree.map(exchange, copy)
 
     return jax.jit(jax.shard_map(read_local, mesh=sharding.mesh, in_specs=(pool_specs, P()),
                                  out_specs=KVPools(k=copy_spec, v=copy_spec)))
@@ -291,6 +311,8 @@ def _read_runs_program(layout: KVLayout, sharding: KVSharding, num_runs: int) ->
 def _write_runs_program(layout: KVLayout, sharding: KVSharding, num_runs: int) -> Any:
     local = sharding.local_layout(layout)
     pool_specs = KVPools(k=sharding.pool_spec, v=sharding.pool_spec)
+    # Every group needs all layers of the runs it holds: a copy split over "cfg" (copy_spec) is
+    # gathered on the way in; only the copy's bytes move.
     copy_spec = sharding.heads_spec(5)
 
     def write_local(pools: KVPools, run_starts: jax.Array, pages: KVPools) -> KVPools:

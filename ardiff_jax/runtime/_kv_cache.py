@@ -31,10 +31,11 @@ from ardiff_jax.kv import (
     restore_pages,
     select_attention_backend,
     shard_zeros,
+    sharded_read_runs,
     sharded_write_block,
+    sharded_write_runs,
     write_pages,
 )
-from ardiff_jax.kv._sharding import sharded_read_runs, sharded_write_runs
 from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.runtime._offload import host_memory_kind, to_host
@@ -319,10 +320,10 @@ class ARDiffusionKVCache:
 
     @property
     def slot_copy_sharding(self) -> jax.sharding.Sharding:
-        """Where a device copy of a slot lives: the device, or KV heads over ``"tp"`` on every device of the mesh."""
+        """Where a copy of a slot lives: the device, or on a mesh KV heads over ``"tp"`` and layers over ``"cfg"``."""
         if self._sharding is None:
             return jax.sharding.SingleDeviceSharding(self._device)
-        return self._sharding.heads_sharding(5)
+        return self._sharding.copy_sharding(self._layout)
 
     def read_slot(self, slot: int) -> KVPools:
         """A device copy of ``slot``'s pages, ``storage[L, R*(K+W), T, H, D]`` (dispatched, not awaited).

@@ -27,11 +27,12 @@ from ardiff_jax.kv import (
     ref_paged_attention,
     shard_zeros,
     sharded_attention,
+    sharded_read_runs,
     sharded_write_block,
+    sharded_write_runs,
     write_block,
     write_pages,
 )
-from ardiff_jax.kv._sharding import sharded_read_runs, sharded_write_runs
 from helpers import count_compiles
 from meshes import MESH_SHAPES, assert_no_pool_collective, collectives, make_mesh
 
@@ -240,13 +241,14 @@ def test_slot_copies_of_split_pools_equal_the_one_device_copies_bit_for_bit(mesh
     for name in ("k", "v"):
         expected = np.concatenate([np.asarray(getattr(w, name)) for w in want], axis=1)
         assert np.asarray(getattr(copy, name)).tobytes() == expected.tobytes()
-    assert copy.k.sharding.is_equivalent_to(sharding.heads_sharding(5), 5)  # heads over tp, whole over cfg
+    # Heads over tp, layers over cfg: one copy of the session across all devices, none duplicated.
+    assert copy.k.sharding.is_equivalent_to(sharding.copy_sharding(LAYOUT), 5)
+    assert copy.k.addressable_shards[0].data.nbytes == copy.k.nbytes // sharding.num_shards
     hlo = read.lower(LAYOUT, sharding, sharded, starts).compile().as_text()
-    # What crosses cfg groups is the copy itself (one all-reduce per pool of the copy's local shape), never a pool.
-    local_copy = (LAYOUT.num_layers, 2 * LAYOUT.run_pages, LAYOUT.tokens_per_frame, LAYOUT.num_kv_heads // shape[1],
-                  LAYOUT.head_size)
-    exchanged = [shape_ for _, shapes in collectives(hlo) for shape_ in shapes]
-    assert set(exchanged) <= {local_copy} and len(exchanged) == (2 if shape[0] > 1 else 0), collectives(hlo)
+    # What crosses cfg groups is the copy (one reduce-scatter per pool into each device's share), never a pool.
+    exchanged = [(kind, shape_) for kind, shapes in collectives(hlo) for shape_ in shapes]
+    share = copy.k.addressable_shards[0].data.shape
+    assert exchanged == ([("reduce-scatter", share)] * 2 if shape[0] > 1 else []), exchanged
     # Written back into empty split pools: exactly those runs, every other page untouched.
     empty = _sharded_pools(LAYOUT, sharding)
     written = jax.jit(sharded_write_runs, static_argnums=(0, 1), donate_argnums=2)(LAYOUT, sharding, empty, starts,
