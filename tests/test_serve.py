@@ -8,6 +8,7 @@ client.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import socket
@@ -65,7 +66,11 @@ def world_of(engine) -> ServedWorld:
 
 
 class Generate:
-    """Wraps ``engine.generate``: records requests; can hold every call at a gate or raise."""
+    """Wraps ``engine.generate``: records requests; can hold every call at a gate or raise.
+
+    ``error`` fails every call; with ``fail_only_applying`` only the calls of ticks that apply
+    an interaction (so a test knows which chunk fails, whatever the generation loop's timing).
+    """
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -74,12 +79,15 @@ class Generate:
         self.gate = threading.Event()
         self.gate.set()
         self.error: Exception | None = None
+        self.fail_only_applying = False
         engine.generate = self
 
     def __call__(self, request):
         self.gate.wait(timeout=30)
         self.requests.append(request)
-        if self.error is not None:
+        if self.error is not None and not (
+                self.fail_only_applying
+                and not ARDiffusionTickRequest.from_extra_args(request.extra_args).applied_event_ids):
             raise self.error
         return self.original(request)
 
@@ -521,18 +529,46 @@ def test_disconnect_closes_the_session_and_metrics_and_health_follow(sprite_engi
         assert PATH in root.text and "<canvas" in root.text
 
 
+def test_a_disconnect_while_its_chunk_encodes_leaves_the_generation_loop_running(sprite_engine):
+    """The loop waits for a session's encoder before its next chunk; a disconnect then cancels that wait's task."""
+    base = world_of(sprite_engine)
+    encoding = threading.Event()
+    release = threading.Event()
+
+    class HeldWorld(type(base)):
+        def frames(self, output):
+            encoding.set()
+            release.wait(timeout=30)
+            return super().frames(output)
+
+    held = HeldWorld(**{field.name: getattr(base, field.name) for field in dataclasses.fields(base)})
+    try:
+        with TestClient(create_app(sprite_engine, world=held, settings=ServerSettings())) as client:
+            with client.websocket_connect(PATH) as ws:
+                start(ws, format="jpeg")
+                assert encoding.wait(timeout=30)
+                time.sleep(0.3)  # the loop's next round is now waiting on this session's encoder
+            wait_for(lambda: sprite_engine.sessions == ())
+            release.set()
+            assert client.get("/healthz").json()["status"] == "ok"  # the loop survived the cancelled wait
+            with client.websocket_connect(PATH) as ws:  # and still streams
+                start(ws, format="jpeg")
+                next_chunk(ws)
+    finally:
+        release.set()
+    wait_for(lambda: sprite_engine.sessions == ())
+
+
 def test_a_failed_chunk_reports_its_events_and_ends_the_session(sprite_engine, sprite_generate):
     with serve(sprite_engine) as client, client.websocket_connect(PATH) as ws:
         start(ws, format="jpeg")
         next_chunk(ws)
-        sprite_generate.gate.clear()
+        # Only the chunk that applies "boom" fails (chunks already in flight without it stream on).
+        sprite_generate.fail_only_applying = True
+        sprite_generate.error = RuntimeError("device lost")
         ws.send_json(interaction("boom", **action("up")))
         assert until(ws, "session.interaction.queued")["event_id"] == "boom"
-        sprite_generate.error = RuntimeError("device lost")
-        sprite_generate.gate.set()
         failed = until(ws, "error")
-        if failed.get("event_id") is None:  # the chunk in flight when "boom" arrived applied nothing
-            failed = until(ws, "error")
         assert failed["code"] == "interaction_failed" and failed["event_id"] == "boom"
         final = until(ws, "error")
         assert final["code"] == "generation_failed" and "device lost" in final["message"]

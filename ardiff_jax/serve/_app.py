@@ -460,8 +460,10 @@ class _Server:
 
     async def _next_chunk(self, conn: _Connection) -> None:
         if conn.tail is not None and not conn.tail.done():
-            with contextlib.suppress(Exception):
-                await conn.tail  # at most one chunk per session waits for its encoder
+            # At most one chunk per session waits for its encoder. asyncio.wait, not await: a
+            # disconnect cancels the tail, and awaiting a cancelled task would cancel this
+            # loop, ending every other session's stream.
+            await asyncio.wait({conn.tail})
         if conn.state is not _State.STREAMING or conn.session is None:
             return
         applying = tuple(sorted(conn.pending))
