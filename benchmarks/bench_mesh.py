@@ -24,6 +24,11 @@ and each mesh (none, tp=2, tp=4, cfg=2, tp=2 x cfg=2), side by side in one inter
   shape of a CFG step that attends both branches in one call. With ``cfg=2`` the batch axis
   maps onto the two groups (each attends its own branch, nothing is exchanged); other
   meshes attend the branches one after the other.
+* ``slot_copy``: a device copy of slot 1's run, what host offload and session files read:
+  ``read_pages`` without a mesh, ``sharded_read_runs`` on one (each group reads the runs
+  it holds; with ``cfg > 1`` a reduce-scatter leaves each device its share of the copy);
+* ``slot_restore``: that copy written back in place (donated): ``restore_pages`` /
+  ``sharded_write_runs`` (with ``cfg > 1`` the copy's layers are gathered first).
 
 Every mesh's attention output is compared with the unsharded one (same blocks committed).
 Ratios are medians against the unsharded case of the same run.
@@ -57,9 +62,13 @@ from ardiff_jax.kv import (
     block_pages,
     commit_block,
     make_cursor,
+    read_pages,
+    restore_pages,
     shard_zeros,
     sharded_attention,
+    sharded_read_runs,
     sharded_write_block,
+    sharded_write_runs,
 )
 from ardiff_jax.runtime import ARDiffusionKVCache, plan_memory
 from benchmarks.common import (
@@ -87,7 +96,8 @@ PROXY_NOTE = (f"CPU proxy: {NUM_DEVICES} virtual XLA host devices share this mac
               "no compute here; the ratios show the sharded programs' own overhead, not a GPU speed-up")
 
 # (warmup, rounds, reps_per_round) per measurement.
-_REPS = {"commit": (3, 20, 5), "attend": (2, 8, 2), "attend_2_branches": (1, 6, 1)}
+_REPS = {"commit": (3, 20, 5), "attend": (2, 8, 2), "attend_2_branches": (1, 6, 1), "slot_copy": (2, 10, 3),
+         "slot_restore": (2, 10, 3)}
 _SMOKE_REPS = {name: (1, 1, 1) for name in _REPS}
 
 
@@ -116,6 +126,9 @@ class MeshCase:
             self.pools = allocate_pools(layout)
             self.commit = functools.partial(commit_block, layout)
             single = functools.partial(backend, layout)
+            copy = jax.jit(read_pages, static_argnums=(0, 3))
+            self._copy = lambda pools, start: copy(layout, pools, start[0], layout.run_pages)
+            self._restore = lambda pools, start, pages: restore_pages(layout, pools, start[0], pages)
         else:
             devices = np.array(jax.devices()[: tp * cfg]).reshape(cfg, tp)
             self.sharding = sharding = KVSharding(Mesh(devices, ("cfg", "tp")))
@@ -125,6 +138,9 @@ class MeshCase:
             self.commit = functools.partial(
                 jax.jit(sharded_write_block, static_argnums=(0, 1), donate_argnums=2), layout, sharding)
             single = functools.partial(sharded_attention, backend, layout, sharding)
+            self._copy = functools.partial(jax.jit(sharded_read_runs, static_argnums=(0, 1)), layout, sharding)
+            self._restore = functools.partial(
+                jax.jit(sharded_write_runs, static_argnums=(0, 1), donate_argnums=2), layout, sharding)
         self._attend = jax.jit(single)
         # Two branches' runs in one call: cursor, queries and current K/V carry the branch axis.
         self._attend_branches = jax.jit(jax.vmap(single, in_axes=(None, 0, None, 0, 0, 0)))
@@ -144,6 +160,13 @@ class MeshCase:
 
     def attend_branches(self, cursors: np.ndarray, layer: np.int32, q: Any, k: Any, v: Any) -> Any:
         return self._attend_branches(self.pools, cursors, layer, q, k, v)
+
+    def copy_slot(self, run_starts: np.ndarray) -> KVPools:
+        return self._copy(self.pools, run_starts)
+
+    def restore_slot(self, run_starts: np.ndarray, pages: KVPools) -> KVPools:
+        self.pools = self._restore(self.pools, run_starts, pages)
+        return self.pools
 
     def pool_bytes_per_device(self) -> int:
         """Both pools' bytes on the first device (measured from its shard, not computed)."""
@@ -219,9 +242,20 @@ def run(geometry: str = "medium", *, smoke: bool = False, out_dir: Path = RESULT
     branch_cases = [Case(case.label, rotating(case.attend_branches, both, *placed[case.label][3:]))
                     for case in cases]
 
+    # -- slot copy and restore: slot 1's run (on the second cfg group where there are two) -------------
+    slot_run = np.array([layout.run_pages], np.int32)
+    copies = {case.label: case.copy_slot(slot_run) for case in cases}
+    copy_cases = [Case(case.label, functools.partial(case.copy_slot, slot_run)) for case in cases]
+    restore_cases = [Case(case.label, functools.partial(case.restore_slot, slot_run, copies[case.label]))
+                     for case in cases]
+
     stats = {
         "commit": run_interleaved(commit_cases, warmup=reps["commit"][0], rounds=reps["commit"][1],
                                   reps_per_round=reps["commit"][2]),
+        "slot_copy": run_interleaved(copy_cases, warmup=reps["slot_copy"][0], rounds=reps["slot_copy"][1],
+                                     reps_per_round=reps["slot_copy"][2]),
+        "slot_restore": run_interleaved(restore_cases, warmup=reps["slot_restore"][0],
+                                        rounds=reps["slot_restore"][1], reps_per_round=reps["slot_restore"][2]),
         "attend": run_interleaved(attend_cases, warmup=reps["attend"][0], rounds=reps["attend"][1],
                                   reps_per_round=reps["attend"][2]),
         "attend_2_branches": run_interleaved(
@@ -234,6 +268,7 @@ def run(geometry: str = "medium", *, smoke: bool = False, out_dir: Path = RESULT
     layer0 = np.int32(0)
     reference = np.asarray(cases[0].attend(cursor, layer0, *placed["none"][:3]), np.float32)
     reference2 = np.asarray(cases[0].attend_branches(both, layer0, *placed["none"][3:]), np.float32)
+    reference_copy = np.asarray(copies["none"].k)
     results = []
     baseline = {part: stats[part]["none"] for part in stats}
     for case in cases:
@@ -247,6 +282,11 @@ def run(geometry: str = "medium", *, smoke: bool = False, out_dir: Path = RESULT
             "cfg": case.cfg,
             "devices": case.tp * case.cfg,
             "pool_bytes_per_device": case.pool_bytes_per_device(),
+            "slot_copy_bytes": int(copies[case.label].k.nbytes * 2),
+            "slot_copy_bytes_per_device": int(sum(x.addressable_shards[0].data.nbytes
+                                                  for x in (copies[case.label].k, copies[case.label].v))),
+            "slot_copy_equals_unsharded_bitwise": np.asarray(copies[case.label].k).tobytes()
+            == reference_copy.tobytes(),
             "planned_pool_bytes_per_device": plan.pool_bytes_per_device,
             **{part: stats[part][case.label] for part in stats},
             "ratio_to_unsharded": {part: ratio(stats[part][case.label], baseline[part]) for part in stats},
@@ -291,9 +331,12 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
         rows.append((mesh["mesh"], mesh["devices"], mesh["pool_bytes_per_device"] / 2**20,
                      mesh["commit"].median_ms, ratios["commit"], mesh["attend"].median_ms, ratios["attend"],
                      mesh["attend_2_branches"].median_ms, ratios["attend_2_branches"],
-                     max(mesh["max_abs_diff_vs_unsharded"].values())))
+                     max(mesh["max_abs_diff_vs_unsharded"].values()),
+                     mesh["slot_copy_bytes_per_device"] / 2**20, mesh["slot_copy"].median_ms, ratios["slot_copy"],
+                     mesh["slot_restore"].median_ms, ratios["slot_restore"]))
     print(format_table(("mesh", "devices", "pool MiB/device", "commit ms", "x none", "attend ms", "x none",
-                        "attend 2 br ms", "x none", "max |diff|"), rows))
+                        "attend 2 br ms", "x none", "max |diff|", "copy MiB/device", "slot copy ms", "x none",
+                        "restore ms", "x none"), rows))
     print(f"  wrote {path}")
 
 

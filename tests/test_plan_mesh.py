@@ -249,11 +249,14 @@ def test_bench_mesh_smoke(tmp_path):
     for mesh in meshes.values():
         assert mesh["devices"] == mesh["tp"] * mesh["cfg"]
         assert mesh["pool_bytes_per_device"] == mesh["planned_pool_bytes_per_device"] == pool_bytes // mesh["devices"]
-        for part in ("commit", "attend", "attend_2_branches"):
+        for part in ("commit", "attend", "attend_2_branches", "slot_copy", "slot_restore"):
             assert mesh[part]["n"] == 1 and math.isfinite(mesh[part]["median_ms"]) and mesh[part]["median_ms"] > 0
             assert mesh["ratio_to_unsharded"][part] > 0
         assert all(diff <= 1e-2 for diff in mesh["max_abs_diff_vs_unsharded"].values()), mesh
-    assert meshes["none"]["ratio_to_unsharded"] == {"commit": 1.0, "attend": 1.0, "attend_2_branches": 1.0}
+        # One slot copy split over every device (tiny's 2 layers split over cfg=2), equal to the unsharded bits.
+        assert mesh["slot_copy_bytes_per_device"] == mesh["slot_copy_bytes"] // mesh["devices"]
+        assert mesh["slot_copy_equals_unsharded_bitwise"] is True
+    assert set(meshes["none"]["ratio_to_unsharded"].values()) == {1.0}
 
 
 # -- docs/scaling.md --------------------------------------------------------------------------------
