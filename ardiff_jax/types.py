@@ -97,8 +97,8 @@ class EngineConfig:
         ``"tp"`` splits KV heads (and the model's heads and FFN hidden), axis ``"cfg"``
         puts CFG branches (or, for one-branch pipelines, sessions) on separate device
         groups; either may be absent or of size 1. The pipeline must implement
-        :class:`~ardiff_jax.capability.SupportsARDiffusionMesh`. Not combinable with
-        ``host_offload_bytes`` yet.
+        :class:`~ardiff_jax.capability.SupportsARDiffusionMesh`. Host offload and session
+        files work on a mesh too (a session's copy keeps its heads split over ``"tp"``).
     """
 
     dtype: str = "bfloat16"
