@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import pathlib
 import re
 
@@ -37,14 +38,31 @@ def test_committed_without_outputs_and_on_the_public_api(path):
                 assert not any(re.match(r"_[^_]", alias.name) for alias in node.names), (path.name, node.module)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, tmp_path, monkeypatch):
-    monkeypatch.setenv("ARDIFF_NOTEBOOK_STEPS", "4")  # train_and_rollout: a handful of training steps
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+def _execute(path: pathlib.Path, workdir: pathlib.Path):
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+                                     resources={"metadata": {"path": str(workdir)}})
     client.execute()
+    return nb
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory) -> dict:
+    """Every notebook run top to bottom at once, each in its own kernel (they share the cores; most of a
+    kernel's time is single-threaded compilation). Maps each path to its executed notebook or its error."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ARDIFF_NOTEBOOK_STEPS", "4")  # train_and_rollout: a handful of training steps
+        patch.setenv("MPLBACKEND", "Agg")
+        with concurrent.futures.ThreadPoolExecutor(len(NOTEBOOKS)) as pool:
+            runs = {path: pool.submit(_execute, path, tmp_path_factory.mktemp(path.stem)) for path in NOTEBOOKS}
+            return {path: run.exception() or run.result() for path, run in runs.items()}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, executed):
+    nb = executed[path]
+    if isinstance(nb, BaseException):
+        raise nb
     errors = [output for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
               if output.output_type == "error"]
     assert errors == []
