@@ -385,10 +385,6 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
         out = backend(local, pools, local_cursor, layer, q, k, v, extra_k, extra_v, scale=scale)
         return out, owner
 
-    def branch_specs(arrays: tuple[jax.Array, ...]) -> tuple[P, ...]:
-        # [B, ..., H, D] arrays: a leading branch axis over "cfg", heads over "tp".
-        return tuple(P(CFG_AXIS, *sharding.heads_spec(x.ndim - 1)) for x in arrays)
-
     def owner_select(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
                      k: jax.Array, v: jax.Array, *extras: jax.Array) -> jax.Array:
         out, owner = local_attend(pools, cursor, layer, scale, q, k, v, *extras)
@@ -404,6 +400,20 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
         return jax.jit(jax.shard_map(owner_select, mesh=sharding.mesh,
                                      in_specs=(pool_specs, P(), P(), P(), *(sharding.heads_spec(n) for n in ndims)),
                                      out_specs=sharding.heads_spec(ndims[0])))
+
+    def attend_own_branch(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
+                          *rest: jax.Array) -> jax.Array:
+        out, owner = local_attend(pools, cursor[0], layer, scale, q[0], *(x[0] for x in rest))
+        # A branch whose run lives on another group cannot be answered here: NaN, not a wrong answer.
+        return jnp.where(owner, out, jnp.full_like(out, jnp.nan))[None]
+
+    @functools.cache
+    def branch_program(ndims: tuple[int, ...]) -> Any:
+        # [B, ..., H, D] arrays: the branch axis over "cfg", heads over "tp".
+        specs = tuple(P(CFG_AXIS, *sharding.heads_spec(n - 1)) for n in ndims)
+        return jax.jit(jax.shard_map(attend_own_branch, mesh=sharding.mesh,
+                                     in_specs=(pool_specs, P(CFG_AXIS), P(), P(), *specs),
+                                     out_specs=P(CFG_AXIS, *sharding.heads_spec(ndims[0] - 1))))
 
     @custom_vmap
     def attend(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
@@ -432,18 +442,7 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
         # Broadcast the unbatched current/extra arrays so every array carries the branch axis.
         batched = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(batched, flags)]
         cursor = cursor if in_batched[1] else jnp.broadcast_to(cursor, (axis_size, *cursor.shape))
-
-        def body(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
-                 *rest: jax.Array) -> jax.Array:
-            out, owner = local_attend(pools, cursor[0], layer, scale, q[0], *(x[0] for x in rest))
-            # A branch whose run lives on another group cannot be answered here: NaN, not a wrong answer.
-            return jnp.where(owner, out, jnp.full_like(out, jnp.nan))[None]
-
-        out = jax.jit(jax.shard_map(body, mesh=sharding.mesh,
-                                    in_specs=(pool_specs, P(CFG_AXIS), P(), P(), *branch_specs(tuple(batched))),
-                                    out_specs=P(CFG_AXIS, *sharding.heads_spec(q.ndim - 1))))(
-            pools, cursor, layer, scale, *batched)
-        return out, True
+        return branch_program(tuple(x.ndim for x in batched))(pools, cursor, layer, scale, *batched), True
 
     return attend
 

@@ -278,9 +278,27 @@ def _cfg_step(
     registers = _register_features(dit.config, a_t, state_features)
     pos = dit(x_t, t, frame_start, pos_cross[0], pos_cross[1], registers, attention=pos_attention)
     neg = dit(x_t, t, frame_start, neg_cross[0], neg_cross[1], registers, attention=neg_attention)
-    video_flow = neg.video + guidance_scale * (pos.video - neg.video)
+    return _guided_update(x_t, a_t, pos.video, neg.video, pos.registers, sigma, sigma_next, session_key,
+                          block_index, step_index, guidance_scale)
+
+
+def _guided_update(
+    x_t: jax.Array,  # f32[f, C, H, W]
+    a_t: jax.Array,  # f32[A, action_dim]
+    pos_video: jax.Array,  # f32[f, C, H, W]: the positive branch's flow
+    neg_video: jax.Array,
+    pos_registers: jax.Array,  # f32[R, register_dim]: the positive branch's register outputs
+    sigma: jax.Array,
+    sigma_next: jax.Array,
+    session_key: jax.Array,
+    block_index: jax.Array,
+    step_index: jax.Array,
+    guidance_scale: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The guidance combine and the step to ``sigma_next``: ``(x_next, x0, a_next, a0)``."""
+    video_flow = neg_video + guidance_scale * (pos_video - neg_video)
     # DreamZero guides the video only; the action prediction comes from the positive branch.
-    action_flow = pos.registers[: a_t.shape[0], : a_t.shape[1]]
+    action_flow = pos_registers[: a_t.shape[0], : a_t.shape[1]]
     x0 = x_t - sigma * video_flow
     a0 = a_t - sigma * action_flow
     video_key, action_key = jax.random.split(step_noise_key(session_key, block_index, step_index))
@@ -357,16 +375,9 @@ def _cfg_step_parallel(
     dit = modules.transformer
     registers = _register_features(dit.config, a_t, state_features)
     out = _branch_parallel(dit, attention, cursors, pos_cross, neg_cross, x_t, t, frame_start, registers)
-    pos_video, neg_video = out.video[0], out.video[1]
     # The guidance combine is the one exchange between the groups (video-sized).
-    video_flow = neg_video + guidance_scale * (pos_video - neg_video)
-    action_flow = out.registers[0, : a_t.shape[0], : a_t.shape[1]]
-    x0 = x_t - sigma * video_flow
-    a0 = a_t - sigma * action_flow
-    video_key, action_key = jax.random.split(step_noise_key(session_key, block_index, step_index))
-    x_next = renoise(x0, sigma_next, jax.random.normal(video_key, x_t.shape, jnp.float32))
-    a_next = renoise(a0, sigma_next, jax.random.normal(action_key, a_t.shape, jnp.float32))
-    return x_next, x0, a_next, a0
+    return _guided_update(x_t, a_t, out.video[0], out.video[1], out.registers[0], sigma, sigma_next, session_key,
+                          block_index, step_index, guidance_scale)
 
 
 def _cfg_commit_parallel(

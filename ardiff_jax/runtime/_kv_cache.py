@@ -9,6 +9,7 @@ manager, this class is not a stable API; the capability spec is the stable bound
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from typing import Any
@@ -28,7 +29,6 @@ from ardiff_jax.kv import (
     commit_block,
     default_storage_dtype,
     read_pages,
-    restore_pages,
     select_attention_backend,
     shard_zeros,
     sharded_read_runs,
@@ -50,13 +50,29 @@ logger = logging.getLogger("ardiff_jax.runtime")
 #: ``attention_backend="auto"``: cuDNN where it can run the layout, else XLA (see ``select_attention_backend``).
 AUTO_BACKEND = "auto"
 
-#: :func:`~ardiff_jax.kv.read_pages` jitted: a copy of one slot's pages (the pools are not donated).
-_copy_pages = jax.jit(read_pages, static_argnums=(0, 3))
 #: :func:`~ardiff_jax.kv.sharded_write_block` jitted with the pools donated: the commit on a mesh.
 _commit_block_sharded = jax.jit(sharded_write_block, static_argnums=(0, 1), donate_argnums=2)
-#: A slot's runs copied out of split pools (not donated) and written back (pools donated).
-_read_runs_sharded = jax.jit(sharded_read_runs, static_argnums=(0, 1))
-_write_runs_sharded = jax.jit(sharded_write_runs, static_argnums=(0, 1), donate_argnums=2)
+
+
+def _read_slot_pages(layout: KVLayout, sharding: KVSharding | None, num_pages: int, pools: KVPools,
+                     where: Any) -> KVPools:
+    """A slot's pages: one slice on one device (``where`` = first page), per run on a mesh (each run's first page)."""
+    if sharding is None:
+        return read_pages(layout, pools, where, num_pages)
+    return sharded_read_runs(layout, sharding, pools, where)
+
+
+def _write_slot_pages(layout: KVLayout, sharding: KVSharding | None, pools: KVPools, where: Any,
+                      pages: KVPools) -> KVPools:
+    """The inverse of :func:`_read_slot_pages`."""
+    if sharding is None:
+        return write_pages(layout, pools, where, pages)
+    return sharded_write_runs(layout, sharding, pools, where, pages)
+
+
+#: A copy of one slot's pages (the pools are not donated), and one written back (the pools donated).
+_copy_slot = jax.jit(_read_slot_pages, static_argnums=(0, 1, 2))
+_restore_slot = jax.jit(_write_slot_pages, static_argnums=(0, 1), donate_argnums=2)
 
 
 class ARDiffusionKVCache:
@@ -332,9 +348,7 @@ class ARDiffusionKVCache:
         of a session is the same array wherever it was taken.
         """
         self.check_pools()
-        if self._sharding is not None:
-            return _read_runs_sharded(self._layout, self._sharding, self._pools, self._slot_run_starts(slot))
-        return _copy_pages(self._layout, self._pools, self._slot_start(slot), self.session_pages)
+        return _copy_slot(self._layout, self._sharding, self.session_pages, self._pools, self._slot_where(slot))
 
     def offload_slot(self, slot: int) -> KVPools:
         """``slot``'s pages copied to host memory (``pinned_host``), dispatched and not awaited.
@@ -374,10 +388,7 @@ class ARDiffusionKVCache:
             return
         target = self.slot_copy_sharding  # device memory: a bare device refuses host-memory arrays
         on_device = KVPools(k=jax.device_put(pages.k, target), v=jax.device_put(pages.v, target))
-        if self._sharding is None:
-            self._pools = restore_pages(layout, self._pools, where, on_device)
-        else:
-            self._pools = _write_runs_sharded(layout, self._sharding, self._pools, where, on_device)
+        self._pools = _restore_slot(layout, self._sharding, self._pools, where, on_device)
 
     def _slot_where(self, slot: int) -> np.ndarray:
         """What the slot copy programs take: the first page (one device) or each run's first page (mesh)."""
@@ -401,18 +412,11 @@ class ARDiffusionKVCache:
         host = device.with_memory_kind(kind)
         where = self._slot_where(0)
 
-        def read(pools: KVPools, where: Any) -> KVPools:
-            if sharding is None:
-                return read_pages(layout, pools, where, num_pages)
-            return sharded_read_runs(layout, sharding, pools, where)
-
         def restore_from_host(pools: KVPools, where: Any, pages: KVPools) -> KVPools:
-            pages = jax.device_put(pages, device)
-            if sharding is None:
-                return write_pages(layout, pools, where, pages)
-            return sharded_write_runs(layout, sharding, pools, where, pages)
+            return _write_slot_pages(layout, sharding, pools, where, jax.device_put(pages, device))
 
         try:
+            read = functools.partial(_read_slot_pages, layout, sharding, num_pages)
             offload = jax.jit(read, out_shardings=host).lower(self._pools, where).compile()
         except Exception as error:  # pragma: no cover - backends without host-memory outputs
             logger.warning("AR-Diffusion offload falls back to two passes (%r)", error)
