@@ -36,6 +36,7 @@ __all__ = [
     "SupportsARDiffusionRequestValidation",
     "SupportsStepExecution",
     "SupportsARDiffusionSessionExport",
+    "SupportsARDiffusionWeightsFingerprint",
     "SupportsARDiffusionMesh",
 ]
 
@@ -351,6 +352,21 @@ class SupportsARDiffusionSessionExport(Protocol):
     def export_ar_diffusion_session(self, session_id: str) -> Any: ...
 
     def import_ar_diffusion_session(self, session_id: str, state: Any) -> None: ...
+
+
+@runtime_checkable
+class SupportsARDiffusionWeightsFingerprint(Protocol):
+    """Optional: the pipeline names the weights it computes with, so a session file can tell them apart.
+
+    ``ar_diffusion_weights_fingerprint()`` returns the SHA-256 hex digest (64 lowercase hex
+    characters) of the weights: of the parameters, or of the weights file they came from.
+    Equal weights must give equal digests, in any process. ``save_session`` records it in
+    the file; ``load_session`` refuses a file recorded under another digest unless called
+    with ``allow_other_weights=True`` (a session's KV and model state were computed by the
+    weights it ran under). It is asked at every save and load, so compute it once.
+    """
+
+    def ar_diffusion_weights_fingerprint(self) -> str: ...
 
 
 @runtime_checkable

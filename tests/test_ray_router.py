@@ -3,7 +3,7 @@
 A local Ray cluster on 2 CPUs runs two actors, each with a small engine of session capacity
 2 (single-threaded JAX on CPU). Routing spreads new sessions and sticks; a session's outputs
 equal the same session run alone on a local engine; one id never lives on two actors; an
-actor's LRU eviction keeps the evicted id on its actor, where it starts fresh; the engine's
+actor's LRU eviction releases the evicted id's placement, and it starts fresh; the engine's
 exceptions and session events cross the actor boundary; closing reaches every actor.
 """
 
@@ -110,11 +110,11 @@ def test_one_session_id_never_lives_on_two_actors(router, proxies, tmp_path):
     assert "s" not in proxies[0].sessions + proxies[1].sessions
 
 
-def test_lru_eviction_inside_one_actor_keeps_the_id_there_and_it_starts_fresh(router, proxies):
+def test_lru_eviction_inside_one_actor_releases_the_id_and_it_starts_fresh(router, proxies):
     for seed, session_id in enumerate("abcde"):
         router.generate(request(session_id, seed))
     assert proxies[0].sessions == ("c", "e")  # a was evicted by e
-    assert router.replica_of("a") == 0
+    assert router.replica_of("a") is None and router.replica_loads == (2, 2)  # the release event came back
     out = router.generate(request("a", 9))
     np.testing.assert_array_equal(out, alone([request("a", 9)])[0])  # a new session, as after an eviction
     assert proxies[0].sessions == ("e", "a") and proxies[1].sessions == ("b", "d")

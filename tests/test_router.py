@@ -2,8 +2,8 @@
 
 * placement: a new session goes to the least loaded replica (ties: lowest index) and every
   later call for it (request, typed tick, stepwise tick, finished id, reset, close, save,
-  load) reaches that replica and no other; an LRU-evicted session stays placed and
-  re-enters fresh on its own replica; closed and failed sessions are forgotten;
+  load) reaches that replica and no other; an LRU-evicted session is forgotten (its replica
+  holds nothing of it), as are closed and failed sessions; loads are what the replicas hold;
 * isolation: a session's outputs through the router equal the same session run alone;
 * bad input raises what the engine raises and changes nothing (placements, loads, hooks);
 * the realtime server runs on a router of two engines.
@@ -207,18 +207,18 @@ def test_close_and_reset_route_to_the_owner_and_close_forgets():
         assert router.replica_of("c") is None and router.replica_loads == (1, 0)
 
 
-def test_lru_eviction_inside_a_replica_keeps_the_session_on_that_replica():
+def test_lru_eviction_inside_a_replica_releases_the_placement():
     with make_router(2) as router:  # capacity 2 each
         for seed, session_id in enumerate("abcde"):
             router.generate(request(session_id, seed))
         assert router.replicas[0].sessions == ("c", "e")  # a was evicted by e
-        assert router.replica_of("a") == 0 and router.replica_loads == (3, 2)
-        out = router.generate(request("a", seed=7))  # re-enters on replica 0 as a new session, evicting c
+        assert router.replica_of("a") is None and router.replica_loads == (2, 2)  # released: nothing of it is held
+        out = router.generate(request("a", seed=7))  # a new session on the least loaded replica (0), evicting c
         assert router.replicas[0].sessions == ("e", "a") and router.replicas[1].sessions == ("b", "d")
-        assert "a" not in seen_by(router, 1)
+        assert "a" not in seen_by(router, 1) and router.replica_of("c") is None
         np.testing.assert_array_equal(np.asarray(out), alone([request("a", seed=7)])[0])
         router.generate(request("f"))
-        assert router.replica_of("f") == 1  # loads (3, 2): the placed-and-evicted sessions still count
+        assert router.replica_of("f") == 0  # loads (2, 2): the lowest index
 
 
 def test_a_failed_session_is_forgotten_and_a_refused_first_request_places_nothing():

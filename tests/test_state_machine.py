@@ -11,6 +11,15 @@ session's attention output equal to a float64 softmax over its sink + newest win
 + current block. A deliberately broken model (it forgets the sink) must be caught.
 
 ``ARDIFF_STATE_MACHINE_EXAMPLES`` raises the example count (default 200 in CI).
+
+A second machine drives the host tier and session files with injected faults: requests on
+more ids than slots (offload, restore, host-tier drops), saves and loads, closes, and
+faults at a restore's page write, at the pipeline's import (restore) and export (save), at
+the file write, and in close hooks. After every step the resident and offloaded sessions,
+their order, the hooks and the tier's bytes equal a model of the policy, every resident
+session's attention equals the float64 model, and no session but the one the step hit
+changed by a byte (pages of its slot or host record, cursors, run owners, model state).
+``ARDIFF_HOST_MACHINE_EXAMPLES`` raises its example count (default 30).
 """
 
 from __future__ import annotations
@@ -19,17 +28,28 @@ import collections
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from ardiff_jax import ARDiffusionEngine, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec, DiffusionRequest, EngineConfig
 from ardiff_jax.kv import PagedKVCaches
 from ardiff_jax.runtime import branch_cursor_array
+from ardiff_jax.runtime import _runner as runner_module
 from ardiff_jax.types import StepResult, StepSchedulerOutput
 
 EXAMPLES = int(os.environ.get("ARDIFF_STATE_MACHINE_EXAMPLES", "200"))
@@ -278,6 +298,275 @@ class BrokenModelMachine(EngineMachine):
     forget_sink = True
 
 
+# -- the host tier and session files, with faults -----------------------------------------------------
+
+HOST_EXAMPLES = int(os.environ.get("ARDIFF_HOST_MACHINE_EXAMPLES", "30"))
+#: Host bytes of one offloaded session: K and V pages (1 layer, sink + window pages of one token, one
+#: head, D float32 values) and the model state (one float32).
+RECORD_BYTES = 2 * (SINK + WINDOW) * D * 4 + 4
+HOST_RECORDS = 2  # the tier holds two records, not three
+HOST_IDS = ("h0", "h1", "h2", "h3")
+LOAD_IDS = ("l0", "l1")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class ExportingMachinePipeline(MachinePipeline):
+    """MachinePipeline with model state (its committed blocks, float32[1]) it can export and import, with faults."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: dict[str, np.ndarray] = {}
+        self.fail_next_export = False
+        self.fail_next_import = False
+
+    def _hook(self, kind: str, session_id: str) -> None:
+        self.model.pop(session_id, None)
+        super()._hook(kind, session_id)
+
+    def forward(self, request):
+        session_id = self.state.session_id
+        out = super().forward(request)
+        blocks = self.model.get(session_id, np.zeros(1, np.float32))
+        self.model[session_id] = blocks + np.float32(request.inputs["kind"] == "commit")
+        return out
+
+    def export_ar_diffusion_session(self, session_id):
+        if self.fail_next_export:
+            self.fail_next_export = False
+            raise InjectedFault(f"export of {session_id} failed")
+        return {"blocks": self.model.pop(session_id, np.zeros(1, np.float32))}
+
+    def import_ar_diffusion_session(self, session_id, state):
+        if self.fail_next_import:
+            self.fail_next_import = False
+            raise InjectedFault(f"import of {session_id} failed")
+        if session_id in self.model or not isinstance(state, dict) or set(state) != {"blocks"} \
+                or np.asarray(state["blocks"]).shape != (1,):
+            raise ValueError(f"not a state this pipeline exported for {session_id}: {state!r}")
+        self.model[session_id] = np.asarray(state["blocks"])
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    """The engine with a host tier of two records, next to a model of its policy; faults are injected per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = ExportingMachinePipeline()
+        self.engine = ARDiffusionEngine(self.pipeline, EngineConfig(
+            dtype="float32", available_memory_bytes=10**6, gpu_memory_fraction=1.0,
+            host_offload_bytes=HOST_RECORDS * RECORD_BYTES + RECORD_BYTES // 2))
+        self.directory = Path(tempfile.mkdtemp(prefix="ardiff-host-machine-"))
+        self.resident: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self.offloaded: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self.hooks: list[tuple[str, str]] = []
+        self.files: list[tuple[Path, list]] = []
+        self.snapshots: dict[str, tuple] = {}
+        self.hit: set[str] = set()
+        self.counter = 0
+
+    def teardown(self) -> None:
+        self.engine.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -- the model of the policy ---------------------------------------------------------------------
+    def _fresh_kv(self) -> np.ndarray:
+        self.counter += 1
+        return np.random.default_rng(self.counter).normal(size=(2, FRAMES, D)).astype(np.float32)
+
+    def _drop(self, session_id: str) -> None:
+        """A session leaves for good: its close hook runs."""
+        self.resident.pop(session_id, None)
+        self.offloaded.pop(session_id, None)
+        self.hooks.append(("close", session_id))
+
+    def _to_tier(self, session_id: str, frames: list) -> None:
+        """Admission: the least recently offloaded records give way until the new one fits."""
+        while len(self.offloaded) >= HOST_RECORDS:
+            self._drop(next(iter(self.offloaded)))
+        self.offloaded[session_id] = frames
+
+    def _lru_victims(self) -> list[tuple[str, list]]:
+        return [self.resident.popitem(last=False)] if len(self.resident) >= CAPACITY else []
+
+    @contextlib.contextmanager
+    def _failing_page_write(self, armed: bool):
+        cache = self.engine.runner.kv_cache
+        if armed:
+            cache.write_slot = lambda slot, pages: (_ for _ in ()).throw(InjectedFault("page write failed"))
+        try:
+            yield
+        finally:
+            cache.__dict__.pop("write_slot", None)
+
+    # -- rules ---------------------------------------------------------------------------------------
+    @initialize()
+    def quiet_logs(self) -> None:
+        logging.getLogger("ardiff_jax.runtime").setLevel(logging.ERROR)
+
+    @rule(session_id=st.sampled_from(HOST_IDS), kind=st.sampled_from(["commit", "commit", "probe"]),
+          fault=st.sampled_from(["none", "none", "page_write", "import"]))
+    def tick(self, session_id: str, kind: str, fault: str) -> None:
+        kv = self._fresh_kv()
+        request = DiffusionRequest("r", extra_args={"session_id": session_id}, inputs={"kind": kind, "kv": kv})
+        self.hit = {session_id}
+        if session_id in self.resident:
+            fault = "none"  # nothing is restored: no fault to inject
+            self.resident.move_to_end(session_id)
+        elif session_id in self.offloaded:
+            frames = self.offloaded.pop(session_id)
+            held = self._lru_victims()  # enter the tier only once the restore is over
+            if fault == "page_write":  # back to the tier; a held record that does not fit displaces it
+                self.offloaded[session_id] = frames
+                for victim, victim_frames in held:
+                    if len(self.offloaded) >= HOST_RECORDS and session_id in self.offloaded:
+                        self._drop(session_id)
+                    self._to_tier(victim, victim_frames)
+            elif fault == "import":  # released with its close hook
+                self.hooks.append(("close", session_id))
+                for victim, victim_frames in held:
+                    self._to_tier(victim, victim_frames)
+            else:
+                self.resident[session_id] = frames
+                for victim, victim_frames in held:
+                    self._to_tier(victim, victim_frames)
+        else:
+            fault = "none"
+            for victim, victim_frames in self._lru_victims():
+                self._to_tier(victim, victim_frames)
+            self.resident[session_id] = []
+        if fault != "none":
+            self.pipeline.fail_next_import = fault == "import"
+            with self._failing_page_write(fault == "page_write"), pytest.raises(InjectedFault):
+                self.engine.generate(request)
+            self.pipeline.fail_next_import = False
+            return
+        expected = float64_attention(self.resident[session_id], kv)
+        out = self.engine.generate(request)
+        np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), expected, rtol=2e-5, atol=2e-6)
+        if kind == "commit":
+            self.resident[session_id].extend(zip(kv[0], kv[1]))
+
+    @rule(session_id=st.sampled_from(HOST_IDS + LOAD_IDS), hook_fails=st.booleans())
+    def close(self, session_id: str, hook_fails: bool) -> None:
+        self.hit = {session_id}
+        self._drop(session_id)  # the hook runs even for an id that is not held
+        self.pipeline.fail_next_hook = hook_fails
+        if hook_fails:
+            with pytest.raises(HookFailure):
+                self.engine.close_session(session_id)
+        else:
+            self.engine.close_session(session_id)
+
+    @rule(session_id=st.sampled_from(HOST_IDS), fault=st.sampled_from(["none", "none", "export", "file_write"]))
+    def save(self, session_id: str, fault: str) -> None:
+        path = self.directory / f"file-{len(self.files)}-{self.counter}"
+        self.counter += 1
+        if session_id not in self.resident and session_id not in self.offloaded:
+            with pytest.raises(KeyError, match="neither resident nor offloaded"):
+                self.engine.save_session(session_id, path)
+            return
+        if fault == "export" and session_id in self.resident:  # released, as a failed offload would be
+            self.hit = {session_id}
+            self._drop(session_id)
+            self.pipeline.fail_next_export = True
+            with pytest.raises(InjectedFault):
+                self.engine.save_session(session_id, path)
+            self.pipeline.fail_next_export = False
+            return
+        frames = list(self.resident[session_id] if session_id in self.resident else self.offloaded[session_id])
+        if fault == "file_write":  # the disk fails: nothing changes
+            def failing_write(*args, **kwargs):
+                raise InjectedFault("disk full")
+
+            real_write = runner_module.write_session_file
+            runner_module.write_session_file = failing_write
+            try:
+                with pytest.raises(InjectedFault):
+                    self.engine.save_session(session_id, path)
+            finally:
+                runner_module.write_session_file = real_write
+            assert not path.exists()
+            return
+        self.engine.save_session(session_id, path)  # invisible to the session: it is not hit
+        self.files.append((path, frames))
+
+    @precondition(lambda self: self.files)
+    @rule(index=st.integers(0, 20), session_id=st.sampled_from(LOAD_IDS), page_write_fails=st.booleans())
+    def load(self, index: int, session_id: str, page_write_fails: bool) -> None:
+        path, frames = self.files[index % len(self.files)]
+        if session_id in self.resident or session_id in self.offloaded:
+            with pytest.raises(ValueError, match="already exists"):
+                self.engine.load_session(path, session_id=session_id)
+            return
+        self.hit = {session_id}
+        held = self._lru_victims()
+        if not page_write_fails:
+            self.resident[session_id] = list(frames)
+        for victim, victim_frames in held:
+            self._to_tier(victim, victim_frames)
+        with self._failing_page_write(page_write_fails):
+            if page_write_fails:
+                with pytest.raises(InjectedFault):
+                    self.engine.load_session(path, session_id=session_id)
+            else:
+                assert self.engine.load_session(path, session_id=session_id) == session_id
+
+    # -- invariants ------------------------------------------------------------------------------------
+    def _session_bytes(self, session_id: str) -> tuple:
+        """Everything of a session: its pages (slot or host record), cursors, run owners and model state."""
+        runner = self.engine.runner
+        state = runner.session_table.get(session_id)
+        if state is not None:
+            pages, value, model = runner.kv_cache.read_slot(state.slot), state._value, self.pipeline.model[session_id]
+        else:
+            record = runner.host_tier.get(session_id)
+            pages, value, model = record.pages, record.session, record.pipeline_state["blocks"]
+        cursors = tuple((name, c.committed_frames, c.visible_start_frame) for name, c in sorted(value.cursors.items()))
+        return (np.asarray(pages.k).tobytes(), np.asarray(pages.v).tobytes(), cursors, value.run_owners,
+                np.asarray(model).tobytes())
+
+    @invariant()
+    def bookkeeping(self) -> None:
+        runner = self.engine.runner
+        assert self.engine.sessions == tuple(self.resident)
+        assert self.engine.offloaded_sessions == tuple(self.offloaded)
+        assert runner.kv_cache.num_free_slots + len(self.resident) == CAPACITY
+        assert runner.host_tier.bytes_used == RECORD_BYTES * len(self.offloaded)
+        assert self.pipeline.hooks == self.hooks  # one close hook per session gone, in order
+        assert sorted(self.pipeline.model) == sorted(self.resident)  # offloaded state lives in the records
+
+    @invariant()
+    def no_session_but_the_one_hit_changed(self) -> None:
+        held = list(self.resident) + list(self.offloaded)
+        current = {session_id: self._session_bytes(session_id) for session_id in held}
+        for session_id, now in current.items():
+            if session_id not in self.hit and session_id in self.snapshots:
+                assert now == self.snapshots[session_id], f"session {session_id} changed, hit: {self.hit}"
+        self.snapshots, self.hit = current, set()
+
+    @invariant()
+    def attention_and_model_state_of_every_session(self) -> None:
+        runner = self.engine.runner
+        cache = runner.kv_cache
+        current = np.stack([np.full((FRAMES, D), 0.5, np.float32), np.full((FRAMES, D), -0.25, np.float32)])
+        k, v = jnp.asarray(current[0][:, None, :]), jnp.asarray(current[1][:, None, :])
+        for session_id, frames in self.resident.items():
+            state = runner.session_table.get(session_id)
+            cursor = branch_cursor_array(cache.spec, cache.layout, state._value, "main")
+            caches = PagedKVCaches(pools=cache.pools, cursor=cursor, layout=cache.layout, seq_len=FRAMES)
+            out = caches.attend(0, jnp.asarray(QUERY[:, None, :]), k, v)
+            np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), float64_attention(frames, current),
+                                       rtol=2e-5, atol=2e-6)
+            assert self.pipeline.model[session_id][0] == len(frames) // FRAMES
+        for session_id, frames in self.offloaded.items():
+            record = runner.host_tier.get(session_id)
+            assert record.session.cursors["main"].committed_frames == len(frames)
+            assert np.asarray(record.pipeline_state["blocks"])[0] == len(frames) // FRAMES
+
+
 def _settings(examples: int) -> settings:
     return settings(max_examples=examples, stateful_step_count=40, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck), print_blob=False)
@@ -285,6 +574,10 @@ def _settings(examples: int) -> settings:
 
 def test_engine_matches_the_float64_model():
     run_state_machine_as_test(EngineMachine, settings=_settings(EXAMPLES))
+
+
+def test_host_tier_and_session_files_match_the_model_under_faults():
+    run_state_machine_as_test(HostTierMachine, settings=_settings(HOST_EXAMPLES))
 
 
 def test_negative_control_a_broken_model_is_caught():

@@ -17,6 +17,7 @@ import abc
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,7 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
            "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "PipelineConfigBase", "PipelineSession",
-           "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise", "with_tick_metadata"]
+           "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise", "with_tick_metadata",
+           "weights_fingerprint"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
 #: compiles several times faster than threefry on XLA:CPU. Its streams are deterministic
@@ -388,6 +390,20 @@ def with_tick_metadata(output: Any, request: DiffusionRequest) -> Any:
     return output._replace(ar_diffusion=metadata)
 
 
+def weights_fingerprint(params: Any) -> str:
+    """SHA-256 hex digest of a parameter tree: each leaf's dtype, shape and bytes, in the tree's fixed order.
+
+    Equal weights give equal digests in any process (the order is the tree's flattening
+    order, sorted by key for flax state); a changed value, dtype or shape changes it.
+    """
+    digest = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(params):
+        array = np.ascontiguousarray(jax.device_get(leaf))
+        digest.update(f"{array.dtype.name}{list(array.shape)};".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
 class BoundStateMixin:
     """DreamZero-style binding: one state at a time, for the invocation only, never retained.
 
@@ -466,6 +482,7 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         graphdef, params = nnx.split(modules)
         self._graphdef = graphdef
         self._params = jax.device_put(params, self.device)
+        self._weights_fingerprint: str | None = None  # computed on first use (a session saved or loaded)
         self._ar_state = None
         # Model-owned per-session state (noise key, prompt, latents), keyed by session id.
         self._sessions: dict[str, Any] = {}
@@ -521,6 +538,18 @@ class PipelineBase(BoundStateMixin, abc.ABC):
     def session_ids(self) -> tuple[str, ...]:
         """Sessions with model-owned state."""
         return tuple(self._sessions)
+
+    # -- SupportsARDiffusionWeightsFingerprint: session files name the weights they were saved under --
+    def ar_diffusion_weights_fingerprint(self) -> str:
+        """SHA-256 of the parameters this pipeline computes with (:func:`weights_fingerprint`), hashed once.
+
+        Lazily: the first save or load pays one copy of the weights to the host; a pipeline
+        that never saves or loads a session pays nothing. Sharding the model does not change
+        the values, so the digest stays valid.
+        """
+        if self._weights_fingerprint is None:
+            self._weights_fingerprint = weights_fingerprint(self._params)
+        return self._weights_fingerprint
 
     # -- SupportsARDiffusionMesh: one replica on a jax.sharding.Mesh ---------------------------------
     def shard_ar_diffusion_model(self, mesh: Any) -> None:

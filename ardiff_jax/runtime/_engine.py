@@ -78,19 +78,22 @@ class ARDiffusionEngine:
 
         The file holds the session's KV pages, cross-attention caches, cursors and the
         pipeline's model state (orbax-checkpoint arrays plus a JSON manifest; needs the
-        ``[sessions]`` extra). Any engine with the same geometry and pipeline class can
+        ``[sessions]`` extra), and the fingerprint of the pipeline's weights when it reports
+        one. Any engine with the same geometry, pipeline class and weights can
         :meth:`load_session` it, in this process or another, and continue exactly.
         """
         return self._runner.save_session(session_id, path)
 
-    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None) -> str:
+    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None, *,
+                     allow_other_weights: bool = False) -> str:
         """Make a saved session resident (as ``session_id``, default its saved id); returns the id.
 
         Raises :class:`~ardiff_jax.runtime.SessionFileError` (a ValueError) naming the problem
         when the file is corrupt, truncated, or saved by an engine with another geometry or
-        pipeline; nothing changes then.
+        pipeline, or under other weights (unless ``allow_other_weights=True``); nothing
+        changes then.
         """
-        return self._runner.load_session(path, session_id)
+        return self._runner.load_session(path, session_id, allow_other_weights=allow_other_weights)
 
     def close(self) -> None:
         """Release every session and free the device pools."""

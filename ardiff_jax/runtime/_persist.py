@@ -9,11 +9,16 @@ A session file is a directory::
 
 Nothing is unpickled: the manifest is JSON and the arrays are read with a target built
 from the manifest. Reading validates, in order and before any pool is touched: the
-manifest parses and names this format and version; the geometry fingerprint and the
-pipeline class equal the engine's (the error names every field that differs); every
-array has the shape and dtype the engine's geometry implies; orbax reads them; each read
-array has its recorded shape, dtype and SHA-256 (a truncated or corrupted file fails
-here even when orbax does not notice); the cursors are ones the spec could produce.
+manifest parses, is nested at most :data:`MAX_MANIFEST_DEPTH` levels, holds no integer
+outside the int32 range the device computes in (the geometry aside: it must equal the
+engine's), and names this format and version; the geometry fingerprint and the pipeline
+class equal the engine's (the error names every field that differs); the weights
+fingerprint, when both the file and the pipeline have one, equals the pipeline's unless
+the caller allows other weights; every array has the shape and dtype the engine's
+geometry implies; orbax reads them; each read array has its recorded shape, dtype and
+SHA-256 (a truncated or corrupted file fails here even when orbax does not notice); the
+cursors are ones the spec could produce. Writing refuses a pipeline state that reading
+would refuse (an int outside int32, nesting too deep), so every file written can be read.
 
 Writing goes to a temporary directory next to ``path`` that is renamed into place at the
 end, so an interrupted save never leaves a half-written session at ``path``.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -42,13 +48,21 @@ from ardiff_jax.runtime._session import (
     session_kv_from_saved,
 )
 
-__all__ = ["SESSION_FORMAT", "SESSION_FORMAT_VERSION", "SessionFileError", "session_fingerprint",
-           "read_session_file", "write_session_file"]
+__all__ = ["MAX_MANIFEST_DEPTH", "SESSION_FORMAT", "SESSION_FORMAT_VERSION", "SessionFileError",
+           "check_weights_fingerprint", "session_fingerprint", "read_session_file", "write_session_file"]
 
 SESSION_FORMAT = "ardiff_jax.session"
 SESSION_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ARRAYS = "arrays"
+
+#: The range of every integer in a manifest: cursors, indices and counts reach the device as int32.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: Levels of JSON nesting a manifest may have (the pipeline state takes two per level of its own).
+MAX_MANIFEST_DEPTH = 64
+#: Manifest fields compared for equality with the engine's own values, not range-checked.
+_COMPARED_FIELDS = ("geometry",)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class SessionFileError(ValueError):
@@ -75,6 +89,13 @@ def session_fingerprint(spec: ARDiffusionKVCacheSpec, layout: KVLayout) -> dict[
         kv_dtype=layout.dtype,
     )
     return json.loads(json.dumps(fingerprint))
+
+
+def check_weights_fingerprint(fingerprint: Any, what: str) -> str:
+    """``fingerprint`` if it is a SHA-256 hex digest (64 lowercase hex characters), else ValueError naming ``what``."""
+    if not (isinstance(fingerprint, str) and _SHA256_HEX.fullmatch(fingerprint)):
+        raise ValueError(f"{what} must be a SHA-256 hex digest, got {fingerprint!r}")
+    return fingerprint
 
 
 def pipeline_name(pipeline: Any) -> str:
@@ -104,18 +125,31 @@ def _host_array(leaf: Any) -> np.ndarray:
 # -- the pipeline state tree <-> JSON + named arrays -----------------------------------------------
 
 
-def _encode_tree(tree: Any, arrays: dict[str, np.ndarray], where: str = "state") -> Any:
-    if tree is None or isinstance(tree, (bool, str)):
+def _encode_tree(tree: Any, arrays: dict[str, np.ndarray], where: str = "state", level: int = 2) -> Any:
+    """The JSON form of a pipeline state; ``level`` is the manifest nesting level it lands at (the state: 2).
+
+    Refuses (ValueError) what :func:`read_session_file` would refuse, so that every file
+    written can be read: ints outside int32, nesting beyond :data:`MAX_MANIFEST_DEPTH`.
+    """
+    if tree is None or isinstance(tree, (bool, str, float)):
         return tree
-    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+    if isinstance(tree, int):
+        if not INT32_MIN <= tree <= INT32_MAX:
+            raise ValueError(f"pipeline state {where} is {tree}, outside the int32 range [{INT32_MIN}, {INT32_MAX}] "
+                             "a session file holds; keep such a value in an array")
         return tree
+    # A container takes two manifest levels ({"dict": {...}}), an array's entry one ({"array": ...}).
+    deepest = level + 1 if isinstance(tree, (dict, list, tuple)) else level
+    if deepest > MAX_MANIFEST_DEPTH:
+        raise ValueError(f"pipeline state {where} is nested deeper than a session file holds (manifest level "
+                         f"{deepest} of at most {MAX_MANIFEST_DEPTH})")
     if isinstance(tree, dict):
         if not all(isinstance(key, str) for key in tree):
             raise TypeError(f"pipeline state {where}: dict keys must be strings to be saved, got {list(tree)}")
-        return {"dict": {key: _encode_tree(value, arrays, f"{where}.{key}") for key, value in tree.items()}}
+        return {"dict": {key: _encode_tree(value, arrays, f"{where}.{key}", level + 2) for key, value in tree.items()}}
     if isinstance(tree, (list, tuple)):
         kind = "list" if isinstance(tree, list) else "tuple"
-        return {kind: [_encode_tree(value, arrays, f"{where}[{i}]") for i, value in enumerate(tree)]}
+        return {kind: [_encode_tree(value, arrays, f"{where}[{i}]", level + 2) for i, value in enumerate(tree)]}
     if isinstance(tree, (jax.Array, np.ndarray, np.generic)):
         name = f"state_{len(arrays)}"
         entry: dict[str, Any] = {"array": name}
@@ -166,8 +200,11 @@ def _decode_tree(encoded: Any, arrays: dict[str, np.ndarray], device: Any, where
 
 
 def write_session_file(path: str | os.PathLike[str], record: OffloadedSession, *, fingerprint: dict[str, Any],
-                       pipeline: str, layout: KVLayout) -> Path:
-    """Write ``record`` to the directory ``path`` (which must not exist yet); returns the path."""
+                       pipeline: str, layout: KVLayout, weights: str | None = None) -> Path:
+    """Write ``record`` to the directory ``path`` (which must not exist yet); returns the path.
+
+    ``weights`` is the pipeline's weights fingerprint, recorded when it has one.
+    """
     ocp = _checkpointing()
     path = Path(path).absolute()
     if path.exists():
@@ -187,6 +224,7 @@ def write_session_file(path: str | os.PathLike[str], record: OffloadedSession, *
         "saved_unix": time.time(),
         "session_id": session.session_id,
         "pipeline": pipeline,
+        **({} if weights is None else {"weights_fingerprint": weights}),
         "geometry": fingerprint,
         "storage_dtype": layout.storage_dtype,
         "committed_frames": {name: int(cursor.committed_frames) for name, cursor in session.cursors.items()},
@@ -222,8 +260,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SessionFileError(f"{path} has no {MANIFEST}: not a session file, or a truncated one") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except RecursionError:
+        raise SessionFileError(f"{path / MANIFEST} is nested deeper than {MAX_MANIFEST_DEPTH} levels: corrupt or not "
+                               "a session file") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer too long to parse
         raise SessionFileError(f"{path / MANIFEST} is corrupt or truncated: {error}") from None
+    _check_manifest_values(path, manifest)
     if not isinstance(manifest, dict) or manifest.get("format") != SESSION_FORMAT:
         raise SessionFileError(f"{path} is not an ardiff_jax session file (format {manifest.get('format')!r})"
                                if isinstance(manifest, dict) else f"{path / MANIFEST} is not a manifest")
@@ -236,6 +278,42 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if missing:
         raise SessionFileError(f"{path / MANIFEST} lacks {missing}: corrupt or truncated")
     return manifest
+
+
+def _check_manifest_values(path: Path, manifest: Any) -> None:
+    """SessionFileError for nesting beyond :data:`MAX_MANIFEST_DEPTH` or an integer outside int32, naming where.
+
+    Iterative, so no manifest can exhaust the stack; it runs before anything else reads the
+    manifest, so every later reader (recursive ones included) sees bounded depth and
+    integers the device can hold. Fields compared for equality with the engine's own
+    values (:data:`_COMPARED_FIELDS`) are only depth-checked.
+    """
+    pending: list[tuple[Any, str, int, bool]] = [(manifest, "", 1, True)]
+    while pending:
+        value, where, level, check_ints = pending.pop()
+        if isinstance(value, (dict, list)):
+            if level > MAX_MANIFEST_DEPTH:
+                raise SessionFileError(f"{path / MANIFEST} is nested deeper than {MAX_MANIFEST_DEPTH} levels (at "
+                                       f"{where}): corrupt or not a session file")
+            if isinstance(value, dict):
+                children = [(f"{where}.{key}" if where else key, item) for key, item in value.items()]
+            else:
+                children = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+            pending.extend((item, child, level + 1, check_ints and not (level == 1 and child in _COMPARED_FIELDS))
+                           for child, item in children)
+        elif check_ints and isinstance(value, int) and not isinstance(value, bool) \
+                and not INT32_MIN <= value <= INT32_MAX:
+            raise SessionFileError(f"session file {path}: manifest field {where} is {value}, outside the int32 range "
+                                   f"[{INT32_MIN}, {INT32_MAX}] the device uses")
+
+
+def _manifest_int(where: str, value: Any, *, non_negative: bool) -> int:
+    """A manifest integer (a JSON integer, not a float or bool; int32 is checked already), else SessionFileError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SessionFileError(f"manifest field {where} must be an integer, got {value!r}")
+    if non_negative and value < 0:
+        raise SessionFileError(f"manifest field {where} must be a non-negative integer, got {value}")
+    return value
 
 
 def _compare(what: str, saved: Any, expected: Any) -> list[str]:
@@ -268,11 +346,13 @@ def _expected_shapes(manifest: dict[str, Any], spec: ARDiffusionKVCacheSpec, lay
 
 
 def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheSpec, layout: KVLayout,
-                      fingerprint: dict[str, Any], pipeline: str, session_pages: int, device: Any
-                      ) -> OffloadedSession:
+                      fingerprint: dict[str, Any], pipeline: str, session_pages: int, device: Any,
+                      weights: str | None = None, allow_other_weights: bool = False) -> OffloadedSession:
     """The validated record in ``path`` (host arrays; the pipeline state's jax arrays at ``device``).
 
-    ``device`` is a device or a sharding (on a mesh: replicated over it).
+    ``device`` is a device or a sharding (on a mesh: replicated over it). ``weights`` is the
+    loading pipeline's weights fingerprint (``None``: it has none); a file recorded under
+    another one is refused unless ``allow_other_weights``.
 
     SessionFileError (a ValueError) naming what is wrong; nothing outside the file is touched.
     """
@@ -283,6 +363,7 @@ def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheS
         mismatches.append(f"pipeline: file {manifest['pipeline']!r}, engine {pipeline!r}")
     if mismatches:
         raise SessionFileError(f"session file {path} does not fit this engine: " + "; ".join(mismatches))
+    _check_weights(path, manifest, weights, allow_other_weights)
     recorded = manifest["arrays"]
     if not isinstance(recorded, dict):
         raise SessionFileError(f"{path / MANIFEST}: 'arrays' is malformed")
@@ -293,6 +374,8 @@ def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheS
             shape, dtype, digest = tuple(entry["shape"]), np.dtype(entry["dtype"]), str(entry["sha256"])
         except (KeyError, TypeError, ValueError) as error:
             raise SessionFileError(f"{path / MANIFEST}: array {name!r} is described wrongly ({error})") from None
+        shape = tuple(_manifest_int(f"arrays.{name}.shape[{axis}]", size, non_negative=True)
+                      for axis, size in enumerate(shape))
         if name in expected:
             want_shape, want_dtypes = expected[name]
             if shape != want_shape or dtype.name not in want_dtypes:
@@ -310,6 +393,24 @@ def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheS
     state = _decode_tree(manifest["pipeline_state"], arrays, device)
     return OffloadedSession(session=session, pages=pages, pipeline_state=state,
                             nbytes=record_nbytes(session, pages, state))
+
+
+def _check_weights(path: Path, manifest: dict[str, Any], weights: str | None, allow_other_weights: bool) -> None:
+    """SessionFileError when the file was saved under other weights than ``weights`` (and that is not allowed).
+
+    A file without a fingerprint (written before they were recorded, or by a pipeline that
+    reports none) and a pipeline without one cannot be compared: they load as before.
+    """
+    if "weights_fingerprint" not in manifest:
+        return
+    try:
+        saved = check_weights_fingerprint(manifest["weights_fingerprint"], "the manifest's weights_fingerprint")
+    except ValueError as error:
+        raise SessionFileError(f"session file {path}: {error}") from None
+    if weights is not None and saved != weights and not allow_other_weights:
+        raise SessionFileError(f"session file {path} was saved under other weights: file weights_fingerprint "
+                               f"{saved}, this pipeline's {weights}. Its KV and model state were computed by those "
+                               "weights; load it anyway with allow_other_weights=True")
 
 
 def _read_arrays(path: Path, targets: dict[str, tuple[tuple[int, ...], np.dtype, str]]) -> dict[str, np.ndarray]:
@@ -347,9 +448,22 @@ def _session_value(manifest: dict[str, Any], arrays: dict[str, np.ndarray], spec
     session_id = manifest["session_id"]
     if not isinstance(session_id, str) or not session_id.strip():
         raise SessionFileError(f"the saved session id must be a non-blank string, got {session_id!r}")
+    saved_cursors, saved_owners = manifest["cursors"], manifest["run_owners"]
+    if not isinstance(saved_cursors, dict) or not all(isinstance(pair, list) and len(pair) == 2
+                                                      for pair in saved_cursors.values()):
+        raise SessionFileError(f"the manifest's cursors must map branches to [committed, visible_start], got "
+                               f"{saved_cursors!r}")
+    if not isinstance(saved_owners, list) or not all(isinstance(pair, list) and len(pair) == 2
+                                                     for pair in saved_owners):
+        raise SessionFileError(f"the manifest's run_owners must be a list of [local_index, branch], got "
+                               f"{saved_owners!r}")
+    # Cursor values are checked against the spec by session_kv_from_saved; only their type here.
+    cursors = {name: (_manifest_int(f"cursors.{name}[0]", pair[0], non_negative=False),
+                      _manifest_int(f"cursors.{name}[1]", pair[1], non_negative=False))
+               for name, pair in saved_cursors.items()}
+    owners = [(_manifest_int(f"run_owners[{i}][0]", index, non_negative=True), branch)
+              for i, (index, branch) in enumerate(saved_owners)]
     try:
-        cursors = {str(name): (int(pair[0]), int(pair[1])) for name, pair in dict(manifest["cursors"]).items()}
-        owners = [(int(index), str(branch)) for index, branch in manifest["run_owners"]]
         cross = {(cache, branch): CrossAttentionKV(k=arrays[f"cross_{index}_k"], v=arrays[f"cross_{index}_v"])
                  for index, (cache, branch) in enumerate(manifest["cross_attention"])}
         value = session_kv_from_saved(spec, session_id, cursors, owners, cross)

@@ -120,12 +120,13 @@ class EngineReplica:
             raise ValueError(f"an engine replica exposes {', '.join(_ATTRIBUTES)}, not {name!r}")
         return getattr(self._engine, name)
 
-    def call(self, method: str, args: tuple[Any, ...], send_value: bool = True) -> Reply:
-        """``engine.<method>(*args)``; without ``send_value`` the reply carries no value (a follower host's)."""
+    def call(self, method: str, args: tuple[Any, ...], send_value: bool = True,
+             kwargs: dict[str, Any] | None = None) -> Reply:
+        """``engine.<method>(*args, **kwargs)``; without ``send_value`` the reply has no value (a follower host's)."""
         if method not in _METHODS:
             raise ValueError(f"an engine replica runs {', '.join(_METHODS)}, not {method!r}")
         try:
-            value, error = getattr(self._engine, method)(*args), None
+            value, error = getattr(self._engine, method)(*args, **(kwargs or {})), None
             value = host_values(value) if send_value else None
         except Exception as raised:
             value, error = None, _portable(raised)
@@ -183,11 +184,11 @@ class RayEngineProxy:
     def actors(self) -> tuple[Any, ...]:
         return self._actors
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ray = _import_ray()
         # Every host's call is submitted before waiting on any: their collectives meet in the middle.
-        lead = self._actors[0].call.remote(method, args)
-        follow = [actor.call.remote(method, args, False) for actor in self._actors[1:]]
+        lead = self._actors[0].call.remote(method, args, True, kwargs)
+        follow = [actor.call.remote(method, args, False, kwargs) for actor in self._actors[1:]]
         reply, followers = ray.get(lead), ray.get(follow)
         for event in reply.events:
             for listener in list(self._listeners):
@@ -246,9 +247,10 @@ class RayEngineProxy:
         """Save on the actor's host: ``path`` is a path there."""
         return self._call("save_session", check_session_id(session_id), os.fspath(path))
 
-    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None) -> str:
+    def load_session(self, path: str | os.PathLike[str], session_id: str | None = None, *,
+                     allow_other_weights: bool = False) -> str:
         """Load on the actor's host: ``path`` is a path there."""
-        return self._call("load_session", os.fspath(path), session_id)
+        return self._call("load_session", os.fspath(path), session_id, allow_other_weights=allow_other_weights)
 
     def close(self) -> None:
         """Close the remote engine (and kill the actor when this proxy owns it). Idempotent."""

@@ -1,23 +1,27 @@
 """``ARDiffusionRouter``: several engines (one per device group) behind one engine-shaped API.
 
 A session's KV lives in exactly one replica's pools, so every call for a session must
-reach that replica. The router keeps a sticky map session id -> replica:
+reach that replica. The router keeps a sticky map session id -> replica that follows the
+replicas' session events:
 
-* a session id the router has not placed goes to the least loaded replica (load: sessions
-  placed there and not closed; ties -> the lowest index), and stays there;
-* a session the replica evicts (LRU, with or without host offload) stays placed: its next
-  request re-enters on the same replica, as a new session there exactly as the reference's
-  evicted session would (``docs/reference_behaviour.md``, "Runner"), or restored from the
-  host tier;
-* a session that is gone for good leaves the map: closed (``close_session``, a request
-  with ``close_session``, a finished or failed stepwise request, ``finished_req_ids``), or
-  released by its replica because its own call failed (the replica's ``SessionEvent``
-  reasons ``"forward_exception"``, ``"restore_failed"``, ``"save_failed"``). Sessions
-  released because *another* session lost the pools (``"pools_lost"``) or dropped from a
-  host tier (``"host_eviction"``) lost their KV like an evicted session and stay placed;
+* a session id the router has not placed goes to the least loaded replica (load: the
+  sessions a replica holds, resident or offloaded, plus those placed there by a call now
+  running; ties -> the lowest index), and stays there while the replica holds it;
+* a session the replica offloads to its host tier stays placed: its next request is
+  restored there;
+* a session the replica releases leaves the map, whatever the reason (``SessionEvent``
+  ``"released"``: closed, LRU-evicted without a host tier, dropped from a host tier, lost
+  with the pools, failed): the replica holds nothing of it any more, so its next request
+  starts it anew on the least loaded replica, as a new session there exactly as the
+  reference's evicted session would (``docs/reference_behaviour.md``, "Runner"). The one
+  exception is a reset (``"reset"``): the pipeline's reset hook may keep model state for
+  the id, so the session stays placed, but counts as no load until it is resident again;
 * a session a replica makes resident (``"created"``, ``"restored"``) while it is unplaced
   is placed there: a stepwise tick that finishes a request id and schedules it again
   releases it (``"close"``) and starts it anew within one call.
+
+A replica without session events keeps the placements of the sessions it released
+(LRU, failures) until they are closed through the router: the router cannot know.
 
 Policy and execution are apart, as in the runner: :class:`ReplicaAssignments` decides
 (host only); the router executes. Each replica is called by one router thread at a time
@@ -44,10 +48,10 @@ from ardiff_jax.runtime._persist import _read_manifest
 from ardiff_jax.runtime._runner import ARDiffusionModelRunner, SessionEvent
 from ardiff_jax.types import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
 
-__all__ = ["GONE_RELEASE_REASONS", "ARDiffusionRouter", "ReplicaAssignments", "RouterMemoryPlan"]
+__all__ = ["PLACED_RELEASE_REASONS", "ARDiffusionRouter", "ReplicaAssignments", "RouterMemoryPlan"]
 
-#: ``SessionEvent("released", reason=...)`` reasons after which a session id is no longer placed.
-GONE_RELEASE_REASONS = frozenset({"close", "forward_exception", "restore_failed", "save_failed"})
+#: ``SessionEvent("released", reason=...)`` reasons after which a session id stays placed (holding no load).
+PLACED_RELEASE_REASONS = frozenset({"reset"})
 
 #: What a replica must offer (methods, then attributes read without calling them here).
 _REPLICA_METHODS = ("generate", "step", "reset_session", "close_session", "save_session", "load_session", "close")
@@ -57,17 +61,21 @@ _REPLICA_ATTRIBUTES = ("sessions", "offloaded_sessions", "session_capacity", "me
 class ReplicaAssignments:
     """Which replica owns each placed session id, and each replica's load (host only; decides, never executes).
 
+    A placed session is *active* (it counts towards its replica's load: resident or
+    offloaded there, or about to be) or *idle* (reset: placed, holding nothing).
+
     Args:
       num_replicas: how many replicas there are (``>= 1``).
     """
 
     def __init__(self, num_replicas: int) -> None:
         self._owner: dict[str, int] = {}
+        self._idle: set[str] = set()
         self._loads = [0] * check_positive_int("ReplicaAssignments num_replicas", num_replicas)
 
     @property
     def loads(self) -> tuple[int, ...]:
-        """Sessions placed on each replica and not yet gone."""
+        """Active sessions placed on each replica."""
         return tuple(self._loads)
 
     def __len__(self) -> int:
@@ -90,7 +98,7 @@ class ReplicaAssignments:
         return index
 
     def assign(self, session_id: str, index: int) -> None:
-        """Place an unplaced session on replica ``index``."""
+        """Place an unplaced session on replica ``index``, active."""
         if session_id in self._owner:
             raise ValueError(f"AR-Diffusion session {session_id!r} is placed on replica {self._owner[session_id]} "
                              "already")
@@ -103,8 +111,22 @@ class ReplicaAssignments:
         if self._owner.get(session_id) != index:
             return False
         del self._owner[session_id]
-        self._loads[index] -= 1
+        if session_id in self._idle:
+            self._idle.discard(session_id)
+        else:
+            self._loads[index] -= 1
         return True
+
+    def set_idle(self, session_id: str, index: int, idle: bool) -> None:
+        """Mark a session replica ``index`` owns idle (holding nothing) or active again; others are left alone."""
+        if self._owner.get(session_id) != index or (session_id in self._idle) == idle:
+            return
+        if idle:
+            self._idle.add(session_id)
+            self._loads[index] -= 1
+        else:
+            self._idle.discard(session_id)
+            self._loads[index] += 1
 
     def placed_on(self, index: int) -> tuple[str, ...]:
         return tuple(session_id for session_id, owner in self._owner.items() if owner == index)
@@ -146,7 +168,7 @@ class ARDiffusionRouter:
         router.close_session("player-7")
 
     Replicas that offer ``add_session_listener`` (on themselves or their ``runner``) tell the
-    router about failed sessions; without it a failed session simply stays placed and
+    router which sessions they hold; without it a released session simply stays placed and
     re-enters on its replica. Calling a replica directly bypasses the router's checks.
     """
 
@@ -221,7 +243,7 @@ class ARDiffusionRouter:
 
     @property
     def replica_loads(self) -> tuple[int, ...]:
-        """Sessions placed on each replica and not yet gone (evicted ones included)."""
+        """Sessions each replica holds, resident or offloaded (plus any a running call placed there)."""
         with self._lock:
             return self._assignments.loads
 
@@ -349,14 +371,15 @@ class ARDiffusionRouter:
             return self._replicas[index].save_session(session_id, path)
 
     def load_session(self, path: str | os.PathLike[str], session_id: str | None = None, *,
-                     replica: int | None = None) -> str:
+                     replica: int | None = None, allow_other_weights: bool = False) -> str:
         """Make a saved session resident (as ``session_id``, default its saved id) and place it; returns the id.
 
         A new id goes to ``replica`` when given, else to the least loaded one. An id the
         router has placed already loads on its own replica (which refuses it while the
         session is resident or offloaded there); naming another ``replica`` for it is a
         ValueError. The saved id is read from the file's manifest here, so the file must be
-        readable where the router runs.
+        readable where the router runs. ``allow_other_weights`` reaches the replica's
+        ``load_session``.
         """
         if replica is not None:
             with self._lock:
@@ -366,7 +389,7 @@ class ARDiffusionRouter:
         else:
             check_session_id(session_id)
         with self._owning(session_id, place=True, replica=replica) as index:
-            return self._replicas[index].load_session(path, session_id)
+            return self._replicas[index].load_session(path, session_id, allow_other_weights=allow_other_weights)
 
     # -- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -409,8 +432,9 @@ class ARDiffusionRouter:
         An unplaced session is placed first (on ``replica``, else the least loaded one) when
         ``place``. The placement is checked again once the replica's lock is held: a close on
         another thread may have removed it meanwhile, and then the session is placed anew. A
-        call that placed the session and raised leaves nothing of it on the replica (a
-        refused request created nothing, a failed one was released): the placement is undone.
+        call that placed the session and raised has its placement undone unless the replica
+        holds the session after all (a load whose evicted neighbour's hook failed afterwards):
+        a refused request created nothing, a failed one was released.
         """
         while True:
             with self._lock:
@@ -434,10 +458,15 @@ class ARDiffusionRouter:
                 try:
                     yield index
                 except BaseException:
-                    if placed_here:
+                    if placed_here and not self._holds(index, session_id):
                         self._forget(index, (session_id,))
                     raise
                 return
+
+    def _holds(self, index: int, session_id: str) -> bool:
+        """Whether replica ``index`` holds ``session_id``, resident or offloaded (asks the replica)."""
+        replica = self._replicas[index]
+        return session_id in replica.sessions or session_id in replica.offloaded_sessions
 
     def _placed_among(self, session_ids: frozenset[str], index: int) -> frozenset[str]:
         with self._lock:
@@ -451,14 +480,19 @@ class ARDiffusionRouter:
 
     def _listener(self, index: int) -> Callable[[SessionEvent], None]:
         def on_event(event: SessionEvent) -> None:
-            if event.kind == "released" and event.reason in GONE_RELEASE_REASONS:
-                self._forget(index, (event.session_id,))
-            elif event.kind in ("created", "restored"):
-                # Resident here means owned here: a session released and started again within one call
-                # (a stepwise tick that schedules a finished id) is placed again where it now lives.
-                with self._lock:
-                    if event.session_id not in self._assignments:
-                        self._assignments.assign(event.session_id, index)
+            session_id = event.session_id
+            with self._lock:
+                if event.kind == "released":
+                    if event.reason in PLACED_RELEASE_REASONS:
+                        self._assignments.set_idle(session_id, index, True)
+                    else:  # the replica holds nothing of it any more
+                        self._assignments.unassign(session_id, index)
+                elif session_id not in self._assignments:
+                    # Held here means owned here: a session released and started again within one call
+                    # (a stepwise tick that schedules a finished id) is placed again where it now lives.
+                    self._assignments.assign(session_id, index)
+                else:  # created, restored or offloaded: it holds KV on its replica again
+                    self._assignments.set_idle(session_id, index, False)
 
         return on_event
 

@@ -44,6 +44,7 @@ from ardiff_jax.capability import (
     SupportsARDiffusionRequestValidation,
     SupportsARDiffusionSessionExport,
     SupportsARDiffusionWarmup,
+    SupportsARDiffusionWeightsFingerprint,
     SupportsStepExecution,
     spec_summary,
 )
@@ -59,6 +60,7 @@ from ardiff_jax.runtime._offload import (
 )
 from ardiff_jax.runtime._persist import (
     SessionFileError,
+    check_weights_fingerprint,
     pipeline_name,
     read_session_file,
     session_fingerprint,
@@ -500,14 +502,9 @@ class ARDiffusionModelRunner:
             return self._table.touch(session_id)
         # An offloaded session leaves the host tier first, so the eviction below cannot drop it.
         record = self._host.pop(session_id)
-        try:
-            self._make_room()
-        except BaseException:
-            if record is not None:
-                self._hold_offloaded(record)
-            raise
         if record is not None:
-            return self._restore(record, reason="offload", hold_on_failure=True)
+            return self._restore_making_room(record, reason="offload")
+        self._make_room()
         state = self._kv_cache.create_state(session_id)
         state._runner_managed = True
         self._table.add(session_id, state)
@@ -516,14 +513,68 @@ class ARDiffusionModelRunner:
         self._emit("created", session_id)
         return state
 
-    def _make_room(self) -> None:
-        """Evict (offload where possible) the least recently used sessions so that one more fits."""
+    def _make_room(self, held: list[OffloadedSession] | None = None) -> None:
+        """Evict (offload where possible) the least recently used sessions so that one more fits.
+
+        With ``held``, the records of the sessions offloaded go there instead of into the host
+        tier (see :meth:`_restore_making_room`).
+        """
         for victim in self._table.eviction_victims():
-            self._evict(victim)
+            self._evict(victim, held)
+
+    def _restore_making_room(self, record: OffloadedSession, *, reason: str) -> ARDiffusionKVState:
+        """Make room (evicting the least recently used session) and restore ``record`` (from the tier or a file).
+
+        The sessions evicted to make room enter the host tier only once the restore is over,
+        so that a failed restore costs nobody but its own session: an offloaded session whose
+        restore failed goes back into the tier first (it fits: nothing entered since its pop),
+        and an evicted record that does not fit beside it displaces it rather than another
+        session's record. Only what a successful restore displaces too (the oldest records,
+        when even that room is short) leaves the tier as any admission's victims do.
+        """
+        offloaded = reason == "offload"
+        held: list[OffloadedSession] = []
+        try:
+            try:
+                self._make_room(held)
+            except BaseException:
+                if offloaded:
+                    self._host.add(record)  # nothing entered the tier since its pop: it fits as it did
+                raise
+            state = self._restore(record, reason=reason, hold_on_failure=offloaded)
+        except BaseException:
+            self._admit_evicted(held, failed=record.session_id, suppress_errors=True)
+            raise
+        self._admit_evicted(held)
+        return state
+
+    def _admit_evicted(self, records: list[OffloadedSession], *, failed: str | None = None,
+                       suppress_errors: bool = False) -> None:
+        """Put the records held by :meth:`_restore_making_room` into the host tier, oldest eviction first.
+
+        ``failed`` names the session whose restore failed: if it went back into the tier and a
+        held record does not fit beside it, it is the one released (``"restore_failed"``, close
+        hook), never another session. Errors of the hooks of dropped records are raised after
+        every record is held (logged instead with ``suppress_errors``).
+        """
+        errors: list[BaseException] = []
+        for record in records:
+            if failed is not None and failed in self._host and self._host.admission_victims(record.nbytes):
+                self._release_session(failed, reset_model=False, reason="restore_failed", suppress_errors=True)
+            try:
+                self._hold_offloaded(record)
+            except Exception as error:  # a dropped record's close hook: the record is held already
+                errors.append(error)
+        if not errors:
+            return
+        if not suppress_errors:
+            raise errors[0]
+        for error in errors:
+            logger.warning("AR-Diffusion close hook of a session dropped from the host tier failed: %r", error)
 
     # -- the host tier -------------------------------------------------------------------------
-    def _evict(self, session_id: str) -> None:
-        """Offload ``session_id`` to the host tier; release it (close hook) when it cannot be offloaded."""
+    def _evict(self, session_id: str, held: list[OffloadedSession] | None = None) -> None:
+        """Offload ``session_id`` to the host tier (or ``held``); release it (close hook) if it cannot be offloaded."""
         record = self._offload_record(session_id) if self._host.capacity_bytes else None
         if record is None:
             self._release_session(session_id, reset_model=False, reason="lru_eviction")
@@ -532,7 +583,10 @@ class ARDiffusionModelRunner:
         state._release()
         self._emit("offloaded", session_id, "lru_eviction")
         logger.info("AR-Diffusion session %r offloaded to host memory (%d bytes)", session_id, record.nbytes)
-        self._hold_offloaded(record)
+        if held is None:
+            self._hold_offloaded(record)
+        else:
+            held.append(record)
 
     def _offload_record(self, session_id: str) -> OffloadedSession | None:
         """The host record of a resident session, its model state moved out; ``None`` (nothing moved) if impossible."""
@@ -624,8 +678,13 @@ class ARDiffusionModelRunner:
 
     # -- sessions on disk ------------------------------------------------------------------------
     def _file_identity(self) -> dict[str, Any]:
+        """What a session file must match here: geometry, pipeline class and (when reported) the weights."""
+        weights = None
+        if isinstance(self._pipeline, SupportsARDiffusionWeightsFingerprint):
+            weights = check_weights_fingerprint(self._pipeline.ar_diffusion_weights_fingerprint(),
+                                                f"{type(self._pipeline).__name__}.ar_diffusion_weights_fingerprint()")
         return {"fingerprint": session_fingerprint(self._kv_cache.spec, self._kv_cache.layout),
-                "pipeline": pipeline_name(self._pipeline)}
+                "pipeline": pipeline_name(self._pipeline), "weights": weights}
 
     def _require_exporter(self, what: str) -> None:
         if self._exporter is None:
@@ -637,13 +696,16 @@ class ARDiffusionModelRunner:
 
         The session stays where it is and its LRU position does not change. A resident
         session's model state is exported and imported straight back; if the pipeline fails
-        at that, the session is released (close hook) and the error raised. Returns the path.
+        at that, the session is released (close hook) and the error raised. The pipeline's
+        weights fingerprint, when it reports one, is recorded. Returns the path.
         """
         check_session_id(session_id)
+        self._check_open()
+        self._require_exporter("save_session")
+        identity = self._file_identity()  # outside the lock: the first call may hash the weights
         with self._locked():
             self._check_open()
             self._check_not_reentrant("save_session")
-            self._require_exporter("save_session")
             record = self._host.get(session_id)
             if record is None:
                 state = self._table.get(session_id)
@@ -656,10 +718,9 @@ class ARDiffusionModelRunner:
                 except BaseException:
                     self._release_session(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
                     raise
-            identity = self._file_identity()
         # Outside the lock: the record is an immutable host value; writing it may take a while.
         return write_session_file(path, record, fingerprint=identity["fingerprint"], pipeline=identity["pipeline"],
-                                  layout=self._kv_cache.layout)
+                                  layout=self._kv_cache.layout, weights=identity["weights"])
 
     def _check_importable(self, record: OffloadedSession, path: Any) -> None:
         """SessionFileError unless the pipeline accepts the file's model state, checked before anything changes.
@@ -676,21 +737,27 @@ class ARDiffusionModelRunner:
                                        f"{type(self._pipeline).__name__} could have exported: {error}") from None
             self._exporter.export_ar_diffusion_session(probe)
 
-    def load_session(self, path: Any, session_id: str | None = None) -> str:
+    def load_session(self, path: Any, session_id: str | None = None, *, allow_other_weights: bool = False) -> str:
         """Load a saved session (as ``session_id``, default the saved id) and make it resident; returns its id.
 
         The file is validated completely before any pool is touched (SessionFileError, a
-        ValueError, naming what is wrong). The session must not exist here yet. Making it
-        resident may evict (offload) the least recently used session, as a new session would.
+        ValueError, naming what is wrong). A file saved under other weights than the
+        pipeline's (both fingerprints recorded and different) is refused unless
+        ``allow_other_weights``: its KV and model state would continue under weights that did
+        not compute them. The session must not exist here yet. Making it resident may evict
+        (offload) the least recently used session, as a new session would.
         """
         if session_id is not None:
             check_session_id(session_id)
+        allow_other_weights = check_flag("allow_other_weights", allow_other_weights)
+        self._check_open()
         self._require_exporter("load_session")
         identity = self._file_identity()
         cache = self._kv_cache
         record = read_session_file(path, spec=cache.spec, layout=cache.layout, fingerprint=identity["fingerprint"],
                                    pipeline=identity["pipeline"], session_pages=cache.session_pages,
-                                   device=cache.state_placement)
+                                   device=cache.state_placement, weights=identity["weights"],
+                                   allow_other_weights=allow_other_weights)
         if session_id is not None and session_id != record.session_id:
             record = record.renamed(session_id)
         with self._locked():
@@ -701,8 +768,7 @@ class ARDiffusionModelRunner:
                 raise ValueError(f"AR-Diffusion session {target!r} already exists here; close it first or load "
                                  "under another session_id")
             self._check_importable(record, path)
-            self._make_room()
-            self._restore(record, reason="load", hold_on_failure=False)
+            self._restore_making_room(record, reason="load")
         return target
 
     def _release_session(self, session_id: str, *, reset_model: bool, reason: str,
