@@ -408,3 +408,23 @@ def test_bad_states_are_refused():
         render("state")
     with pytest.raises(ValueError, match="velocity must be"):
         ball_colour((1, 0))
+
+
+def test_cell_templates_and_codes_read_every_cell_of_a_frame():
+    from ardiff_jax.envs import cell_codes, cell_templates
+
+    templates = cell_templates()
+    assert templates.shape == (7, CELL_SIZE, CELL_SIZE, 3) and templates.dtype == np.uint8
+    assert len({t.tobytes() for t in templates}) == 7  # seven distinct looks
+    world = SpriteWorld(11)
+    frames = [world.reset()]
+    for action in [None, 4, 4, 2, 3, 1, 0, 4]:
+        frame = frames[-1] if action is None else world.step(action)
+        codes = cell_codes(frame)
+        state = world.state
+        assert codes[state.agent] == 2 and codes[state.ball] >= 3 and (codes >= 0).all()
+        assert (codes == 1).sum() == sum(map(sum, state.walls))
+    # A frame with a stray pixel has a cell of no known look: -1 there, every other cell read.
+    frame = world.reset().copy()
+    frame[1, 1] = (7, 7, 7)
+    assert cell_codes(frame)[0, 0] == -1 and (cell_codes(frame)[1:] >= 0).all()

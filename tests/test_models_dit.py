@@ -139,3 +139,56 @@ def test_config_is_frozen_and_hashable():
     assert isinstance(config, CausalDiTConfig)
     with pytest.raises(KeyError, match="unknown CausalDiT preset"):
         dit_preset("huge")
+
+
+def test_controls_condition_every_token_of_their_frame_through_the_modulation():
+    # A control-conditioned model (the SpriteWorld preset's design): per-frame controls reach
+    # every token through adaLN, so different controls change the prediction everywhere a
+    # token could read them, independent of its position; missing or unexpected controls are refused.
+    config = dit_preset("tiny").replace(control_dim=3, image_len=0)
+    graphdef, params = nnx.split(DiTModules.create(config, 0))
+    latents = jnp.asarray(np.random.default_rng(0).standard_normal(config.block_shape), jnp.float32)
+    registers = jnp.zeros((config.num_register_tokens, config.register_dim))
+
+    @jax.jit
+    def forward(params, controls):
+        model = nnx.merge(graphdef, params).transformer
+        text_kv = model.text_cross_kv(jnp.ones((config.text_len, config.text_dim)))
+        attention = DenseAttention.empty(config.num_layers, config.num_heads, config.head_dim)
+        return model(latents, jnp.float32(500.0), jnp.int32(0), text_kv, None, registers, controls,
+                     attention=attention).video
+
+    f = config.frames_per_block
+    base = forward(params, jnp.zeros((f, 3)))
+    changed = forward(params, jnp.zeros((f, 3)).at[:, 1].set(1.0))
+    assert base.shape == config.block_shape
+    # Every token (every frame, every patch) sees the control.
+    per_token = np.abs(np.asarray(changed - base)).reshape(f, config.latent_channels, *config.grid, -1).max(
+        axis=(1, -1))
+    assert (per_token > 1e-4).all()
+    model = nnx.merge(graphdef, params).transformer
+    text_kv = model.text_cross_kv(jnp.ones((config.text_len, config.text_dim)))
+    attention = DenseAttention.empty(config.num_layers, config.num_heads, config.head_dim)
+    with pytest.raises(ValueError, match=r"controls must be \[2, 3\]"):
+        model(latents, jnp.float32(0.0), jnp.int32(0), text_kv, None, registers, attention=attention)
+    with pytest.raises(ValueError, match=r"controls must be \[2, 3\]"):
+        model(latents, jnp.float32(0.0), jnp.int32(0), text_kv, None, registers, jnp.zeros((1, 3)),
+              attention=attention)
+    plain = nnx.merge(*nnx.split(DiTModules.create(dit_preset("tiny").replace(image_len=0), 0))).transformer
+    with pytest.raises(ValueError, match="no control conditioning"):
+        plain(latents, jnp.float32(0.0), jnp.int32(0), text_kv, None, registers, jnp.zeros((f, 3)),
+              attention=attention)
+
+
+def test_clean_estimate_of_each_prediction():
+    from ardiff_jax.models import clean_estimate
+
+    rng = np.random.default_rng(1)
+    out, x_t, previous = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 4, 4), (2, 3, 4, 4), (3, 4, 4)))
+    np.testing.assert_allclose(clean_estimate(out, x_t, 0.25, None, "flow"), x_t - 0.25 * out)
+    np.testing.assert_array_equal(clean_estimate(out, x_t, 0.25, None, "x0"), out)
+    np.testing.assert_allclose(clean_estimate(out, x_t, 1.0, previous, "delta"), previous[None] + out)
+    with pytest.raises(ValueError, match="needs the previous frame"):
+        clean_estimate(out, x_t, 1.0, None, "delta")
+    with pytest.raises(ValueError, match="prediction must be one of"):
+        clean_estimate(out, x_t, 1.0, previous, "eps")

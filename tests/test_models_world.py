@@ -300,3 +300,28 @@ def test_tick_mode_accepts_what_validation_accepts(pipeline_factory):
                                               inputs={"action": actions[0], "seed": 1}))
     assert np.array_equal(np.asarray(stacked.latents), np.asarray(single.latents))
     assert engine.sessions == ("x", "y")
+
+
+def test_per_frame_controls_condition_the_block_and_are_validated():
+    # A control-conditioned transformer (control_dim > 0): inputs["controls"] is one vector per frame,
+    # validated on the host, part of the exported session state while a block is in flight.
+    config = dit_preset("tiny").replace(control_dim=2)
+    pipeline = WorldPipeline(config)
+    with ARDiffusionEngine(pipeline, CONFIG) as engine:
+        f = config.frames_per_block
+
+        def block(sid, **inputs):
+            return np.asarray(engine.generate(DiffusionRequest(sid, prompt="a car", extra_args={"session_id": sid},
+                                                               inputs={"seed": 3, **inputs})).latents)
+
+        zero = block("a")
+        np.testing.assert_array_equal(zero, block("b", controls=np.zeros((f, 2), np.float32)))  # the default
+        assert not np.allclose(zero, block("c", controls=np.ones((f, 2), np.float32)))
+        for bad in (np.zeros((f, 3), np.float32), np.zeros((f + 1, 2), np.float32), np.full((f, 2), np.nan)):
+            with pytest.raises(ValueError, match="inputs\\['controls'\\]"):
+                block("d", controls=bad)
+        assert "d" not in engine.sessions
+    with ARDiffusionEngine(WorldPipeline("tiny"), CONFIG) as engine:
+        with pytest.raises(ValueError, match="not control-conditioned"):
+            engine.generate(DiffusionRequest("e", prompt="x", extra_args={"session_id": "e"},
+                                             inputs={"controls": np.zeros((2, 2), np.float32)}))

@@ -43,12 +43,27 @@ def _text_kv(modules, cfg):
 
 
 @nnx.jit
-def _forward(transformer, video, t, start, text_kv, registers, attention):
+def _forward(transformer, video, t, start, text_kv, registers, controls, attention):
     # Jitted: one compile per geometry instead of the eager op-by-op forward.
-    return transformer(video, t, start, text_kv, None, registers, attention=attention)
+    return transformer(video, t, start, text_kv, None, registers, controls, attention=attention)
 
 
-def _cached_prediction(modules, cfg, spec, latents, registers, x_t, t):
+def _conditioning(cfg, num_blocks, rng):
+    """Random registers ``[num_blocks, E, R]`` and controls ``[num_blocks, f, C]`` (``None`` where the config has none)."""
+    registers = controls = None
+    if cfg.num_register_tokens:
+        registers = jnp.asarray(rng.standard_normal((num_blocks, cfg.num_register_tokens, cfg.register_dim)),
+                                jnp.float32)
+    if cfg.control_dim:
+        controls = jnp.asarray(rng.standard_normal((num_blocks, cfg.frames_per_block, cfg.control_dim)), jnp.float32)
+    return registers, controls
+
+
+def _at(array, index):
+    return None if array is None else array[index]
+
+
+def _cached_prediction(modules, cfg, spec, latents, registers, controls, x_t, t):
     """Commit blocks 0..k-1 through the paged runtime at t = 0, then predict block k from x_t."""
     cache = ARDiffusionKVCache(spec, dtype=jnp.float32, available_memory_bytes=10**8, gpu_memory_fraction=1.0)
     state = cache.create_state("s")
@@ -59,16 +74,16 @@ def _cached_prediction(modules, cfg, spec, latents, registers, x_t, t):
     for j in range(num_blocks):
         caches = state.get_kv_caches("main", seq_len=seq_len, commit_current=True)
         out = _forward(modules.transformer, latents[j * f:(j + 1) * f], jnp.float32(0.0), jnp.int32(j * f), text_kv,
-                       registers[j], caches)
+                       _at(registers, j), _at(controls, j), caches)
         state.commit_paged_context("main", kv=(out.k, out.v))
     caches = state.get_kv_caches("main", seq_len=seq_len, commit_current=False)
-    out = _forward(modules.transformer, x_t, jnp.float32(t), jnp.int32(num_blocks * f), text_kv, registers[num_blocks],
-                   caches)
+    out = _forward(modules.transformer, x_t, jnp.float32(t), jnp.int32(num_blocks * f), text_kv,
+                   _at(registers, num_blocks), _at(controls, num_blocks), caches)
     cache.close()
     return np.asarray(out.video)
 
 
-def _training_prediction(modules, cfg, latents, registers, x_t, t):
+def _training_prediction(modules, cfg, latents, registers, controls, x_t, t):
     """The same prediction from one training-mode pass: clean instances 0..k-1 and the noisy instance k."""
     f = cfg.frames_per_block
     num_blocks = latents.shape[0] // f
@@ -80,32 +95,37 @@ def _training_prediction(modules, cfg, latents, registers, x_t, t):
     forward_blocks = nnx.jit(lambda transformer, *args, mask: transformer.forward_blocks(
         *args, attention=MaskedAttention(mask)))
     out = forward_blocks(modules.transformer, instances, timesteps, starts, _text_kv(modules, cfg), None,
-                         registers[:num_blocks + 1], mask=block_causal_mask(cfg, starts, is_clean))
+                         _at(registers, slice(0, num_blocks + 1)), _at(controls, slice(0, num_blocks + 1)),
+                         mask=block_causal_mask(cfg, starts, is_clean))
     return np.asarray(out.video[-1])
 
 
-@pytest.mark.parametrize("preset,pipeline_cls,num_blocks", [
-    ("sprite_world", SpriteWorldPipeline, 7),  # 1 frame/block, sink 1 + window 3: slid four times
-    ("tiny", WorldPipeline, 5),  # 2 frames/block, sink 1 + window 5: a window cut mid-block
+@pytest.mark.parametrize("preset,pipeline_cls,num_blocks,overrides", [
+    # 1 frame/block, sink 1 + window 3: slid four times; per-frame controls, no registers.
+    ("sprite_world", SpriteWorldPipeline, 7, {}),
+    # 2 frames/block, sink 1 + window 5: a window cut mid-block; registers, no controls.
+    ("tiny", WorldPipeline, 5, {}),
+    # Registers and per-frame controls together (registers take the block's mean control).
+    ("tiny", WorldPipeline, 4, {"control_dim": 3}),
 ])
 @pytest.mark.parametrize("t", [1000.0, 350.0])
-def test_training_forward_equals_cached_inference(preset, pipeline_cls, num_blocks, t):
-    cfg = dit_preset(preset).replace(image_len=0)
+def test_training_forward_equals_cached_inference(preset, pipeline_cls, num_blocks, overrides, t):
+    cfg = dit_preset(preset).replace(image_len=0, **overrides)
     modules = DiTModules.create(cfg, 3)
     spec = pipeline_cls.kv_spec_for(cfg)
     rng = np.random.default_rng(0)
     f = cfg.frames_per_block
     latents = jnp.asarray(rng.standard_normal((num_blocks * f, *cfg.block_shape[1:])), jnp.float32)
-    registers = jnp.asarray(rng.standard_normal((num_blocks + 1, cfg.num_register_tokens, cfg.register_dim)),
-                            jnp.float32)
+    registers, controls = _conditioning(cfg, num_blocks + 1, rng)
     x_t = jnp.asarray(rng.standard_normal(cfg.block_shape), jnp.float32)
-    cached = _cached_prediction(modules, cfg, spec, latents, registers, x_t, t)
-    trained = _training_prediction(modules, cfg, latents, registers, x_t, t)
+    cached = _cached_prediction(modules, cfg, spec, latents, registers, controls, x_t, t)
+    trained = _training_prediction(modules, cfg, latents, registers, controls, x_t, t)
     np.testing.assert_allclose(trained, cached, rtol=1e-4, atol=1e-4)
 
 
 def test_block_causal_mask_follows_the_window_rule():
-    cfg = dit_preset("sprite_world")  # sink 1, window 3, one frame per block, one register token
+    # sink 1, window 3, one frame per block, one register token
+    cfg = dit_preset("sprite_world").replace(num_register_tokens=1, register_dim=5)
     starts = jnp.array([0, 1, 2, 3, 4, 5, 5])  # six clean frames, then the noisy copy of frame 5
     clean = jnp.array([True] * 6 + [False])
     mask = np.asarray(block_causal_mask(cfg, starts, clean))
@@ -187,6 +207,42 @@ def test_resumed_run_continues_the_same_run(tmp_path, capsys):
     assert len(record["losses"]) == 12 and record["wall_seconds"] > 0
     png = (tmp_path / "resumed" / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resume_under_another_config_is_refused_naming_the_fields(tmp_path):
+    config = _tiny_train_config(**SHARED_CONFIG)
+    train(config, tmp_path / "run", progress=False, stop_after=4)
+    other = _tiny_train_config(**(SHARED_CONFIG | {"seed": 1, "batch_size": 8}))
+    with pytest.raises(ValueError, match=r"another TrainConfig \(batch_size: 4 -> 8; seed: 0 -> 1\)"):
+        train(other, tmp_path / "run", progress=False)
+    record = json.loads((tmp_path / "run" / "losses.json").read_text())
+    assert record["config"] == config.as_dict() and len(record["losses"]) == 4  # nothing relabelled
+    # A bookkeeping field may change; force continues a changed run and says so in losses.json.
+    longer = _tiny_train_config(**(SHARED_CONFIG | {"steps": 14}))
+    with pytest.raises(ValueError, match="steps: 12 -> 14"):
+        train(longer, tmp_path / "run", progress=False)
+    resumed = train(longer, tmp_path / "run", progress=False, force=True, stop_after=1)
+    assert resumed.resumed_from == 4
+    record = json.loads((tmp_path / "run" / "losses.json").read_text())
+    assert record["config"] == longer.as_dict() and record["resumed_from_config"] == config.as_dict()
+
+
+def test_the_evaluation_seed_is_refused_for_training():
+    from ardiff_jax.training import EVALUATION_SEED
+
+    with pytest.raises(ValueError, match="evaluation clips' seed"):
+        TrainConfig(seed=EVALUATION_SEED)
+
+
+def test_sink_distance_placement_keeps_the_simulated_frames():
+    near = sample_training_batch(3, 5, 8, 4, 10)
+    far = sample_training_batch(3, 5, 8, 4, 10, max_sink_distance=500)
+    np.testing.assert_array_equal(near.frames, far.frames)
+    np.testing.assert_array_equal(near.weights, far.weights)
+    gapped = near.positions[:, 1] > 1
+    assert (far.positions[~gapped] == near.positions[~gapped]).all()  # contiguous clips stay put
+    assert (far.positions[gapped, 1] >= near.positions[gapped, 1]).all() and far.positions.max() <= 502
+    assert (np.diff(far.positions[:, 1:], axis=1) == 1).all()
 
 
 def test_training_batches_are_a_function_of_seed_and_step():

@@ -20,6 +20,8 @@ __all__ = [
     "SpriteWorld",
     "SpriteWorldState",
     "ball_colour",
+    "cell_codes",
+    "cell_templates",
     "clip_world_seeds",
     "decode",
     "initial_state",
@@ -346,6 +348,38 @@ def render(state: SpriteWorldState) -> np.ndarray:
     if not isinstance(state, SpriteWorldState):
         raise ValueError(f"state must be a SpriteWorldState, got {state!r}")
     return _render_worlds(_stack(state))[0]
+
+
+def cell_templates() -> np.ndarray:
+    """Every way one cell of a SpriteWorld frame can look, indexed by cell code.
+
+    Background, wall, agent, then the ball in each of its four colours (up-left, up-right,
+    down-left, down-right), corners left as background. Every frame is a grid of these
+    cells, which is what a palette-aware decoder snaps a predicted frame to.
+
+    Shapes:
+      returns: u8[7, CELL_SIZE, CELL_SIZE, 3]
+    """
+    cells = np.broadcast_to(_PALETTE[:, None, None, :], (len(_PALETTE), CELL_SIZE, CELL_SIZE, 3)).copy()
+    cells[_BALL:, _BALL_CORNERS[:, 0], _BALL_CORNERS[:, 1]] = BACKGROUND_COLOUR
+    return cells
+
+
+def cell_codes(frame: np.ndarray) -> np.ndarray:
+    """``i64[n, n]``: the code of each cell (the index into :func:`cell_templates` it equals), -1 if none.
+
+    Unlike :func:`decode` this never refuses a frame: a model's prediction may show two
+    agents or no ball, and evaluation counts such cells.
+
+    Shapes:
+      frame: u8[size, size, 3]
+      returns: i64[size // CELL_SIZE, size // CELL_SIZE]
+    """
+    frame = np.asarray(frame)
+    n = frame.shape[0] // CELL_SIZE
+    cells = frame.reshape(n, CELL_SIZE, n, CELL_SIZE, 3).transpose(0, 2, 1, 3, 4)
+    equal = (cells[:, :, None] == cell_templates()[None, None]).all(axis=(-1, -2, -3))  # [n, n, 7]
+    return np.where(equal.any(-1), equal.argmax(-1), -1)
 
 
 def decode(frame: np.ndarray) -> SpriteWorldState:

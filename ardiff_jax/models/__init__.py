@@ -39,6 +39,7 @@ from ardiff_jax.models._pixels import (
     action_registers,
     frames_to_latents,
     latents_to_frames,
+    snap_to_cells,
 )
 from ardiff_jax.models._pretrained import (
     PRETRAINED_MODELS,
@@ -54,7 +55,9 @@ from ardiff_jax.models._sprite import (
     SpriteWorldPipelineConfig,
 )
 from ardiff_jax.models._world import (
+    PREDICTIONS,
     WorldBlock,
+    clean_estimate,
     WorldPipeline,
     WorldPipelineConfig,
     world_step,
@@ -69,6 +72,9 @@ __all__ = [
     "SpriteWorldPipeline",
     "SpriteBlock",
     "SPRITE_WORLD_SCHEDULE",
+    "PREDICTIONS",
+    "clean_estimate",
+    "snap_to_cells",
     "PRETRAINED_MODELS",
     "DIT_PRESETS",
     "ByteTextEncoder",

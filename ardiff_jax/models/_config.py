@@ -33,7 +33,7 @@ _POSITIVE = (
     "num_layers", "dim", "num_heads", "ffn_dim", "latent_channels", "latent_height", "latent_width",
     "patch_size", "text_len", "text_dim", "frames_per_block", "window_frames", "freq_dim",
 )
-_NON_NEGATIVE = ("sink_frames", "image_len", "num_register_tokens", "register_dim")
+_NON_NEGATIVE = ("sink_frames", "image_len", "num_register_tokens", "register_dim", "control_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,9 @@ class CausalDiTConfig:
       window_frames, sink_frames: visible context = sink + window frames, current block included.
       num_register_tokens, register_dim: action/state (control) tokens that ride along with
         a block in scratch and are never cached; 0 = none.
+      control_dim: width of the per-frame control vector (e.g. a one-hot action) that
+        conditions every token of its frame through the adaLN modulation, added to the
+        timestep embedding; 0 = not control-conditioned.
       freq_dim: sinusoidal timestep embedding width (Wan: 256).
       rope_theta, eps: RoPE base and norm epsilon.
       dtype: activation dtype; param_dtype: parameter dtype.
@@ -71,6 +74,7 @@ class CausalDiTConfig:
     image_len: int = 0
     num_register_tokens: int = 0
     register_dim: int = 0
+    control_dim: int = 0
     freq_dim: int = 256
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -181,15 +185,16 @@ def sprite_world() -> CausalDiTConfig:
     """The trained SpriteWorld model: 32x32 RGB frames in pixel space, one token per 4x4 cell.
 
     4 layers, 4 heads x 24, 64 tokens/frame, one frame per block, a 1-frame sink (the
-    observation) plus a 3-frame window, one action register token (one-hot over the 5
-    actions); not text-conditioned (one padding text token); RoPE base 10 instead of 10,000,
-    so that each axis's few rotary frequencies resolve an 8-cell grid. ``docs/models.md``
-    explains each choice.
+    observation) plus a 3-frame window; the action (one-hot over the 5 actions) conditions
+    every token of its frame through the modulation (``control_dim=5``); not
+    text-conditioned (one padding text token); RoPE base 10 instead of 10,000, so that each
+    axis's few rotary frequencies resolve an 8-cell grid. ``docs/models.md`` explains each
+    choice.
     """
     return CausalDiTConfig(
         name="sprite_world", num_layers=4, dim=96, num_heads=4, ffn_dim=384, latent_channels=3, latent_height=32,
         latent_width=32, patch_size=4, text_len=1, text_dim=16, frames_per_block=1, window_frames=3, sink_frames=1,
-        num_register_tokens=1, register_dim=5, freq_dim=64, rope_theta=10.0,
+        control_dim=5, freq_dim=64, rope_theta=10.0,
     )
 
 

@@ -20,6 +20,13 @@ Causal-specific parts:
 * optional register tokens (action/state/control) travel with the block through every
   layer: their queries see the same keys as the video tokens and their K/V are passed as
   ``extra_k/extra_v`` (scratch, never cached). They are not rotated (no spatial position).
+* optional per-frame **controls** (``config.control_dim``, e.g. a one-hot action) condition
+  every token of their frame through the adaLN modulation: an MLP embedding of the control
+  is added to the timestep embedding before the block and head modulations are projected
+  from it, so each token reads the action from its own modulation, independent of where it
+  sits. Registers cannot offer that: a token's attention score to an unrotated register
+  depends on the token's own RoPE rotation, i.e. on its position (``docs/models.md``
+  measures the difference).
 
 The layers are stacked (``nnx.vmap`` at construction) and run with ``jax.lax.scan``, so
 compile time does not grow with depth. Cross-attention K/V are projected once per prompt
@@ -335,6 +342,9 @@ class CausalDiT(nnx.Module):
             self.image_in = _linear(config, config.patch_dim, dim, rngs)
             self.image_out = _linear(config, dim, dim, rngs)
             self.image_norm_out = AffineLayerNorm(dim, config.eps, config.param_dtype)
+        if config.control_dim:
+            self.control_in = _linear(config, config.control_dim, dim, rngs)
+            self.control_out = _linear(config, dim, dim, rngs)
         if config.num_register_tokens:
             self.register_in = _linear(config, config.register_dim, dim, rngs)
             self.register_pos = nnx.Param(
@@ -379,13 +389,40 @@ class CausalDiT(nnx.Module):
         return self._per_layer(lambda attn: attn.project_image(context))
 
     # -- the pieces every forward shares ---------------------------------------------------------
-    def _time(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``f32[...]`` timesteps -> ``(e f32[..., dim], e0 f32[..., 6, dim])``: head and block modulation."""
+    def _time(self, timestep: jax.Array, controls: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Timesteps (and controls) -> ``(e f32[..., dim], e0 f32[..., 6, dim])``: head and block modulation.
+
+        ``timestep`` is ``f32[...]``; ``controls`` (control-conditioned models only) is
+        ``f32[..., control_dim]`` with the same leading shape or one that broadcasts
+        against it: its embedding is added to the timestep embedding, so the controls
+        reach every modulation the timestep does.
+        """
         cfg = self.config
         e = self.time_out(jax.nn.silu(self.time_in(timestep_embedding(cfg.freq_dim, timestep).astype(cfg.dtype))))
         e = e.astype(_F32)
+        if controls is not None:
+            e = e + self._embed_controls(controls)
         e0 = self.time_projection(jax.nn.silu(e).astype(cfg.dtype)).astype(_F32)
         return e, e0.reshape(*e.shape[:-1], 6, cfg.dim)
+
+    def _embed_controls(self, controls: jax.Array) -> jax.Array:
+        """``f32[..., control_dim]`` -> ``f32[..., dim]`` (an MLP like the timestep's)."""
+        cfg = self.config
+        h = jax.nn.silu(self.control_in(controls.astype(cfg.dtype)))
+        return self.control_out(h).astype(_F32)
+
+    def _check_controls(self, controls: jax.Array | None, leading: tuple[int, ...]) -> None:
+        cfg = self.config
+        expected = (*leading, cfg.control_dim)
+        if not cfg.control_dim:
+            if controls is not None:
+                raise ValueError("this CausalDiT has no control conditioning (config.control_dim == 0); "
+                                 "controls must be None")
+            return
+        if controls is None or tuple(controls.shape) != expected:
+            got = None if controls is None else tuple(controls.shape)
+            raise ValueError(f"this CausalDiT is control-conditioned: controls must be {list(expected)} "
+                             f"(one control vector per frame), got {got}")
 
     def _check_latents(self, latents: jax.Array, leading: int) -> None:
         cfg = self.config
@@ -437,6 +474,7 @@ class CausalDiT(nnx.Module):
         text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
         image_kv: tuple[jax.Array, jax.Array] | None = None,  # [L, Ni, H, D] each
         registers: jax.Array | None = None,  # [E, register_dim]: action/state/control features
+        controls: jax.Array | None = None,  # f32[f, control_dim]: per-frame controls (control_dim > 0)
         *,
         attention: SelfAttentionBackend,
     ) -> DiTOutput:
@@ -444,6 +482,7 @@ class CausalDiT(nnx.Module):
         cfg = self.config
         self._check_latents(latents, 1)
         frames = latents.shape[0]
+        self._check_controls(controls, (frames,))
         num_video = frames * cfg.tokens_per_frame
         x = self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
         if registers is not None:
@@ -451,7 +490,18 @@ class CausalDiT(nnx.Module):
                 raise ValueError(
                     f"registers must be [{cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
             x = jnp.concatenate([x, self._embed_registers(registers)])
-        e, e0 = self._time(timestep)
+        if controls is None:
+            e, e0 = self._time(timestep)  # one modulation for every token
+        else:
+            # Every video token takes its frame's conditioning; register tokens the block's
+            # mean control (they belong to the block, not to one frame).
+            per_frame = jnp.asarray(controls, _F32)
+            if registers is not None:
+                per_frame = jnp.concatenate([per_frame, per_frame.mean(0, keepdims=True)])
+            e, e0 = self._time(timestep, per_frame)
+            counts = np.array([cfg.tokens_per_frame] * frames + ([registers.shape[0]] if registers is not None else []))
+            e = jnp.repeat(e, counts, axis=0, total_repeat_length=int(counts.sum()))
+            e0 = jnp.repeat(e0, counts, axis=0, total_repeat_length=int(counts.sum()))
         angles = rope_angles(cfg, frame_start, frames)
         x, block_k, block_v = self._layers(x, e0, num_video, angles, attention, text_kv, image_kv)
         h = self._head(x, e)
@@ -468,6 +518,7 @@ class CausalDiT(nnx.Module):
         text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
         image_kv: tuple[jax.Array, jax.Array] | None = None,  # [L, Ni, H, D] each
         registers: jax.Array | None = None,  # [B, E, register_dim]
+        controls: jax.Array | None = None,  # f32[B, f, control_dim]
         *,
         attention: SelfAttentionBackend,
     ) -> DiTOutput:
@@ -488,12 +539,22 @@ class CausalDiT(nnx.Module):
         cfg = self.config
         self._check_latents(latents, 2)
         num_instances, frames = latents.shape[:2]
+        self._check_controls(controls, (num_instances, frames))
         tokens = frames * cfg.tokens_per_frame
         num_video = num_instances * tokens
         flat = latents.reshape(num_instances * frames, *latents.shape[2:]).astype(cfg.dtype)
         x = self.patch_embedding(patchify(flat, cfg.patch_size)).astype(_F32)
-        e, e0 = self._time(jnp.asarray(timesteps, _F32))  # [B, dim], [B, 6, dim]
-        e_tokens, e0_tokens = jnp.repeat(e, tokens, axis=0), jnp.repeat(e0, tokens, axis=0)
+        times = jnp.asarray(timesteps, _F32)
+        if controls is None:
+            e, e0 = self._time(times)  # [B, dim], [B, 6, dim]
+            e_frames, e0_frames = jnp.repeat(e, frames, axis=0), jnp.repeat(e0, frames, axis=0)
+        else:
+            controls = jnp.asarray(controls, _F32)
+            e_frames, e0_frames = self._time(jnp.repeat(times, frames), controls.reshape(-1, cfg.control_dim))
+            if registers is not None:  # the block's mean control, as in __call__
+                e, e0 = self._time(times, controls.mean(1))
+        e_tokens = jnp.repeat(e_frames, cfg.tokens_per_frame, axis=0)
+        e0_tokens = jnp.repeat(e0_frames, cfg.tokens_per_frame, axis=0)
         if registers is not None:
             if registers.ndim != 3 or registers.shape[0] != num_instances:
                 raise ValueError(f"registers must be [{num_instances}, {cfg.num_register_tokens}, {cfg.register_dim}], "

@@ -1,8 +1,7 @@
 """``SpriteWorldPipeline``: the trained, action-conditioned SpriteWorld model behind the runtime.
 
 It is a :class:`~ardiff_jax.models.WorldPipeline` (one KV branch ``"main"``, few-step
-denoising, register tokens in scratch, the same jitted step program) with a request schema
-made for playing a world:
+denoising, the same jitted step program) with a request schema made for playing a world:
 
 * ``inputs["observation"]``: ``u8[n, H, W, 3]`` or ``u8[H, W, 3]``, the real first frame(s)
   (``SpriteWorld.reset()``), **required on a session's first request** and refused later.
@@ -15,13 +14,17 @@ made for playing a world:
 * ``inputs["actions"]``: ``int[frames_per_block]``, **required on every request**: the action
   applied before each frame of the block, aligned with ``SpriteWorld.step`` (frame ``i`` of
   the block is the world after ``actions[i]``). A streaming (stepwise) request of
-  ``inputs["num_blocks"]`` blocks may give ``int[num_blocks, frames_per_block]``.
+  ``inputs["num_blocks"]`` blocks may give ``int[num_blocks, frames_per_block]``. Each
+  action conditions its frame as a one-hot control vector (the transformer's ``controls``,
+  through the adaLN modulation).
 * ``inputs["seed"]``: the session's noise seed (default: derived from the session id).
 * ``prompt``: ``None`` (or ``""``): the model is not text-conditioned.
 
 Each request returns a :class:`SpriteBlock` whose ``frames`` are the decoded RGB frames. The
-block is committed as those frames (quantised to ``uint8`` levels, then re-encoded), so the
-model continues from exactly what the user saw.
+block is committed as those frames, so the model continues from exactly what the user saw.
+The decoder is the world's own (``SpriteWorldPipelineConfig.decoder``): ``"cells"`` (the
+default) snaps every 4x4 cell to the nearest of the seven looks a SpriteWorld cell can have
+(:func:`~ardiff_jax.models.snap_to_cells`), ``"levels"`` only rounds to ``uint8`` levels.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ from ardiff_jax.models._pixels import (
     action_registers,
     frames_to_latents,
     latents_to_frames,
+    snap_to_cells,
 )
 from ardiff_jax.models._world import (
     MAIN,
+    PREDICTIONS,
     WorldBlock,
+    _BlockInputs,
     WorldPipeline,
     WorldPipelineConfig,
     _WorldSession,
@@ -53,10 +59,13 @@ from ardiff_jax.models._world import (
 )
 from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest, StepResult
 
-__all__ = ["SpriteWorldPipeline", "SpriteWorldPipelineConfig", "SpriteBlock", "SPRITE_WORLD_SCHEDULE"]
+__all__ = ["SpriteWorldPipeline", "SpriteWorldPipelineConfig", "SpriteBlock", "SPRITE_WORLD_SCHEDULE", "DECODERS"]
 
-#: The few-step schedule the shipped model samples with (``docs/models.md``: why two steps).
-SPRITE_WORLD_SCHEDULE = FewStepSchedule((1000.0, 100.0))
+#: The schedule the shipped model samples with: one step (``docs/models.md``: why one step).
+SPRITE_WORLD_SCHEDULE = FewStepSchedule((1000.0,))
+
+#: How a generated frame is decoded before it is shown and committed.
+DECODERS = ("cells", "levels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +73,24 @@ class SpriteWorldPipelineConfig(WorldPipelineConfig):
     """:class:`WorldPipelineConfig` with the SpriteWorld model's sampling schedule as the default.
 
     Attributes:
-      prediction: what the transformer's output is, as the weights were trained: ``"x0"``
-        (the clean frame) or ``"flow"`` (Wan's ``v``).
+      prediction: what the transformer's output is, as the weights were trained: ``"delta"``
+        (the change from the last committed frame), ``"x0"`` (the clean frame) or ``"flow"``
+        (Wan's ``v``); :func:`~ardiff_jax.models.clean_estimate`.
+      decoder: ``"cells"`` (snap each 4x4 cell to the nearest valid SpriteWorld cell) or
+        ``"levels"`` (round to ``uint8`` levels only).
     """
 
     schedule: FewStepSchedule = SPRITE_WORLD_SCHEDULE
-    prediction: str = "x0"
+    prediction: str = "delta"
+    decoder: str = "cells"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.prediction not in ("x0", "flow"):
-            raise ValueError(f"SpriteWorldPipelineConfig prediction must be 'x0' or 'flow', got {self.prediction!r}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"SpriteWorldPipelineConfig prediction must be one of {PREDICTIONS}, "
+                             f"got {self.prediction!r}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"SpriteWorldPipelineConfig decoder must be one of {DECODERS}, got {self.decoder!r}")
 
 
 class SpriteBlock(NamedTuple):
@@ -96,15 +112,21 @@ class SpriteBlock(NamedTuple):
 
 
 class _ParsedBlock(NamedTuple):
-    registers: np.ndarray  # f32[E, R]
+    block: _BlockInputs  # the block's controls: one one-hot action per frame
     observation: np.ndarray | None  # f32[n, 3, H, W]
-    observation_registers: np.ndarray | None  # f32[n, E, R]
+    observation_controls: np.ndarray | None  # f32[n, control_dim]
 
 
 @jax.jit
 def quantise_latents(latents: jax.Array) -> jax.Array:
     """``f32[..., 3, H, W]`` -> the latents of the ``uint8`` frames they decode to (what the user sees)."""
     return frames_to_latents(latents_to_frames(latents, jnp), jnp)
+
+
+@jax.jit
+def snap_latents(latents: jax.Array) -> jax.Array:
+    """``f32[..., 3, H, W]`` -> the latents of the frame made of the nearest valid cells (:func:`snap_to_cells`)."""
+    return snap_to_cells(latents, jnp)
 
 
 def _check_actions(name: str, value: Any, length: int) -> np.ndarray:
@@ -139,10 +161,10 @@ class SpriteWorldPipeline(WorldPipeline):
         problems = []
         if config.latent_channels != 3 or config.latent_height != config.latent_width:
             problems.append("square RGB pixel latents (latent_channels 3, latent_height == latent_width)")
-        if config.num_register_tokens != config.frames_per_block:
-            problems.append("one register token per frame (num_register_tokens == frames_per_block)")
-        if config.register_dim != len(ACTION_NAMES):
-            problems.append(f"register_dim == {len(ACTION_NAMES)} (one-hot actions)")
+        if config.control_dim != len(ACTION_NAMES):
+            problems.append(f"control_dim == {len(ACTION_NAMES)} (one-hot actions as per-frame controls)")
+        if config.num_register_tokens:
+            problems.append("no register tokens (the actions condition through the controls)")
         if config.image_len:
             problems.append("no image branch (image_len 0)")
         if problems:
@@ -204,7 +226,7 @@ class SpriteWorldPipeline(WorldPipeline):
             session = self._sessions.get(session_id)
             given = given[min(0 if session is None else session.blocks_emitted, num_blocks - 1)]
         actions = _check_actions("inputs['actions']", given, cfg.frames_per_block)
-        registers = action_registers(actions, cfg.register_dim)
+        block = _BlockInputs(None, action_registers(actions, cfg.control_dim))
         new_session = session_id not in self._sessions
         if new_session and request.inputs.get("observation") is None:
             raise ValueError(f"SpriteWorldPipeline session {session_id!r} has no observation yet: its first request "
@@ -218,15 +240,14 @@ class SpriteWorldPipeline(WorldPipeline):
                              "only for a session's first request (reset the session to start from a new observation)")
         if new_session:
             obs, obs_actions = self._parse_observation(request)
-            return prompt, _ParsedBlock(registers, frames_to_latents(obs),
-                                        action_registers(obs_actions, cfg.register_dim)[:, None, :])
+            return prompt, _ParsedBlock(block, frames_to_latents(obs), action_registers(obs_actions, cfg.control_dim))
         if request.inputs.get("observation_actions") is not None and not streaming:
             raise ValueError(
                 "inputs['observation_actions'] goes with inputs['observation'] on a session's first request")
-        return prompt, _ParsedBlock(registers, None, None)
+        return prompt, _ParsedBlock(block, None, None)
 
     # -- device work ------------------------------------------------------------------------------
-    def _prefill(self, state: Any, session: _WorldSession, latents: np.ndarray, registers: np.ndarray) -> None:
+    def _prefill(self, state: Any, session: _WorldSession, latents: np.ndarray, controls: np.ndarray) -> None:
         """Commit the observation frames as context: one clean ``t = 0`` forward per block."""
         cfg = self.config
         f = cfg.frames_per_block
@@ -234,23 +255,27 @@ class SpriteWorldPipeline(WorldPipeline):
         zero = np.float32(0.0)
         for start in range(0, latents.shape[0], f):
             caches = state.get_kv_caches(MAIN, seq_len=seq_len, commit_current=True)
-            block_registers = registers[start:start + f].reshape(cfg.num_register_tokens, cfg.register_dim)
+            block = self._to_device(latents[start:start + f])
             _, _, k, v = world_step(
-                self._graphdef, self._params, caches, self._to_device(latents[start:start + f]), zero, zero, zero,
+                self._graphdef, self._params, caches, block, zero, zero, zero,
                 session.key, np.int32(session.block_index), np.int32(self.schedule.num_steps),
                 np.int32(state.adapter(MAIN).committed_frames), state.get_cross_attention_kv(MAIN, "text"),
-                self._to_device(block_registers), prediction=self.prediction)
+                None, self._to_device(controls[start:start + f]), self._previous_frame(session),
+                prediction=self.prediction)
             state.commit_paged_context(MAIN, kv=(k, v))
+            session.last_block = block  # a "delta" prediction continues from the newest observed frame
 
     def _start_block(self, state: Any, session: _WorldSession, parsed: Any) -> Any:
         if parsed.observation is not None:
-            self._prefill(state, session, parsed.observation, parsed.observation_registers)
-        return super()._start_block(state, session, parsed.registers)
+            self._prefill(state, session, parsed.observation, parsed.observation_controls)
+        return super()._start_block(state, session, parsed.block)
 
     def _finish_block(self, x0: jax.Array) -> jax.Array:
-        # Commit the frame the user sees: rounding to uint8 levels before the t = 0 forward
-        # keeps sub-level errors from accumulating in the context (the next block is
-        # conditioned on exactly the decoded frame, as if it had been observed).
+        # Commit the frame the user sees: decoding before the t = 0 forward keeps small
+        # errors from accumulating in the context (the next block is conditioned on exactly
+        # the decoded frame, as if it had been observed).
+        if self.pipeline_config.decoder == "cells":
+            return snap_latents(x0)
         return quantise_latents(x0)
 
     @staticmethod

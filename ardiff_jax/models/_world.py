@@ -29,8 +29,11 @@ per-step code in a loop, so both modes produce bit-identical blocks.
 Request schema (``DiffusionRequest``):
 
 * ``prompt``: ``str``; required on a session's first request, ``None`` keeps the current one;
-* ``inputs["action"]``: ``f32[E, register_dim]`` control features of the block (default
+* ``inputs["action"]``: ``f32[E, register_dim]`` register features of the block (default
   zeros), or ``f32[num_blocks, E, register_dim]`` (one per block of a streaming request);
+* ``inputs["controls"]``: for a control-conditioned transformer (``control_dim > 0``),
+  ``f32[f, control_dim]``, one control vector per frame of the block (default zeros), or
+  ``f32[num_blocks, f, control_dim]``;
 * ``inputs["seed"]``: noise seed of a new session, an integer in ``[0, 2**31)`` (default:
   derived from the session id);
 * ``inputs["num_blocks"]``: blocks a streaming (stepwise) request wants (default 1).
@@ -72,7 +75,7 @@ from ardiff_jax.models._common import (
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest, StepResult
 
-__all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step"]
+__all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step", "clean_estimate", "PREDICTIONS"]
 
 MAIN = "main"
 TEXT = "text"
@@ -88,6 +91,13 @@ class WorldPipelineConfig(PipelineConfigBase):
       weights_seed: seed of the random-init weights.
       noise_seed: mixed into session ids to derive per-session noise seeds.
     """
+
+
+class _BlockInputs(NamedTuple):
+    """The per-block conditioning of a request, parsed on the host."""
+
+    registers: np.ndarray | None  # f32[E, register_dim]
+    controls: np.ndarray | None  # f32[f, control_dim]
 
 
 class WorldBlock(NamedTuple):
@@ -107,6 +117,32 @@ class WorldBlock(NamedTuple):
     ar_diffusion: ARDiffusionChunkMetadata | None = None
 
 
+#: What a transformer's video output can mean (:func:`clean_estimate`).
+PREDICTIONS = ("flow", "x0", "delta")
+
+
+def clean_estimate(out: jax.Array, x_t: jax.Array, sigma: jax.Array, previous: jax.Array | None,
+                   prediction: str) -> jax.Array:
+    """The clean block ``x0 f32[f, C, H, W]`` from the transformer's output ``out`` (same shape).
+
+    * ``"flow"`` (Wan's convention): ``out`` is ``v = noise - x0``, so ``x0 = x_t - sigma * v``;
+    * ``"x0"``: ``out`` is the clean block itself;
+    * ``"delta"``: ``out`` is the change from the last committed frame ``previous [C, H, W]``
+      to each frame of the block, so ``x0 = previous + out``. A world whose frames change in
+      a few places makes "nothing moves" the zero output, and the model spends its capacity
+      on what does move.
+    """
+    if prediction == "flow":
+        return x_t - sigma * out
+    if prediction == "x0":
+        return out
+    if prediction == "delta":
+        if previous is None:
+            raise ValueError("prediction 'delta' needs the previous frame")
+        return previous[None] + out
+    raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
+
+
 def _world_step(
     graphdef: Any,
     params: Any,
@@ -121,18 +157,19 @@ def _world_step(
     frame_start: jax.Array,  # i32[]
     text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
     registers: jax.Array | None,  # f32[E, register_dim]
+    controls: jax.Array | None = None,  # f32[f, control_dim]
+    previous: jax.Array | None = None,  # f32[C, H, W]: the last committed frame ("delta" prediction)
     prediction: str = "flow",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     modules = nnx.merge(graphdef, params)
-    out = modules.transformer(x_t, t, frame_start, text_kv, None, registers, attention=attention)
-    x0 = out.video if prediction == "x0" else x_t - sigma * out.video
+    out = modules.transformer(x_t, t, frame_start, text_kv, None, registers, controls, attention=attention)
+    x0 = clean_estimate(out.video, x_t, sigma, previous, prediction)
     noise = jax.random.normal(step_noise_key(session_key, block_index, step_index), x_t.shape, jnp.float32)
     return renoise(x0, sigma_next, noise), x0, out.k, out.v
 
 
 #: One forward of the world pipeline: ``(graphdef, params, attention, ...) -> (x_next, x0, k, v)``.
-#: ``x0 = x_t - sigma * v_pred`` (``prediction="flow"``, the transformer predicts the flow) or
-#: the transformer's output itself (``prediction="x0"``); ``x_next`` re-noises ``x0`` to
+#: ``x0`` is :func:`clean_estimate` of the transformer's output; ``x_next`` re-noises ``x0`` to
 #: ``sigma_next`` with the stream ``step_index + 1`` of the block's key; ``k, v`` are the
 #: block's per-layer ``[L, f*T, H, D]``. The commit forward is the same call with
 #: ``t = sigma = sigma_next = 0``.
@@ -146,6 +183,7 @@ class _InFlightBlock:
     frame_start: int
     block_index: int
     registers: jax.Array | None  # f32[E, register_dim]
+    controls: jax.Array | None = None  # f32[f, control_dim]
 
 
 @dataclasses.dataclass
@@ -157,7 +195,8 @@ class _WorldSession(PipelineSession):
     nested_fields: ClassVar[Mapping[str, type]] = {"inflight": _InFlightBlock}
 
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
-        inflight = () if self.inflight is None else (self.inflight.x_t, self.inflight.registers)
+        inflight = () if self.inflight is None else (self.inflight.x_t, self.inflight.registers,
+                                                     self.inflight.controls)
         return (self.key, self.last_block, *inflight)
 
 
@@ -207,11 +246,15 @@ class WorldPipeline(PipelineBase):
         """Upper bound of one session's device state: in-flight + last block, registers, key."""
         block = nbytes(config.block_shape)
         registers = nbytes((config.num_register_tokens, config.register_dim))
-        return 2 * block + registers + 16
+        controls = nbytes((config.frames_per_block, config.control_dim))
+        return 2 * block + registers + controls + 16
 
     def _session_shapes(self) -> dict[str, tuple[int, ...]]:
-        block = tuple(self.config.block_shape)
-        return {"last_block": block, "inflight.x_t": block}
+        cfg = self.config
+        block = tuple(cfg.block_shape)
+        return {"last_block": block, "inflight.x_t": block,
+                "inflight.registers": (cfg.num_register_tokens, cfg.register_dim),
+                "inflight.controls": (cfg.frames_per_block, cfg.control_dim)}
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """One block with a fixed prompt: compiles the step program and the text projection."""
@@ -223,14 +266,30 @@ class WorldPipeline(PipelineBase):
     def _num_blocks(request: DiffusionRequest) -> int:
         return check_positive_int("inputs['num_blocks']", request.inputs.get("num_blocks", 1))
 
-    def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[str | None, np.ndarray | None]:
-        """``(prompt, action)`` of the block ``request`` starts; the one parser of validate, forward and step."""
+    def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[str | None, _BlockInputs]:
+        """``(prompt, inputs)`` of the block ``request`` starts; the one parser of validate, forward and step."""
         num_blocks = self._num_blocks(request)
         prompt = self._check_prompt_and_seed(session_id, request, request.prompt)
         session = self._sessions.get(session_id)
-        block = 0 if session is None else session.blocks_emitted
-        action = self._parse_action(request.inputs.get("action"), min(block, num_blocks - 1), num_blocks)
-        return prompt, action
+        block = min(0 if session is None else session.blocks_emitted, num_blocks - 1)
+        action = self._parse_action(request.inputs.get("action"), block, num_blocks)
+        controls = self._parse_controls(request.inputs.get("controls"), block, num_blocks)
+        return prompt, _BlockInputs(action, controls)
+
+    def _parse_controls(self, controls: Any, block: int, num_blocks: int) -> np.ndarray | None:
+        cfg = self.config
+        if not cfg.control_dim:
+            if controls is not None:
+                raise ValueError("this WorldPipeline's transformer is not control-conditioned (control_dim 0); "
+                                 "inputs['controls'] must be absent")
+            return None
+        shape = (cfg.frames_per_block, cfg.control_dim)
+        if controls is None:
+            return np.zeros(shape, np.float32)
+        array = np.asarray(controls)
+        if array.ndim == 3:
+            array = check_array("inputs['controls']", array, (num_blocks,) + shape)[block]
+        return check_array("inputs['controls']", array, shape)
 
     def _parse_action(self, action: Any, block: int, num_blocks: int) -> np.ndarray | None:
         cfg = self.config
@@ -260,12 +319,13 @@ class WorldPipeline(PipelineBase):
             k, v = self._text_kv(session.prompt)
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
 
-    def _start_block(self, state: Any, session: _WorldSession, action: np.ndarray | None) -> _InFlightBlock:
+    def _start_block(self, state: Any, session: _WorldSession, block: _BlockInputs) -> _InFlightBlock:
         block_index = np.int32(session.block_index)
         x_t = block_noise(session.key, block_index, self.config.block_shape)
-        registers = None if action is None else self._to_device(action)
+        registers = None if block.registers is None else self._to_device(block.registers)
+        controls = None if block.controls is None else self._to_device(block.controls)
         inflight = _InFlightBlock(x_t=x_t, step=0, frame_start=state.adapter(MAIN).committed_frames,
-                                  block_index=session.block_index, registers=registers)
+                                  block_index=session.block_index, registers=registers, controls=controls)
         session.inflight = inflight
         return inflight
 
@@ -277,8 +337,17 @@ class WorldPipeline(PipelineBase):
         return world_step(
             self._graphdef, self._params, caches, x, t, sigma, sigma_next, session.key,
             np.int32(inflight.block_index), np.int32(step), np.int32(inflight.frame_start),
-            state.get_cross_attention_kv(MAIN, TEXT), inflight.registers, prediction=self.prediction,
+            state.get_cross_attention_kv(MAIN, TEXT), inflight.registers, inflight.controls,
+            self._previous_frame(session), prediction=self.prediction,
         )
+
+    def _previous_frame(self, session: _WorldSession) -> jax.Array | None:
+        """The last committed frame ``f32[C, H, W]`` a ``"delta"`` prediction adds to (``None`` otherwise)."""
+        if self.prediction != "delta":
+            return None
+        if session.last_block is None:
+            return jnp.zeros(self.config.block_shape[1:], jnp.float32)  # nothing yet: the change from black
+        return session.last_block[-1]
 
     def _finish_block(self, x0: jax.Array) -> jax.Array:
         """The clean block as it is committed and returned (a subclass may project it, e.g. quantise)."""
@@ -323,10 +392,10 @@ class WorldPipeline(PipelineBase):
             raise RuntimeError(
                 f"WorldPipeline session {session_id!r} has an in-flight stepwise block; tick requests cannot "
                 "interleave with it")
-        prompt, action = self._parse_new_block(session_id, request)
+        prompt, block_inputs = self._parse_new_block(session_id, request)
         session = self._session(session_id, request, prompt)
         self._sync_prompt(state, session, prompt)
-        self._start_block(state, session, action)
+        self._start_block(state, session, block_inputs)
         while (block := self._advance(state, session)) is None:
             pass
         return with_tick_metadata(block, request)
@@ -338,10 +407,10 @@ class WorldPipeline(PipelineBase):
         num_blocks = self._num_blocks(request)
         session = self._sessions.get(session_id)
         if session is None or session.inflight is None:
-            prompt, action = self._parse_new_block(session_id, request)
+            prompt, block_inputs = self._parse_new_block(session_id, request)
             session = self._session(session_id, request, prompt)
             self._sync_prompt(state, session, prompt)
-            self._start_block(state, session, action)
+            self._start_block(state, session, block_inputs)
         block_out = self._advance(state, session)
         if block_out is None:
             return StepResult(finished=False)

@@ -12,7 +12,11 @@ Needs the ``train`` extra (``pip install 'ardiff_jax[train]'``: optax, orbax-che
 matplotlib); inference with the shipped weights does not. Design notes: ``docs/models.md``.
 """
 
+from ardiff_jax.training._evaluate import EVALUATION_SEED, OneStepAccuracy, one_step_accuracy
 from ardiff_jax.training._loop import (
+    BOOKKEEPING_FIELDS,
+    checkpoint_config,
+    config_differences,
     TrainConfig,
     TrainResult,
     TrainState,
@@ -30,9 +34,17 @@ from ardiff_jax.training._objective import (
     batch_loss,
     sample_training_batch,
     sequence_loss,
+    teacher_forced_outputs,
 )
 
 __all__ = [
+    "BOOKKEEPING_FIELDS",
+    "checkpoint_config",
+    "config_differences",
+    "EVALUATION_SEED",
+    "OneStepAccuracy",
+    "one_step_accuracy",
+    "teacher_forced_outputs",
     "Objective",
     "TrainConfig",
     "TrainResult",

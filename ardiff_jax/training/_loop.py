@@ -16,11 +16,13 @@ import numpy as np
 from flax import nnx
 
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
-from ardiff_jax.models import CausalDiTConfig, DiTModules, dit_preset
+from ardiff_jax.models import PREDICTIONS, CausalDiTConfig, DiTModules, dit_preset
+from ardiff_jax.training._evaluate import EVALUATION_SEED
 from ardiff_jax.training._objective import Objective, TrainingBatch, batch_loss, sample_training_batch
 
 __all__ = ["TrainConfig", "TrainState", "TrainResult", "make_optimizer", "init_train_state", "make_train_step",
-           "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve"]
+           "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve", "checkpoint_config",
+           "config_differences", "BOOKKEEPING_FIELDS"]
 
 
 def _optional(module: str) -> Any:
@@ -39,48 +41,57 @@ class TrainConfig:
       steps: optimizer steps.
       batch_size: training sequences per step.
       sequence_frames: frames per sequence: the sink frame plus ``sequence_frames - 1`` consecutive frames.
-      max_gap: largest distance from the sink to the first consecutive frame.
+      max_gap: largest number of simulated steps from the sink to the first consecutive frame.
+      max_sink_distance: largest frame distance at which such a run is placed from the sink
+        (``sample_training_batch``); 0 places it where it was simulated.
       learning_rate, warmup_steps, end_learning_rate: linear warmup to the peak, then cosine decay.
       weight_decay: AdamW's decoupled weight decay.
       grad_clip: global gradient-norm clip.
-      change_weight, sigma_one_probability, low_sigma_max, prediction: the loss (:class:`Objective`).
+      change_weight, focus_weight, sigma_one_probability, low_sigma_max, prediction: the loss
+        (:class:`Objective`).
       seed: initial weights, data and noise.
       checkpoint_every: steps between orbax checkpoints (the last step is always saved).
     """
 
     preset: str = "sprite_world"
-    steps: int = 1000
+    steps: int = 2000
     batch_size: int = 16
     sequence_frames: int = 4
     max_gap: int = 48
-    learning_rate: float = 2e-3
-    warmup_steps: int = 50
+    max_sink_distance: int = 1024
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
     end_learning_rate: float = 1e-4
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    change_weight: float = 8.0
-    sigma_one_probability: float = 0.7
+    change_weight: float = 0.0
+    focus_weight: float = 8.0
+    sigma_one_probability: float = 1.0
     low_sigma_max: float = 0.3
-    prediction: str = "x0"
+    prediction: str = "delta"
     seed: int = 0
-    checkpoint_every: int = 100
+    checkpoint_every: int = 250
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_gap", "checkpoint_every"):
             check_positive_int(f"TrainConfig {name}", getattr(self, name))
         check_non_negative_int("TrainConfig warmup_steps", self.warmup_steps)
+        check_non_negative_int("TrainConfig max_sink_distance", self.max_sink_distance)
         check_non_negative_int("TrainConfig seed", self.seed)
+        if self.seed == EVALUATION_SEED:
+            raise ValueError(f"TrainConfig seed {EVALUATION_SEED} is the evaluation clips' seed "
+                             "(ardiff_jax.training.EVALUATION_SEED); train with another")
         if check_positive_int("TrainConfig sequence_frames", self.sequence_frames) < 2:
             raise ValueError("TrainConfig sequence_frames must be at least 2 (the sink and one target)")
         for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight",
-                     "sigma_one_probability", "low_sigma_max"):
+                     "focus_weight", "sigma_one_probability", "low_sigma_max"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"TrainConfig {name} must be a finite non-negative number, got {value!r}")
         if self.sigma_one_probability > 1 or not 0 < self.low_sigma_max <= 1:
             raise ValueError("TrainConfig sigma_one_probability must be in [0, 1] and low_sigma_max in (0, 1]")
-        if self.prediction not in ("x0", "flow"):
-            raise ValueError(f"TrainConfig prediction must be 'x0' or 'flow', got {self.prediction!r}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"TrainConfig prediction must be one of {PREDICTIONS}, got {self.prediction!r}")
         dit_preset(self.preset)  # KeyError naming the presets if unknown
 
     @property
@@ -89,7 +100,7 @@ class TrainConfig:
 
     @property
     def objective(self) -> Objective:
-        return Objective(change_weight=float(self.change_weight),
+        return Objective(change_weight=float(self.change_weight), focus_weight=float(self.focus_weight),
                          sigma_one_probability=float(self.sigma_one_probability),
                          low_sigma_max=float(self.low_sigma_max), prediction=self.prediction)
 
@@ -125,8 +136,18 @@ def make_optimizer(config: TrainConfig) -> Any:
 
 
 def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
-    """``(graphdef, state)`` at step 0: fresh weights from ``config.seed``."""
+    """``(graphdef, state)`` at step 0: fresh weights from ``config.seed``.
+
+    A ``"delta"`` model starts with a zero output head (Wan's and DiT's initialisation): its
+    first prediction is "nothing moves", the best answer that ignores the context, with the
+    body's features intact. From a random head it first has to learn to output zero, and does
+    so by silencing its own features, a plateau it leaves only slowly (``docs/models.md``).
+    """
     modules = DiTModules.create(config.model_config, config.seed)
+    if config.prediction == "delta":
+        head = modules.transformer.head
+        head.kernel[...] = jnp.zeros_like(head.kernel[...])
+        head.bias[...] = jnp.zeros_like(head.bias[...])
     graphdef, params = nnx.split(modules)
     state = TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(config).init(params))
     # Committed to the default device, as a restored checkpoint is: a fresh and a resumed run
@@ -167,17 +188,46 @@ def _manager(directory: Path, keep: int = 2) -> Any:
     return ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
 
+#: TrainConfig fields that do not change what a run computes: a resume may change them freely.
+BOOKKEEPING_FIELDS = ("checkpoint_every",)
+
+
 def save_checkpoint(directory: str | Path, state: TrainState, losses: list[tuple[int, float]],
-                    wall_seconds: float = 0.0) -> None:
-    """Save ``state`` (orbax, arrays), the loss history so far and the run's training time (JSON item)."""
+                    wall_seconds: float = 0.0, config: TrainConfig | None = None) -> None:
+    """Save ``state`` (orbax, arrays), the loss history so far, the run's training time and its config (JSON item)."""
     ocp = _optional("orbax.checkpoint")
     manager = _manager(Path(directory))
     step = int(state.step)
-    record = {"losses": losses, "wall_seconds": wall_seconds}
+    record = {"losses": losses, "wall_seconds": wall_seconds,
+              "config": None if config is None else config.as_dict()}
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                losses=ocp.args.JsonSave(record)))
     manager.wait_until_finished()
     manager.close()
+
+
+def checkpoint_config(directory: str | Path) -> dict[str, Any] | None:
+    """The config stored with the latest checkpoint in ``directory`` (``None``: no checkpoint, or one without it)."""
+    ocp = _optional("orbax.checkpoint")
+    directory = Path(directory)
+    if not directory.exists():
+        return None
+    manager = _manager(directory)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            return None
+        record = manager.restore(step, args=ocp.args.Composite(losses=ocp.args.JsonRestore()))["losses"]
+    finally:
+        manager.close()
+    return record.get("config") if isinstance(record, dict) else None
+
+
+def config_differences(stored: dict[str, Any], config: TrainConfig) -> list[str]:
+    """``"field: stored -> new"`` for every run-defining field in which ``config`` differs from ``stored``."""
+    current = config.as_dict()
+    return [f"{name}: {stored.get(name)!r} -> {current.get(name)!r}" for name in sorted(set(stored) | set(current))
+            if name not in BOOKKEEPING_FIELDS and stored.get(name) != current.get(name)]
 
 
 def restore_checkpoint(directory: str | Path, config: TrainConfig, step: int | None = None
@@ -230,18 +280,30 @@ def plot_loss_curve(losses: list[tuple[int, float]], path: str | Path, title: st
 
 
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = True, progress: bool = True,
-          stop_after: int | None = None) -> TrainResult:
+          stop_after: int | None = None, force: bool = False) -> TrainResult:
     """Train (or resume) the run of ``config`` in ``out_dir``: checkpoints, ``losses.json`` and ``loss_curve.png``.
 
     ``out_dir/checkpoints`` holds orbax checkpoints every ``config.checkpoint_every`` steps
     and at the end; with ``resume`` the latest one is restored and the run continues with
     the same data and noise it would have seen uninterrupted. ``stop_after`` stops early
     after that many steps of this call (the run can be resumed later).
+
+    A checkpoint made under another run-defining config (any field but
+    ``checkpoint_every``: another seed, batch size, schedule, ...) is refused with a
+    ValueError naming the fields, before anything is restored: continuing it would mix two
+    runs under one label. ``force=True`` continues it anyway, and ``losses.json`` then
+    records the stored config as ``resumed_from_config``.
     """
     tqdm = _optional("tqdm.auto").tqdm
     out = Path(out_dir)
     checkpoints = out / "checkpoints"
     started = time.perf_counter()
+    stored_config = checkpoint_config(checkpoints) if resume else None
+    differences = [] if stored_config is None else config_differences(stored_config, config)
+    if differences and not force:
+        raise ValueError(f"{out} holds a run made under another TrainConfig ({'; '.join(differences)}); resume it "
+                         "with the same config, start over (resume=False / --no-resume), use another directory, "
+                         "or continue it under the new config with force=True (--force)")
     restored = restore_checkpoint(checkpoints, config) if resume else None
     earlier_seconds = 0.0
     if restored is None:
@@ -258,16 +320,19 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = True, prog
     with tqdm(total=config.steps, initial=first, disable=not progress, unit="step", desc="train") as bar:
         for step in range(first, last):
             batch = sample_training_batch(config.seed, step, config.batch_size, config.sequence_frames,
-                                          config.max_gap, size=cfg.latent_height)
+                                          config.max_gap, size=cfg.latent_height,
+                                          max_sink_distance=config.max_sink_distance or None)
             state, loss = step_fn(state, batch)
             losses.append((step, float(loss)))
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1][1]:.4f}")
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == last:
-                save_checkpoint(checkpoints, state, losses, earlier_seconds + time.perf_counter() - started)
+                save_checkpoint(checkpoints, state, losses, earlier_seconds + time.perf_counter() - started, config)
     wall_seconds = earlier_seconds + time.perf_counter() - started
-    (out / "losses.json").write_text(
-        json.dumps({"config": config.as_dict(), "losses": losses, "wall_seconds": wall_seconds}) + "\n")
+    record = {"config": config.as_dict(), "losses": losses, "wall_seconds": wall_seconds}
+    if differences:
+        record["resumed_from_config"] = stored_config
+    (out / "losses.json").write_text(json.dumps(record) + "\n")
     if losses:
         plot_loss_curve(losses, out / "loss_curve.png", title=f"{config.preset}: training loss")
     modules = nnx.merge(graphdef, state.params)

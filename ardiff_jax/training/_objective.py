@@ -20,11 +20,13 @@ visible-window rule, so a noisy target sees exactly what a cached inference forw
 A target whose previous frame is not in the sequence (the first frame after a gap) carries
 no loss: it could only guess.
 
-The loss is the flow-matching MSE on the noisy targets, on the clean frame (``x0``
-prediction, the default) or on the flow ``noise - x0`` (:class:`Objective`), with
-pixels that changed since the previous frame weighted ``1 + change_weight`` (the agent and
-the ball are a few percent of the pixels; unweighted, copying the last frame is almost
-free and the sprites are learnt last).
+The loss is the MSE of what the transformer predicts (:class:`Objective`): the change from
+the previous frame (``delta``, the default), the clean frame (``x0``) or the flow
+``noise - x0``. Each frame's one-hot action conditions its tokens as the transformer's
+per-frame ``controls``. Every pixel weighs the same by default: a weight that depends on the
+*target* (the former 9x on pixels that changed) moves the loss's optimum away from the
+expected frame, towards painting the sprite wherever it might go (ghosts); see
+``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ardiff_jax.envs import ACTION_NAMES, sprite_world_clips
+from ardiff_jax.envs import ACTION_NAMES, CELL_SIZE, sprite_world_clips
 from ardiff_jax.models import (
+    PREDICTIONS,
     CausalDiTConfig,
     MaskedAttention,
     action_registers,
@@ -47,42 +50,47 @@ from ardiff_jax.models import (
     tokenize_prompt,
 )
 
-__all__ = ["Objective", "TrainingBatch", "sample_training_batch", "sequence_loss", "batch_loss"]
+__all__ = ["Objective", "TrainingBatch", "sample_training_batch", "sequence_loss", "batch_loss",
+           "teacher_forced_outputs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """The knobs of the loss (hashable: a static argument of the jitted step).
 
-    Noise levels are drawn where the two-step sampler (``t = 1000, 100``) works: with
-    probability ``sigma_one_probability`` a target is pure noise (``sigma = 1``, the step
-    that must produce the whole next frame from the context), otherwise ``sigma`` is
-    uniform in ``(0, low_sigma_max]`` (the clean-up step, which learns that frames are
-    flat-coloured and removes what the first step left). Training a small model on the
-    whole ``(0, 1]`` range spends most of its capacity on noise levels the sampler never
-    visits.
+    Noise levels are drawn where the sampler works: with probability
+    ``sigma_one_probability`` a target is pure noise (``sigma = 1``, the step that must
+    produce the whole next frame from the context), otherwise ``sigma`` is uniform in
+    ``(0, low_sigma_max]`` (a clean-up step). SpriteWorld is deterministic, so the shipped
+    model samples in one step and trains at ``sigma = 1`` only.
 
-    ``prediction`` says what the transformer's video output is: ``"x0"`` (the clean frame;
-    the loss is ``|x0_pred - x0|^2``) or ``"flow"`` (Wan's ``v = noise - x0``; the loss is
-    ``|v_pred - v|^2``). The two agree at ``sigma = 1`` up to what the output must carry: a
-    flow prediction there must reproduce its own pure-noise input token by token, on top of
-    the next frame, and what it fails to copy comes out as noise in the frame.
+    ``prediction`` says what the transformer's video output is
+    (:func:`~ardiff_jax.models.clean_estimate`): ``"delta"`` (the change from the previous
+    frame; the loss is ``|delta_pred - (x0 - previous)|^2``), ``"x0"`` (the clean frame) or
+    ``"flow"`` (Wan's ``v = noise - x0``). A flow prediction at ``sigma = 1`` must reproduce
+    its own pure-noise input token by token on top of the next frame, and what it fails to
+    copy comes out as noise in the frame.
 
     Attributes:
-      change_weight: extra weight of pixels that changed since the previous frame.
+      change_weight: extra weight of pixels that changed since the previous frame (0: none;
+        a target-dependent weight rewards ghosts, ``docs/models.md``).
+      focus_weight: extra weight of the cells within one cell of a sprite (agent or ball) in
+        the *previous* frame: every change SpriteWorld can make happens there, and a weight
+        that depends only on the input leaves the loss's optimum where it was.
       sigma_one_probability: share of targets at ``sigma = 1``.
       low_sigma_max: the largest ``sigma`` of the other targets.
-      prediction: ``"x0"`` or ``"flow"``.
+      prediction: ``"delta"``, ``"x0"`` or ``"flow"``.
     """
 
-    change_weight: float = 8.0
-    sigma_one_probability: float = 0.7
+    change_weight: float = 0.0
+    focus_weight: float = 0.0
+    sigma_one_probability: float = 1.0
     low_sigma_max: float = 0.3
-    prediction: str = "x0"
+    prediction: str = "delta"
 
     def __post_init__(self) -> None:
-        if self.prediction not in ("x0", "flow"):
-            raise ValueError(f"Objective prediction must be 'x0' or 'flow', got {self.prediction!r}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"Objective prediction must be one of {PREDICTIONS}, got {self.prediction!r}")
 
 
 class TrainingBatch(NamedTuple):
@@ -102,11 +110,16 @@ class TrainingBatch(NamedTuple):
 
 
 def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max_gap: int,
-                          size: int = 32) -> TrainingBatch:
+                          size: int = 32, max_sink_distance: int | None = None) -> TrainingBatch:
     """The batch of training step ``step``: a pure function of ``(seed, step)``, so a resumed run sees the same data.
 
     Half the sequences are contiguous (``g = 1``); the rest start after a gap drawn
-    uniformly from ``[2, max_gap]``.
+    uniformly from ``[2, max_gap]`` simulated steps. With ``max_sink_distance``, those are
+    also *placed* further from the sink: their frame indices are shifted so that the first
+    one sits uniformly in ``[g, max_sink_distance]``. The world is Markov and its walls never
+    change, so a frame 30 steps after the reset looks exactly like one 900 steps after it;
+    only the rotary distance to the sink differs, and a model that will play for thousands
+    of frames must have seen such distances.
     """
     rng = np.random.default_rng([seed, step])
     clip_seed = int(rng.integers(0, 2**62))
@@ -114,12 +127,56 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     length = int(gaps.max()) + num_frames - 1
     frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
     offsets = np.arange(num_frames - 1)
-    positions = np.concatenate([np.zeros((batch, 1), np.int64), gaps[:, None] + offsets[None, :]], axis=1)
+    sampled = np.concatenate([np.zeros((batch, 1), np.int64), gaps[:, None] + offsets[None, :]], axis=1)
+    positions = sampled
+    if max_sink_distance is not None and max_sink_distance > max_gap:
+        placed = np.where(gaps == 1, 1, rng.integers(gaps, max_sink_distance + 1))
+        positions = np.concatenate([np.zeros((batch, 1), np.int64), placed[:, None] + offsets[None, :]], axis=1)
     rows = np.arange(batch)[:, None]
     weights = np.ones((batch, num_frames - 1), np.float32)
     weights[:, 0] = (gaps == 1).astype(np.float32)
-    return TrainingBatch(frames=frames[rows, positions], actions=actions[rows, positions].astype(np.int32),
+    return TrainingBatch(frames=frames[rows, sampled], actions=actions[rows, sampled].astype(np.int32),
                          positions=positions.astype(np.int32), weights=weights)
+
+
+def near_sprites(latents: jax.Array) -> jax.Array:
+    """``f32[n, 1, H, W]``: 1 on the cells within one cell (3x3) of a sprite in ``latents f32[n, 3, H, W]``, else 0.
+
+    A sprite cell is one with red or green in it (the agent is green, every ball colour has
+    red; floor and walls have neither), read from the frame alone.
+    """
+    n, _, h, w = latents.shape
+    cells = latents.reshape(n, 3, h // CELL_SIZE, CELL_SIZE, w // CELL_SIZE, CELL_SIZE).mean(axis=(3, 5))
+    sprite = ((cells[:, 0] > 0) | (cells[:, 1] > 0)).astype(jnp.float32)  # [n, rows, cols]
+    near = jax.lax.reduce_window(sprite, 0.0, jax.lax.max, (1, 3, 3), (1, 1, 1), "SAME")
+    return jnp.repeat(jnp.repeat(near, CELL_SIZE, axis=1), CELL_SIZE, axis=2)[:, None]
+
+
+def teacher_forced_outputs(
+    modules: Any,  # DiTModules (transformer + text encoder)
+    config: CausalDiTConfig,
+    latents: jax.Array,  # f32[n, 3, H, W]: the sequence's clean frames
+    controls: jax.Array,  # f32[n, 1, control_dim]: each frame's one-hot action
+    positions: jax.Array,  # i32[n]
+    x_t: jax.Array,  # f32[n - 1, 3, H, W]: the noisy targets (frames 1 .. n-1)
+    sigma: jax.Array,  # f32[n - 1]: their noise levels
+    text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
+) -> jax.Array:
+    """``f32[n - 1, 3, H, W]``: the transformer's output for each noisy target, in one teacher-forced pass.
+
+    Target ``i`` sees exactly what a cached inference forward of frame ``positions[i + 1]``
+    would see after the clean frames before it were committed (``block_causal_mask``).
+    """
+    n = latents.shape[0]
+    instances = jnp.concatenate([latents[:-1], x_t])[:, None]  # [2(n-1), 1, 3, H, W]
+    timesteps = jnp.concatenate([jnp.zeros((n - 1,)), sigma * 1000.0])
+    starts = jnp.concatenate([positions[:-1], positions[1:]])
+    clean = jnp.arange(2 * (n - 1)) < n - 1
+    mask = block_causal_mask(config, starts, clean)
+    out = modules.transformer.forward_blocks(instances, timesteps, starts, text_kv, None, None,
+                                             jnp.concatenate([controls[:-1], controls[1:]]),
+                                             attention=MaskedAttention(mask))
+    return out.video[n - 1:, 0]
 
 
 def sequence_loss(
@@ -136,7 +193,7 @@ def sequence_loss(
     """``(weighted loss sum, weight sum)`` of one sequence (see the module docstring)."""
     n = frames.shape[0]
     latents = frames_to_latents(frames, jnp)  # [n, 3, H, W]
-    registers = action_registers(actions, len(ACTION_NAMES), jnp)[:, None, :]  # [n, 1, R]
+    controls = action_registers(actions, len(ACTION_NAMES), jnp)[:, None, :]  # [n, f=1, 5]: one-hot per frame
     key_sigma, key_one, key_noise = jax.random.split(key, 3)
     low = jax.random.uniform(key_sigma, (n - 1,), minval=1e-3, maxval=objective.low_sigma_max)
     sigma = jnp.where(jax.random.uniform(key_one, (n - 1,)) < objective.sigma_one_probability, 1.0, low)
@@ -144,18 +201,13 @@ def sequence_loss(
     noise = jax.random.normal(key_noise, x0.shape, jnp.float32)
     s = sigma[:, None, None, None]
     x_t = (1.0 - s) * x0 + s * noise
-    instances = jnp.concatenate([latents[:-1], x_t])[:, None]  # [2(n-1), 1, 3, H, W]
-    timesteps = jnp.concatenate([jnp.zeros((n - 1,)), sigma * 1000.0])
-    starts = jnp.concatenate([positions[:-1], positions[1:]])
-    clean = jnp.arange(2 * (n - 1)) < n - 1
-    mask = block_causal_mask(config, starts, clean)
-    out = modules.transformer.forward_blocks(instances, timesteps, starts, text_kv, None,
-                                             jnp.concatenate([registers[:-1], registers[1:]]),
-                                             attention=MaskedAttention(mask))
-    pred = out.video[n - 1:, 0]  # the noisy targets' predictions [n-1, 3, H, W]
-    target = x0 if objective.prediction == "x0" else noise - x0
+    pred = teacher_forced_outputs(modules, config, latents, controls, positions, x_t, sigma, text_kv)
+    # What the output should have been; a target after a gap has no previous frame in the
+    # sequence, and its weight is 0.
+    target = {"x0": x0, "flow": noise - x0, "delta": x0 - latents[:-1]}[objective.prediction]
     changed = jnp.any(latents[1:] != latents[:-1], axis=1, keepdims=True)  # [n-1, 1, H, W]
-    pixel_weight = 1.0 + objective.change_weight * changed.astype(jnp.float32)
+    pixel_weight = (1.0 + objective.change_weight * changed.astype(jnp.float32)
+                    + objective.focus_weight * near_sprites(latents[:-1]))
     err = jnp.square(pred - target) * pixel_weight
     per_target = err.mean(axis=(1, 2, 3))
     return jnp.sum(per_target * weights), jnp.sum(weights)
