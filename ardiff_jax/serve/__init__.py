@@ -5,7 +5,8 @@ Routes
 * ``WS /v1/realtime/video``: one WebSocket per generation session (the vLLM-Omni streaming
   video protocol, below);
 * ``GET /healthz``: JSON ``{"status", "model", "sessions": {"connected", "streaming",
-  "admitted", "resident"}, "capacity"}``;
+  "admitted", "resident"}, "capacity"}``; ``status`` is ``ok``, ``stalled`` (the generation
+  loop has been on one chunk for over ``stall_timeout_s``: every session waits) or ``stopped``;
 * ``GET /metrics``: Prometheus text (names prefixed ``ardiff_``);
 * ``GET /``: the browser client (``static/index.html``, one page, no external resources): plays
   the stream as it arrives (``jpeg`` on a canvas, ``m4s`` through Media Source Extensions),
@@ -29,14 +30,15 @@ Design
   encoded in order while the engine already runs the next session's tick.
 * **Sending**: each connection has a bounded send queue drained by its sender task. A chunk is
   one item (its ``video.chunk_metadata`` text frame, then its binary frame), so the pair is
-  never split. When a connection already has ``max_queued_chunks`` chunks waiting, the oldest
-  one is dropped and counted (``ardiff_`` dropped-chunk metric): a client that does not read
-  never stalls the loop or other sessions. The first ``m4s`` chunk (the stream header) is never
-  dropped; every ``m4s`` chunk starts with a key frame, so the stream decodes across a gap.
+  never split. While a connection has ``max_queued_chunks`` chunks waiting, the generation loop
+  skips its session (the session pauses, no chunk is made to be dropped) until its sender takes
+  one: a client that reads slowly gets every chunk at its own pace, and never stalls the loop or
+  other sessions. (The queue's own backstop would drop the oldest chunk, counted by the
+  ``ardiff_`` dropped-chunk metric; the first ``m4s`` chunk, the stream header, never.)
   ``transport_chunk_index`` is assigned when a chunk is sent, so it stays consecutive from 0 on
-  each connection; ``generation_chunk_index`` (the control plane's chunk index) shows any gap.
-  Control messages are never dropped; at most ``max_queued_control`` wait, after which that
-  connection's reader waits (its own input is throttled, nobody else's).
+  each connection; ``generation_chunk_index`` is the control plane's chunk index.
+  Replies to a client's own messages are never dropped: at most ``max_queued_control`` wait,
+  after which that connection's reader waits (its own input is throttled, nobody else's).
 
 Protocol
 ========
@@ -65,7 +67,8 @@ Client -> server (JSON text frames; binary frames are refused with ``unexpected_
   sent again. ``transition_chunks`` is checked and ignored (velocity controls apply from the
   next chunk). Controls persist until replaced: an action (or camera velocity) holds until
   another event sets a new one.
-* ``session.ping``: ``session.pong``; refreshes the stall clock.
+* ``session.ping``: ``session.pong`` (its delivery refreshes the stall clock, like any frame the
+  client takes).
 * ``session.stop``: no more chunks; ``session.done`` ``{request_id, chunks, stopped: true}``
   after the chunks already generated; the control-plane session is closed (the engine releases
   its KV) and the socket closes normally (1000). A session with ``num_frames`` ends the same
@@ -88,14 +91,41 @@ text frame over ``max_message_bytes``, ignored), ``unexpected_binary``, ``not_st
 ``already_started``, ``session_ended``, ``capacity`` (a start beyond the server's capacity:
 the socket stays open and the client may retry; a live session is never evicted; the start
 clock restarts), ``interaction_rejected``, ``interaction_failed`` (a queued event whose chunk
-failed), ``generation_failed`` (then the socket closes, 1011), ``start_timeout`` (no session
+failed), ``generation_failed`` (generating or encoding a chunk failed; then the socket closes,
+1011), ``internal_error`` (a server bug, logged; closes, 1011), ``start_timeout`` (no session
 started within ``start_timeout_s``; the socket closes, 1008), ``stall`` (a started session
-with neither a generated chunk nor a ping for ``stall_timeout_s``; closes, 1008). A disconnect
-closes the session and releases its KV.
+whose client took nothing, no chunk and no reply, for ``stall_timeout_s``; closes, 1008). A
+disconnect closes the session and releases its KV.
 
 Capacity: the engine's resident session capacity, plus the sessions its host tier holds when
 host offload is on (the round-robin then swaps sessions between device and host, each resuming
-exactly).
+exactly); for an :class:`~ardiff_jax.runtime.ARDiffusionRouter`, the sum over its replicas.
+
+Guarantees
+==========
+The server never waits on one client; it keeps serving everyone else whatever one client does.
+
+* **Nothing shared waits for a client.** The generation loop and the watchdogs never await a
+  send: replies they produce (``interaction_failed``, the final ``error``, ``session.done``)
+  are queued without waiting; an ``interaction_failed`` that finds the control queue full is
+  dropped, the final message and the close always get through (one past the bound).
+* **A client that does not read is stalled.** A send completes only when the transport takes
+  the frame, so the server sees what a client consumes. A streaming session whose client takes
+  nothing for ``stall_timeout_s`` gets ``stall`` and is closed, however many chunks were made
+  for it; generation for it pauses while its send queue is full.
+* **Timeouts hold whatever the client does.** Flooding messages changes no clock. A closing
+  connection (``session.done``, an error, a timeout) whose client takes nothing for
+  ``close_timeout_s`` is dropped without the rest; its session, slot and resources are freed
+  either way.
+* **A failed chunk ends its session**, whether generating or encoding it failed: the client gets
+  ``generation_failed`` (1011) and the slot is freed.
+* **Cleanup always completes.** An engine close that raises is logged and retried in the
+  background; the slot is freed and the socket still ends (``session.done`` or the error).
+* **Capacity never exceeds what stays resident.** ``ServerSettings.capacity`` above the engine's
+  capacity (plus its host tier) is clamped to it, with a logged warning.
+* **Hostile JSON gets a reply.** Numbers beyond Python's integer-digit limit and nesting deeper
+  than 32 levels are ``invalid_json``; any unexpected error while handling a message is logged
+  and answered with ``internal_error`` (then 1011), never a silent drop.
 """
 
 from ardiff_jax.serve._app import REALTIME_VIDEO_PATH, ServerSettings, create_app

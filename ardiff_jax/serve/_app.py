@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 REALTIME_VIDEO_PATH = "/v1/realtime/video"
 #: Wire event ids a connection remembers to answer repeats as duplicates (older ones count as new).
 REMEMBERED_EVENT_IDS = 4096
+#: Seconds between the retries of a failed engine close (after the first attempt); then it is given up, logged.
+CLOSE_RETRY_DELAYS_S = (0.1, 1.0)
 #: WebSocket close codes.
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008
@@ -65,19 +67,25 @@ class ServerSettings:
     Attributes:
       max_message_bytes: largest client text frame (UTF-8 bytes) read; larger -> ``message_too_large``.
       start_timeout_s: a connection must start a session within this (``start_timeout``, then closed).
-      stall_timeout_s: a started session with neither a generated chunk nor a ping for this long is
-        reported (``stall``) and closed.
+      stall_timeout_s: a started session whose client takes nothing (no chunk, no reply: its sends do not
+        complete) for this long is reported (``stall``) and closed, whatever the server produced for it.
+      close_timeout_s: a closing connection (``session.done`` or an error queued, then the close) is
+        dropped, without what is left, when its client takes nothing for this long.
       max_pending_events: interactions queued per session before the next chunk; beyond ->
         ``interaction_rejected``.
-      max_queued_chunks: media pairs waiting per connection; beyond, the oldest is dropped.
-      max_queued_control: control messages waiting per connection; beyond, that connection's reader waits.
+      max_queued_chunks: media pairs waiting per connection; while they wait, generation for that session
+        pauses.
+      max_queued_control: control messages waiting per connection; beyond, that connection's reader waits
+        (and an ``interaction_failed`` of a failed chunk, which the generation loop cannot wait to queue,
+        is dropped; the final ``generation_failed`` still goes).
       capacity: sessions served at once (``None``: the engine's resident capacity, plus its host
-        tier's when host offload is on).
+        tier's when host offload is on; a larger value is clamped to that, with a warning).
     """
 
     max_message_bytes: int = 64 * 1024
     start_timeout_s: float = 10.0
     stall_timeout_s: float = 60.0
+    close_timeout_s: float = 5.0
     max_pending_events: int = 16
     max_queued_chunks: int = 8
     max_queued_control: int = 64
@@ -86,7 +94,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_pending_events", "max_queued_chunks", "max_queued_control"):
             check_positive_int(f"ServerSettings {name}", getattr(self, name))
-        for name in ("start_timeout_s", "stall_timeout_s"):
+        for name in ("start_timeout_s", "stall_timeout_s", "close_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ServerSettings {name} must be a positive number of seconds, got {value!r}")
@@ -118,7 +126,9 @@ class _Connection:
         self.plan: StartPlan | None = None
         self.session: ARDiffusionSession | None = None
         self.encoder: Any = None
-        self.clock = time.monotonic()  # start clock while WAITING, stall clock while STREAMING
+        # Start clock while WAITING, stall clock while STREAMING, close clock once the close is queued (see _watch).
+        self.clock = time.monotonic()
+        self.sent_at = self.clock  # when a send to the client last completed (the client took a frame)
         self.frames_generated = 0
         self.tail: asyncio.Task | None = None  # the last chunk's encode-and-queue task (chunks stay in order)
         self.closing: asyncio.Task | None = None  # the control-plane close, once begun
@@ -164,7 +174,15 @@ class _Server:
         self.metrics = metrics
         plan = engine.memory_plan
         host = plan.host_session_capacity if getattr(plan, "host_offload_bytes", 0) else 0
-        self.capacity = settings.capacity if settings.capacity is not None else engine.session_capacity + host
+        held = engine.session_capacity + host
+        if settings.capacity is not None and settings.capacity > held:
+            # Clamped, not refused: the engine plans its capacity against the memory free when it is built, so
+            # the same settings can meet a smaller plan on another device or a busier one. Serving what stays
+            # resident (reported by /healthz) keeps such a server up; admitting more would LRU-evict live players.
+            logger.warning("ServerSettings capacity %d is above the %d sessions the engine holds (%d resident + "
+                           "%d in its host tier): serving %d", settings.capacity, held, engine.session_capacity,
+                           host, held)
+        self.capacity = held if settings.capacity is None else min(settings.capacity, held)
         self.connections: set[_Connection] = set()
         self.plans: dict[str, StartPlan] = {}
         self.queue_depth = 0
@@ -180,6 +198,7 @@ class _Server:
         self.wake: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
         self.background: set[asyncio.Task] = set()
+        self.busy_since: float | None = None  # the generation loop works on one session's chunk since then
 
     # -- lifespan ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,6 +217,16 @@ class _Server:
         self.encode_executor.shutdown(wait=True)
         self.engine_executor.shutdown(wait=True)
 
+    def status(self) -> str:
+        """``/healthz`` status: ``stopped`` (no generation loop), ``stalled`` (one chunk has been in progress
+        for over ``stall_timeout_s``: every session waits), else ``ok``."""
+        if self.loop_task is None or self.loop_task.done():
+            return "stopped"
+        busy_since = self.busy_since
+        if busy_since is not None and time.monotonic() - busy_since > self.settings.stall_timeout_s:
+            return "stalled"
+        return "ok"
+
     # -- helpers ----------------------------------------------------------------------------------------
     def _spawn(self, coroutine: Any) -> asyncio.Task:
         """A server-owned task: cleanup must finish even when the connection's handler is cancelled."""
@@ -211,13 +240,22 @@ class _Server:
         self.metrics.set_send_queue_depth(self.queue_depth)
 
     async def _error(self, conn: _Connection, code: str, message: str, event_id: str | None = None) -> None:
-        self.metrics.error(code)
-        await conn.queue.put_control(error_message(code, message, event_id))
+        """A reply to the connection's own message: waits for room, throttling that client's input only."""
+        if await conn.queue.put_control(error_message(code, message, event_id)):
+            self.metrics.error(code)
+
+    def _close_queue(self, conn: _Connection, code: int, reason: str, last_message: dict[str, Any]) -> bool:
+        """Queue ``last_message`` and the close without waiting and start the close clock; False once closing."""
+        if not conn.queue.close(code, reason, last_message):
+            return False
+        conn.clock = time.monotonic()
+        return True
 
     async def _close_with_error(self, conn: _Connection, code: str, message: str, close_code: int) -> None:
-        await self._error(conn, code, message)
+        """Report ``code``, close the socket and end the session; never waits for the client (see :meth:`_watch`)."""
+        if self._close_queue(conn, close_code, code, error_message(code, message)):
+            self.metrics.error(code)
         await self._finish_session(conn)
-        conn.queue.close(close_code, code)
 
     # -- one connection -------------------------------------------------------------------------------
     async def serve(self, websocket: WebSocket) -> None:
@@ -227,10 +265,12 @@ class _Server:
                                                 on_drop=self.metrics.dropped, on_depth=self._on_depth))
         self.connections.add(conn)
         self.metrics.connected(1)
+        # The reader ends at a disconnect, the sender after the close, the watchdog when the client takes
+        # nothing of a closing connection: whichever comes first ends the connection.
         tasks = [asyncio.create_task(self._read(conn)), asyncio.create_task(self._send(conn)),
                  asyncio.create_task(self._watch(conn))]
         try:
-            await asyncio.wait(tasks[:2], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
@@ -245,6 +285,8 @@ class _Server:
             message = await conn.websocket.receive()
             if message["type"] == "websocket.disconnect":
                 return
+            if conn.queue.closed:
+                continue  # closing: reading goes on (the close handshake needs it), the messages are ignored
             if message.get("bytes") is not None:
                 await self._error(conn, "unexpected_binary", "the client sends JSON text frames only; a binary "
                                                              f"frame of {len(message['bytes'])} bytes was ignored")
@@ -262,11 +304,13 @@ class _Server:
                 if error.code == "interaction_rejected":
                     self.metrics.interaction("rejected")
                 await self._error(conn, error.code, error.message, error.event_id)
+            except Exception:  # a bug must not drop the connection silently (1006, no reply, nothing logged)
+                logger.exception("message on connection %s failed unexpectedly", conn.request_id)
+                await self._close_with_error(conn, "internal_error", "the server failed; see its log",
+                                             CLOSE_INTERNAL)
 
     async def _dispatch(self, conn: _Connection, message: Any) -> None:
         if isinstance(message, SessionPing):
-            if conn.state is _State.STREAMING:
-                conn.clock = time.monotonic()
             await conn.queue.put_control({"type": "session.pong"})
         elif isinstance(message, SessionStart):
             await self._start(conn, message)
@@ -299,8 +343,9 @@ class _Server:
             self.plans.pop(conn.request_id, None)
             raise
         conn.plan, conn.session, conn.encoder = plan, session, encoder
-        await conn.queue.put_control({"type": "video.start", "request_id": conn.request_id, "format": plan.format,
-                                      "config": self.world.config(plan)})
+        if not await conn.queue.put_control({"type": "video.start", "request_id": conn.request_id,
+                                             "format": plan.format, "config": self.world.config(plan)}):
+            return  # closed while the reply waited for room: the close ended the session
         conn.state = _State.STREAMING
         conn.clock = time.monotonic()
         assert self.wake is not None
@@ -337,9 +382,14 @@ class _Server:
                                       "event_id": wire_id, "duplicate": False})
 
     async def _send(self, conn: _Connection) -> None:
-        """Drain the send queue onto the socket; a media item is its metadata frame then its binary frame."""
+        """Drain the send queue onto the socket; a media item is its metadata frame then its binary frame.
+
+        A send completes once the transport takes the frame, so a client that does not read blocks
+        it here, in its own task: :meth:`_watch` sees that no send completes.
+        """
         transport_index = 0
         websocket = conn.websocket
+        assert self.wake is not None
         try:
             while True:
                 item = await conn.queue.get()
@@ -348,6 +398,7 @@ class _Server:
                     return
                 assert item.message is not None
                 if item.kind == "media":
+                    self.wake.set()  # the queue has room: the generation loop may serve this session again
                     await websocket.send_text(json.dumps({**item.message, "transport_chunk_index": transport_index}))
                     await websocket.send_bytes(item.payload)
                     transport_index += 1
@@ -356,35 +407,51 @@ class _Server:
                     if message.get("type") == "session.done":
                         message = {**message, "chunks": transport_index}
                     await websocket.send_text(json.dumps(message))
+                conn.sent_at = time.monotonic()
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client went away; the reader sees the disconnect too
 
     async def _watch(self, conn: _Connection) -> None:
-        """The start clock (until a session starts) and the stall clock (while it streams)."""
+        """The connection's clocks; returns when the connection must be dropped (see ``serve``).
+
+        * waiting: the start clock (``start_timeout``), whatever the client sends;
+        * streaming: the stall clock, restarted by the session's start and by every frame the client
+          takes (a completed send): a client that reads nothing is ``stall``-ed, whatever the server
+          produced for it (a ``session.ping`` counts through its pong);
+        * closing (the close is queued): the client has ``close_timeout_s`` from the close, restarted
+          by every frame it takes, to take the rest; then the connection is dropped without it.
+        """
         settings = self.settings
-        while True:
+        while conn.state is not _State.CLOSED:
             now = time.monotonic()
-            if conn.state is _State.WAITING:
+            if conn.queue.closed:
+                remaining = max(conn.clock, conn.sent_at) + settings.close_timeout_s - now
+                if remaining <= 0:
+                    logger.info("dropping connection %s: its client took nothing for %g s after the close",
+                                conn.request_id, settings.close_timeout_s)
+                    return
+            elif conn.state is _State.WAITING:
                 remaining = conn.clock + settings.start_timeout_s - now
                 if remaining <= 0:
                     await self._close_with_error(conn, "start_timeout", "no session.start within "
                                                  f"{settings.start_timeout_s:g} s", CLOSE_POLICY)
-                    return
+                    continue
             elif conn.state is _State.STREAMING:
-                remaining = conn.clock + settings.stall_timeout_s - now
+                remaining = max(conn.clock, conn.sent_at) + settings.stall_timeout_s - now
                 if remaining <= 0:
-                    await self._close_with_error(conn, "stall", "neither a generated chunk nor a session.ping for "
+                    await self._close_with_error(conn, "stall", "the client took nothing (no chunk, no reply) for "
                                                  f"{settings.stall_timeout_s:g} s", CLOSE_POLICY)
-                    return
+                    continue
             else:
-                return
+                remaining = 1.0  # finishing: the close is queued once the session's last chunk is out
             await asyncio.sleep(min(remaining, 1.0))
 
     # -- sessions ending ---------------------------------------------------------------------------------
     async def _finish_session(self, conn: _Connection) -> None:
-        """No more chunks; close the control-plane session (engine KV released); idempotent.
+        """No more chunks; close the control-plane session (engine KV released) and free the slot; idempotent.
 
-        The close runs as a server-owned task, so a cancelled caller cannot leave the session open.
+        The close runs as a server-owned task, so a cancelled caller cannot leave the session open;
+        it never raises (see :meth:`_close_session`), so the slot is freed whatever the engine did.
         """
         if conn.state is _State.STREAMING or conn.state is _State.WAITING:
             conn.state = _State.FINISHING
@@ -395,15 +462,31 @@ class _Server:
         conn.admitted = False
 
     async def _close_session(self, conn: _Connection) -> None:
+        """Close the control-plane session. Whatever the engine raises is logged and the close retried in
+        the background (the control plane keeps the session as a tombstone meanwhile), so cleanup goes on."""
         try:
             await self.manager.close_session(conn.request_id)
-        except ARDiffusionSessionError as error:
-            logger.warning("closing session %s failed: %s", conn.request_id, error)
+        except Exception:  # noqa: BLE001 - not only the control plane's own errors: any engine error
+            logger.exception("closing session %s failed; retrying", conn.request_id)
+            self._spawn(self._retry_close(conn.request_id))
         finally:
             self.plans.pop(conn.request_id, None)
 
+    async def _retry_close(self, session_id: str) -> None:
+        for delay in CLOSE_RETRY_DELAYS_S:
+            await asyncio.sleep(delay)
+            try:
+                await self.manager.close_session(session_id)
+            except Exception as error:  # noqa: BLE001 - logged; the next retry may succeed
+                logger.warning("retried close of session %s failed: %s: %s", session_id, type(error).__name__, error)
+            else:
+                logger.info("session %s closed on a retry", session_id)
+                return
+        logger.error("session %s could not be closed after %d attempts: the engine may still hold it", session_id,
+                     1 + len(CLOSE_RETRY_DELAYS_S))
+
     async def _finish(self, conn: _Connection, *, stopped: bool) -> None:
-        """``session.done`` after the session's last chunk, then a normal close."""
+        """``session.done`` after the session's last chunk, then a normal close (never waits for the client)."""
         if conn.finishing or conn.state is _State.CLOSED:
             return
         conn.finishing = True
@@ -413,14 +496,17 @@ class _Server:
             with contextlib.suppress(Exception):
                 await tail
         await self._close_encoder(conn)
-        await conn.queue.put_control({"type": "session.done", "request_id": conn.request_id, "chunks": 0,
-                                      "stopped": stopped})
-        conn.queue.close(CLOSE_NORMAL, "session done")
+        self._close_queue(conn, CLOSE_NORMAL, "session done", {"type": "session.done", "request_id": conn.request_id,
+                                                               "chunks": 0, "stopped": stopped})
 
     async def _close_encoder(self, conn: _Connection) -> None:
         encoder, conn.encoder = conn.encoder, None
-        if encoder is not None:
+        if encoder is None:
+            return
+        try:
             await asyncio.get_running_loop().run_in_executor(self.encode_executor, encoder.close)
+        except Exception:  # noqa: BLE001 - logged; the slot and the socket are freed all the same
+            logger.exception("closing the encoder of session %s failed", conn.request_id)
 
     async def _release(self, conn: _Connection) -> None:
         """The connection is gone: its session is closed and every resource dropped (idempotent)."""
@@ -440,15 +526,22 @@ class _Server:
 
     # -- the generation loop ------------------------------------------------------------------------------
     async def _generation_loop(self) -> None:
-        """Round-robin: every streaming session gets one chunk per round, in connection order."""
+        """Round-robin: every streaming session gets one chunk per round, in connection order.
+
+        A session whose send queue is full (its client is behind) is skipped until its sender takes
+        a chunk: nothing here waits for a client. ``busy_since`` marks a chunk in progress for
+        ``/healthz``.
+        """
         assert self.wake is not None
         while True:
-            streaming = [conn for conn in self.connections if conn.state is _State.STREAMING]
-            if not streaming:
+            ready = [conn for conn in self.connections
+                     if conn.state is _State.STREAMING and not conn.queue.media_full]
+            if not ready:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            for conn in streaming:
+            for conn in ready:
+                self.busy_since = time.monotonic()
                 try:
                     await self._next_chunk(conn)
                 except asyncio.CancelledError:
@@ -457,6 +550,8 @@ class _Server:
                     logger.exception("chunk of session %s failed unexpectedly", conn.request_id)
                     await self._close_with_error(conn, "internal_error", "the server failed; see its log",
                                                  CLOSE_INTERNAL)
+                finally:
+                    self.busy_since = None
 
     async def _next_chunk(self, conn: _Connection) -> None:
         if conn.tail is not None and not conn.tail.done():
@@ -464,7 +559,7 @@ class _Server:
             # disconnect cancels the tail, and awaiting a cancelled task would cancel this
             # loop, ending every other session's stream.
             await asyncio.wait({conn.tail})
-        if conn.state is not _State.STREAMING or conn.session is None:
+        if conn.state is not _State.STREAMING or conn.session is None or conn.queue.media_full:
             return
         applying = tuple(sorted(conn.pending))
         started = time.perf_counter()
@@ -472,11 +567,11 @@ class _Server:
             output = await conn.session.next_chunk()
         except Exception as error:  # noqa: BLE001 - whatever failed the chunk is reported to its client
             if conn.state is _State.STREAMING:
-                await self._chunk_failed(conn, applying, error)
+                wire_ids = [conn.events[i].wire_id for i in applying if i in conn.events]
+                await self._chunk_failed(conn, wire_ids, "generating", error)
             return
         engine_s = time.perf_counter() - started
         metadata = self.consumer.chunk_metadata(output)
-        conn.clock = time.monotonic()
         started_ids, active_ids, completed_ids = conn.chunk_events(metadata.applied_event_ids)
         plan = conn.plan
         assert plan is not None
@@ -495,7 +590,10 @@ class _Server:
 
     async def _deliver(self, conn: _Connection, output: Any, message: dict[str, Any], keep: int, engine_s: float,
                        last: bool) -> None:
-        """Encode one chunk off the event loop and queue it (then, after the last chunk, finish the session)."""
+        """Encode one chunk off the event loop and queue it (then, after the last chunk, finish the session).
+
+        An encode failure is a chunk failure: reported, and the session ends.
+        """
         encoder = conn.encoder
         if encoder is None:
             return
@@ -504,7 +602,11 @@ class _Server:
         def encode() -> bytes:
             return encoder.encode(self.world.frames(output)[:keep])
 
-        payload = await asyncio.get_running_loop().run_in_executor(self.encode_executor, encode)
+        try:
+            payload = await asyncio.get_running_loop().run_in_executor(self.encode_executor, encode)
+        except Exception as error:  # noqa: BLE001 - whatever failed the chunk is reported to its client
+            await self._chunk_failed(conn, message["started_event_ids"], "encoding", error)
+            return
         latency_s = engine_s + time.perf_counter() - started
         self.metrics.observe_chunk(latency_s, len(payload))
         # The first m4s fragment carries the stream header: without it nothing after it decodes.
@@ -514,16 +616,19 @@ class _Server:
         if last:
             await self._finish(conn, stopped=False)
 
-    async def _chunk_failed(self, conn: _Connection, applying: tuple[int, ...], error: Exception) -> None:
-        """The control plane failed the chunk (and released the engine session): report and end the session."""
-        logger.warning("chunk of session %s failed: %s: %s", conn.request_id, type(error).__name__, error)
-        for event_id in applying:
-            record = conn.events.get(event_id)
-            if record is not None:
-                conn.wire_ids.pop(record.wire_id, None)  # a failed id may be reused
-                await self._error(conn, "interaction_failed", f"event {record.wire_id!r} was applied to a chunk that "
-                                  f"failed: {type(error).__name__}: {error}", record.wire_id)
-        await self._close_with_error(conn, "generation_failed", f"generating chunk failed: {type(error).__name__}: "
+    async def _chunk_failed(self, conn: _Connection, wire_ids: list[str], stage: str, error: Exception) -> None:
+        """A chunk failed (``stage``: generating or encoding it): report it and end the session.
+
+        Runs in the shared generation loop (or a chunk's delivery), so it never waits for the client:
+        an ``interaction_failed`` that finds the control queue full is dropped; the final
+        ``generation_failed`` always goes, with the close (1011).
+        """
+        logger.warning("%s a chunk of session %s failed: %s: %s", stage, conn.request_id, type(error).__name__, error)
+        for wire_id in wire_ids:
+            if conn.queue.offer_control(error_message("interaction_failed", f"event {wire_id!r} was applied to a "
+                                                      f"chunk that failed: {type(error).__name__}: {error}", wire_id)):
+                self.metrics.error("interaction_failed")
+        await self._close_with_error(conn, "generation_failed", f"{stage} a chunk failed: {type(error).__name__}: "
                                      f"{error}", CLOSE_INTERNAL)
 
 
@@ -555,8 +660,7 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
     async def healthz(request: Request) -> JSONResponse:
         connected = len(server.connections)
         streaming = sum(1 for c in server.connections if c.state is _State.STREAMING)
-        return JSONResponse({"status": "ok" if server.loop_task is not None and not server.loop_task.done()
-                             else "stopped", "model": world.name,
+        return JSONResponse({"status": server.status(), "model": world.name,
                              "sessions": {"connected": connected, "streaming": streaming,
                                           "admitted": sum(1 for c in server.connections if c.admitted),
                                           "resident": len(engine.sessions)},

@@ -45,6 +45,9 @@ MAX_NUM_FRAMES = 2**31 - 1
 MAX_FPS = 240
 #: Longest wire event id (characters).
 MAX_EVENT_ID_CHARS = 256
+#: Deepest nesting of arrays and objects a message may have (the deepest message the protocol defines,
+#: a camera translation, is 7 levels); deeper ones are ``invalid_json``, so no later check can recurse out of stack.
+MAX_JSON_DEPTH = 32
 
 
 class ProtocolError(ValueError):
@@ -246,13 +249,34 @@ def _parse_interaction(payload: Mapping[str, Any]) -> SessionInteraction:
                               unsupported_modalities=unsupported, transition_chunks=transition_chunks)
 
 
+def _nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests arrays and objects more than ``limit`` deep (iterative: any depth is safe)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def parse_client_message(text: str) -> ClientMessage:
     """One client text frame -> its message value; ProtocolError (``invalid_json``, ``unknown_type``,
-    ``invalid_field``) otherwise."""
+    ``invalid_field``) otherwise.
+
+    ``json.loads`` raises ValueError beyond JSON syntax errors (an integer of more than 4300
+    digits) and RecursionError for deep nesting: both are ``invalid_json``, like nesting deeper
+    than :data:`MAX_JSON_DEPTH` that happened to parse.
+    """
     try:
         payload = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as error:
-        raise ProtocolError("invalid_json", f"the message is not valid JSON: {error}") from None
+    except (ValueError, RecursionError) as error:
+        raise ProtocolError("invalid_json", f"the message is not valid JSON: {str(error)[:200]}") from None
+    if _nesting_exceeds(payload, MAX_JSON_DEPTH):
+        raise ProtocolError("invalid_json", f"the message nests arrays and objects more than {MAX_JSON_DEPTH} deep")
     if not isinstance(payload, dict):
         raise ProtocolError("invalid_json", f"a message must be a JSON object, got {type(payload).__name__}")
     kind = payload.get("type")

@@ -3,16 +3,19 @@
 Two kinds of items share one FIFO, so the client sees them in the order they were produced:
 
 * **control** messages (``video.start``, ``session.interaction.queued``, ``error``,
-  ``session.pong``, ``session.done``) are never dropped. At most ``max_control`` wait at a
-  time; :meth:`SendQueue.put_control` then waits for room. Only the connection's own reader
-  and its own session's finish produce them, so the wait throttles that client's input and
-  nothing else.
+  ``session.pong``, ``session.done``): :meth:`SendQueue.put_control` never drops, it waits for
+  room while ``max_control`` wait. Only the connection's own reader uses it, so the wait
+  throttles that client's input and nothing else. Writers that serve everyone (the shared
+  generation loop, the watchdogs) must never wait for one client: :meth:`SendQueue.offer_control`
+  drops the message when the bound is reached, and :meth:`SendQueue.close` queues a
+  connection's last message (``session.done`` or the final ``error``) with the close at once,
+  past the bound (by one: nothing follows a close).
 * **media** pairs (a ``video.chunk_metadata`` and its binary frame, one item, so the pair can
-  never be split) come from the shared generation loop, which must never wait for one
-  client. :meth:`SendQueue.put_media` never blocks: when ``max_media`` pairs are waiting, the
-  oldest droppable pair is dropped (``on_drop`` counts it). A pair marked not droppable
-  (the first ``m4s`` fragment carries the stream header) is kept; the bound then allows one
-  more.
+  never be split) come from the shared generation loop. :meth:`SendQueue.put_media` never
+  blocks: when ``max_media`` pairs are waiting, the oldest droppable pair is dropped
+  (``on_drop`` counts it). A pair marked not droppable (the first ``m4s`` fragment carries the
+  stream header) is kept; the bound then allows one more. The server stops generating for a
+  connection while :attr:`SendQueue.media_full`, so the drop is only the queue's own backstop.
 
 A ``close`` item ends the stream: the sender sends everything queued before it, then closes
 the socket with its code.
@@ -70,6 +73,11 @@ class SendQueue:
         """A close item was queued: nothing more is accepted."""
         return self._closed
 
+    @property
+    def media_full(self) -> bool:
+        """``max_media`` pairs wait: a producer that must not drop should stop making more."""
+        return self._media >= self._max_media
+
     def _push(self, item: OutboundItem) -> None:
         self._items.append(item)
         self._on_depth(1)
@@ -81,6 +89,15 @@ class SendQueue:
             self._control_room.clear()
             await self._control_room.wait()
         if self._closed:
+            return False
+        self._control += 1
+        self._push(OutboundItem("control", message))
+        return True
+
+    def offer_control(self, message: dict[str, Any]) -> bool:
+        """Queue a control message without waiting; False (the message is dropped) when ``max_control`` are
+        queued or the queue is closed."""
+        if self._closed or self._control >= self._max_control:
             return False
         self._control += 1
         self._push(OutboundItem("control", message))
@@ -103,13 +120,18 @@ class SendQueue:
         self._push(OutboundItem("media", message, payload, droppable))
         return True
 
-    def close(self, code: int = 1000, reason: str = "") -> None:
-        """Queue the close item (once); control writers waiting for room give up."""
+    def close(self, code: int = 1000, reason: str = "", message: dict[str, Any] | None = None) -> bool:
+        """Queue ``message`` (the last control message, past the control bound if need be), then the close item,
+        without waiting; False (nothing queued) once closed. Control writers waiting for room give up."""
         if self._closed:
-            return
+            return False
         self._closed = True
+        if message is not None:
+            self._control += 1
+            self._push(OutboundItem("control", message))
         self._push(OutboundItem("close", code=code, reason=reason))
         self._control_room.set()
+        return True
 
     async def get(self) -> OutboundItem:
         """The next item, waiting for one."""
