@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -119,6 +120,19 @@ def _output_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"directory {directory!r} of {text!r} does not exist")
     if not os.access(directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"directory {directory!r} of {text!r} is not writable")
+    return text
+
+
+def _weights_output(text: str) -> str:
+    """Where ``train --export`` writes: a ``.npz`` path (suffix optional) in a directory that can be written."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a weights file path (.npz), got {text!r}")
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name a .npz file")
+    if os.path.splitext(path)[1] not in ("", ".npz"):
+        raise argparse.ArgumentTypeError(f"{text!r}: weights are written as .npz (+ .json sidecar); name a .npz file")
+    _output_dir(os.path.dirname(path))
     return text
 
 
@@ -282,7 +296,10 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--seed", type=_non_negative_int, default=0, help="weights, data and noise seed")
     train.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints")
     train.add_argument("--no-resume", action="store_true", help="start over even if the run has checkpoints")
-    train.add_argument("--export", default=None, help="write the final weights here (.npz + .json sidecar)")
+    train.add_argument("--force", action="store_true",
+                       help="resume a run whose checkpoints were made under another config (named in the error)")
+    train.add_argument("--export", default=None, type=_weights_output,
+                       help="write the final weights here (.npz + .json sidecar)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_run_train)
 
@@ -300,13 +317,17 @@ def _run_train(args: argparse.Namespace) -> int:
         return _refuse("train", str(error))
     overrides = {name: value for name, value in (("steps", args.steps), ("batch_size", args.batch_size),
                                                  ("checkpoint_every", args.checkpoint_every)) if value is not None}
-    config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
-    result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress)
+    try:
+        config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
+        result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress,
+                       force=args.force)
+    except ValueError as error:
+        return _refuse("train", str(error))
     tail = [loss for _, loss in result.losses[-50:]]
     print(f"trained {config.preset} for {len(result.losses)} steps in {result.wall_seconds:.0f} s "
           f"(final loss, mean of last {len(tail)}: {sum(tail) / len(tail):.4f}); run in {args.out}")
     if args.export:
-        from ardiff_jax.models import SPRITE_WORLD_SCHEDULE, save_weights
+        from ardiff_jax.models import SPRITE_WORLD_SCHEDULE, SpriteWorldPipelineConfig, save_weights
 
         metadata = {
             "command": "ardiff-jax train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == [
@@ -315,13 +336,14 @@ def _run_train(args: argparse.Namespace) -> int:
             "steps": len(result.losses),
             "wall_seconds": round(result.wall_seconds, 1),
             "final_loss_mean_last_50": sum(tail) / len(tail),
-            "schedule": list(SPRITE_WORLD_SCHEDULE.timesteps),
             "jax_version": jax.__version__,
             "device": str(jax.devices()[0]),
             "cpu_count": os.cpu_count(),
             "date": datetime.date.today().isoformat(),
         }
-        path = save_weights(result.modules, args.export, metadata)
+        sampling = {"schedule": list(SPRITE_WORLD_SCHEDULE.timesteps), "prediction": config.prediction,
+                    "decoder": SpriteWorldPipelineConfig().decoder}
+        path = save_weights(result.modules, args.export, metadata, sampling=sampling)
         print(f"weights written to {path} and {path.with_suffix('.json')}")
     return 0
 
@@ -334,7 +356,8 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
                                               "against the simulator")
     demo.add_argument("--out", required=True, type=_output_dir, help="directory for GIFs, contact sheet, summary.json")
     demo.add_argument("--sessions", type=_positive_int, default=4, help="sessions (worlds), driven round-robin")
-    demo.add_argument("--frames", type=_positive_int, default=64, help="generated frames per session")
+    demo.add_argument("--frames", type=lambda text: _int_argument(text, 2, 100_001, "an integer in [2, 100000]"),
+                      default=64, help="generated frames per session (at least 2: the error compares two halves)")
     demo.add_argument("--capacity", type=_positive_int, default=None,
                       help="session capacity of the engine (below --sessions: LRU eviction shows)")
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="first world seed; actions are seeded too")
@@ -344,20 +367,28 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ardiff_jax.demo import run_demo
+    from ardiff_jax.demo import run_demo, verdict
 
-    summary = run_demo(args.out, sessions=args.sessions, num_frames=args.frames, capacity=args.capacity,
-                       seed=args.seed, compare_untrained=not args.no_untrained, progress=not args.no_progress)
+    try:
+        summary = run_demo(args.out, sessions=args.sessions, num_frames=args.frames, capacity=args.capacity,
+                           seed=args.seed, compare_untrained=not args.no_untrained, progress=not args.no_progress)
+    except ValueError as error:
+        return _refuse("demo", str(error))
     quality, speed = summary["quality"], summary["speed"]
     print(f"{summary['sessions']} sessions x {quality['generated_frames_per_session']} frames on {summary['device']} "
           f"(capacity {summary['session_capacity']}, {summary['lru_evictions']} LRU evictions)")
+    print(f"Does the model track the simulator better than repeating the first frame? {verdict(quality)}")
     line = (f"tracking error (mean |pixel| 0-255, second half): model {quality['model_second_half']:.2f}, "
             f"repeat-first-frame {quality['repeat_first_frame_second_half']:.2f}")
     if "untrained_second_half" in quality:
-        line += f", untrained {quality['untrained_second_half']:.2f}"
+        line += (f", untrained {quality['untrained_second_half']:.2f} (the same network with random weights "
+                 "through the same engine: what training contributed)")
     print(line)
     print(f"model / repeat = {quality['ratio_to_repeat_first_frame']:.3f}; second / first half = "
           f"{quality['drift_second_over_first_half']:.2f}")
+    accuracy = summary["one_step_accuracy"]
+    print(f"one-step accuracy on {accuracy['transitions']} held-out transitions (true context): agent cell "
+          f"{accuracy['agent']:.1%}, ball cell {accuracy['ball']:.1%}, whole frame {accuracy['frame']:.1%}")
     print(f"speed: {speed['frames_per_second_one_session']:.1f} frames/s one session, "
           f"{speed['frames_per_second_interleaved']:.1f} frames/s over {speed['interleaved_sessions']} interleaved; "
           f"latency p50 {speed['latency_ms']['p50']:.1f} ms, p99 {speed['latency_ms']['p99']:.1f} ms")
@@ -430,32 +461,58 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.pipeline is not None and args.preset not in DIT_PRESETS:
         return _refuse("serve", f"argument --preset: unknown preset {args.preset!r}; choose from "
                                 f"{', '.join(sorted(DIT_PRESETS))}")
-    if args.pretrained is not None:
-        pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
-    else:
-        pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
+    # Bind before building anything: a busy port is a one-line error, not a traceback after
+    # the model loaded, and "serving on" is printed only once the socket really listens.
     try:
-        world = ServedWorld.for_pipeline(pipeline, fps=args.fps)
-    except TypeError as error:
-        return _refuse("serve", str(error))
-    config = EngineConfig(dtype="float32", available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
-                          host_offload_bytes=args.host_offload_bytes)
-    try:
-        engine = ARDiffusionEngine(pipeline, config)
-    except ValueError as error:
-        return _refuse("serve", f"the model does not fit --available-bytes {args.available_bytes}: {error}")
-    settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
-                              stall_timeout_s=args.stall_timeout)
-    app = create_app(engine, world=world, settings=settings)
-    print(f"serving {world.name} (capacity {app.state.server.capacity}) on ws://{args.host}:{args.port}"
-          "/v1/realtime/video", flush=True)
-    try:
-        # The transport refuses frames far beyond the app's own limit before reading them whole.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                    ws_max_size=max(4 * args.max_message_bytes, 2**20))
-    finally:
-        engine.close()
+        listener = _listen(args.host, args.port)
+    except OSError as error:
+        return _refuse("serve", f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
+    with listener:
+        if args.pretrained is not None:
+            pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
+        else:
+            pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
+        try:
+            world = ServedWorld.for_pipeline(pipeline, fps=args.fps)
+        except TypeError as error:
+            return _refuse("serve", str(error))
+        config = EngineConfig(dtype="float32", available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
+                              host_offload_bytes=args.host_offload_bytes)
+        try:
+            engine = ARDiffusionEngine(pipeline, config)
+        except ValueError as error:
+            return _refuse("serve", f"the model does not fit --available-bytes {args.available_bytes}: {error}")
+        try:
+            settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
+                                      stall_timeout_s=args.stall_timeout)
+            app = create_app(engine, world=world, settings=settings)
+            host, port = listener.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"serving {world.name} (capacity {app.state.server.capacity}) on ws://{shown}:{port}"
+                  "/v1/realtime/video", flush=True)
+            # The transport refuses frames far beyond the app's own limit before reading them whole.
+            server = uvicorn.Server(uvicorn.Config(app, log_level="info",
+                                                   ws_max_size=max(4 * args.max_message_bytes, 2**20)))
+            server.run(sockets=[listener])
+        finally:
+            engine.close()
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` and listening (``port`` 0: the system picks one)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener
 
 
 def _refuse(command: str, message: str) -> int:

@@ -87,3 +87,32 @@ def test_bad_arguments_exit_2_with_a_message_naming_them(argv, names, tmp_path, 
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing was written
 
+
+
+def test_serve_on_a_busy_port_is_a_one_line_error_before_anything_is_built(capsys, no_weights):
+    pytest.importorskip("uvicorn")
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert _exit_code(["serve", "--pipeline", "world", "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing claims to be serving
+    assert captured.err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in captured.err
+
+
+def test_serve_listens_before_it_says_so():
+    from ardiff_jax.cli import _listen
+
+    with _listen("127.0.0.1", 0) as listener:
+        host, port = listener.getsockname()[:2]
+        with socket_connect(host, port):  # the socket accepts connections: "serving on" may be printed
+            pass
+
+
+def socket_connect(host, port):
+    import socket
+
+    return socket.create_connection((host, port), timeout=5)

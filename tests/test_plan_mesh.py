@@ -182,6 +182,12 @@ def test_cli_text_plan_on_a_mesh(capsys):
     assert f"per device: page {example_spec('medium').num_layers * 2 * 220 * 4 * 128 * 2 // 4:,} B" in out
     assert "devices per replica: 4 (tp=2 x cfg=2), 4 sessions each" in out
     assert "replicas x" not in out  # no replica count without --devices
+    # Every byte figure says whose it is: one device's share or the sum over the replica's devices.
+    for label in ("budget [per device]", "required for one session [per device]", "planned for capacity [per device]",
+                  "page (frame, all layers, K+V) [all devices]", "allocated pool pages [all devices]"):
+        assert label in out, label
+    assert cli_main(["plan", "--geometry", "medium", "--available-gib", "64"]) == 0
+    assert "[per device]" not in capsys.readouterr().out  # one device: nothing to tell apart
 
 
 @pytest.mark.parametrize("devices,replicas,unused", [(8, 2, 0), (6, 1, 2)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from flax import nnx
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig, StepSchedulerOutput
 from ardiff_jax.envs import SpriteWorld
+from ardiff_jax.models._pretrained import _digest
 from ardiff_jax.models import (
     PRETRAINED_MODELS,
     DiTModules,
@@ -130,7 +132,9 @@ def test_warmup_runs_a_real_observation(modules):
 
 def test_incompatible_config_is_refused_before_weights():
     with pytest.raises(ValueError, match="one-hot actions"):
-        SpriteWorldPipeline(dit_preset("sprite_world").replace(register_dim=4))
+        SpriteWorldPipeline(dit_preset("sprite_world").replace(control_dim=4))
+    with pytest.raises(ValueError, match="no register tokens"):
+        SpriteWorldPipeline(dit_preset("sprite_world").replace(num_register_tokens=1, register_dim=5))
     with pytest.raises(ValueError, match="RGB"):
         SpriteWorldPipeline("tiny")
 
@@ -163,12 +167,43 @@ def test_weights_are_validated_before_use(modules, tmp_path):
     arrays["transformer/head/bias"] = np.array([object()], dtype=object)
     np.savez(bad, **arrays)
     sidecar = json.loads((tmp_path / "ok.json").read_text())
-    import hashlib
-
-    sidecar["sha256"] = hashlib.sha256(bad.read_bytes()).hexdigest()
+    sidecar["sha256"] = _digest(bad.read_bytes(), sidecar)
     bad.with_suffix(".json").write_text(json.dumps(sidecar))
     with pytest.raises(ValueError):
         load_weights(dit_preset("sprite_world"), bad)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda sidecar: sidecar["config"].update(num_heads=2),  # same parameter shapes, other numerics
+    lambda sidecar: sidecar["sampling"].update(prediction="flow"),
+    lambda sidecar: sidecar["sampling"].update(schedule=[1000.0, 100.0]),
+    lambda sidecar: sidecar["training"].update(steps=1),
+])
+def test_an_edited_sidecar_is_refused(modules, tmp_path, edit):
+    # The digest covers the sidecar as well as the arrays: an edit that keeps every parameter's
+    # shape (and so would load) changes every frame, and is refused naming the file.
+    path = save_weights(modules, tmp_path / "w", sampling={"schedule": [1000.0], "prediction": "delta",
+                                                           "decoder": "cells"})
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    edit(sidecar)
+    path.with_suffix(".json").write_text(json.dumps(sidecar))
+    with pytest.raises(ValueError, match=r"w\.json do not match their SHA-256"):
+        load_weights(dit_preset("sprite_world"), path)
+
+
+@pytest.mark.parametrize("text,reason", [
+    ('{"format_version": 2, "config"', "truncated or malformed"),
+    ("[" * 100_000, "truncated or malformed"),
+    ("[1, 2]", "a JSON object is expected"),
+    ('{"format_version": 2, "config": {}, "sampling": [], "training": {}, "sha256": ""}', "'sampling' must be"),
+    (b'{"format_version": 2, "\xff\xfe"}', "truncated or malformed"),  # not UTF-8
+])
+def test_a_malformed_sidecar_names_the_file(modules, tmp_path, text, reason):
+    path = save_weights(modules, tmp_path / "w")
+    sidecar = path.with_suffix(".json")
+    sidecar.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=f"w\\.json .*{re.escape(reason)}"):
+        load_weights(dit_preset("sprite_world"), path)
 
 
 def test_pretrained_names_and_metadata():
@@ -177,9 +212,41 @@ def test_pretrained_names_and_metadata():
         pretrained("nope")
     meta = pretrained_metadata("sprite_world")
     training = meta["training"]
-    for key in ("command", "steps", "wall_seconds", "train_config", "schedule"):
+    for key in ("command", "steps", "wall_seconds", "train_config"):
         assert key in training
     assert training["command"].startswith("ardiff-jax train")
     pipeline = pretrained("sprite_world")
     assert isinstance(pipeline, SpriteWorldPipeline)
-    assert list(pipeline.schedule.timesteps) == training["schedule"]
+    assert list(pipeline.schedule.timesteps) == meta["sampling"]["schedule"]
+    assert pipeline.prediction == meta["sampling"]["prediction"] == training["train_config"]["prediction"]
+    assert pipeline.pipeline_config.decoder == meta["sampling"]["decoder"]
+
+
+def test_cell_decoder_snaps_every_cell_to_a_valid_look():
+    from ardiff_jax.envs import cell_codes
+    from ardiff_jax.models import snap_to_cells
+
+    rng = np.random.default_rng(0)
+    frames = np.stack([SpriteWorld(seed).reset() for seed in range(4)])
+    latents = frames_to_latents(frames)
+    # A frame a little off everywhere decodes to itself, with numpy and with jax.numpy.
+    noisy = latents + rng.normal(0, 0.3, latents.shape).astype(np.float32)
+    np.testing.assert_array_equal(latents_to_frames(snap_to_cells(noisy)), frames)
+    np.testing.assert_array_equal(latents_to_frames(np.asarray(snap_to_cells(jax.numpy.asarray(noisy), jax.numpy))),
+                                  frames)
+    # Anything at all decodes to cells a SpriteWorld frame can show; it cannot invent a right answer:
+    # a ball painted into the wrong cell stays in the wrong cell.
+    garbage = latents_to_frames(snap_to_cells(rng.uniform(-1, 1, latents.shape).astype(np.float32)))
+    assert all((cell_codes(frame) >= 0).all() for frame in garbage)
+
+
+def test_the_pipeline_commits_the_decoded_frame(modules):
+    # With the cell decoder (the default) what is returned and committed is made of valid cells.
+    from ardiff_jax.envs import cell_codes
+
+    pipeline, engine = _engine(modules)
+    out = engine.generate(_request("d", [3], observation=SpriteWorld(2).reset()))
+    assert pipeline.pipeline_config.decoder == "cells" and (cell_codes(out.frames[0]) >= 0).all()
+    np.testing.assert_array_equal(latents_to_frames(np.asarray(out.latents)), out.frames)
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        SpriteWorldPipelineConfig(decoder="vae")

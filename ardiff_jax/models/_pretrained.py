@@ -3,9 +3,12 @@
 A weight file is a plain ``.npz`` of float arrays, one entry per parameter named by its
 path in :class:`~ardiff_jax.models.DiTModules` (``transformer/blocks/self_attn/q/kernel``),
 read with ``allow_pickle=False`` so loading never runs code, plus a JSON sidecar: the
-``CausalDiTConfig`` it was trained for, the sampling schedule, how it was trained (command,
-seed, steps, wall time, final loss) and the SHA-256 of the ``.npz``. Loading checks the
-digest, the config and every parameter's name, shape and dtype before building anything.
+``CausalDiTConfig`` it was trained for, how to sample it (schedule, prediction, decoder),
+how it was trained (command, seed, steps, wall time, final loss) and a SHA-256 digest over
+the ``.npz`` bytes **and** the rest of the sidecar, so an edit of either (a config field
+that keeps every parameter's shape, such as ``num_heads`` or the prediction) is refused.
+Loading checks the digest, the config and every parameter's name, shape and dtype before
+building anything; a missing, truncated or malformed sidecar is an error naming the file.
 
 ``ardiff-jax train`` writes both files (``--export``); the shipped ones live in
 ``ardiff_jax/models/weights/``.
@@ -30,7 +33,7 @@ from ardiff_jax.models._sprite import SpriteWorldPipeline, SpriteWorldPipelineCo
 __all__ = ["PRETRAINED_MODELS", "pretrained", "pretrained_metadata", "save_weights", "load_weights",
            "WEIGHTS_FORMAT_VERSION"]
 
-WEIGHTS_FORMAT_VERSION = 1
+WEIGHTS_FORMAT_VERSION = 2
 _WEIGHTS_DIR = Path(__file__).with_name("weights")
 #: Names ``pretrained`` accepts, with the weight file each loads (``<name>.npz`` + ``<name>.json``).
 PRETRAINED_MODELS = ("sprite_world",)
@@ -52,11 +55,21 @@ def _named_params(params: Any) -> dict[str, Any]:
     return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def save_weights(modules: DiTModules, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+def _digest(npz_bytes: bytes, sidecar: dict[str, Any]) -> str:
+    """SHA-256 over the arrays file and every sidecar field but the digest itself (canonical JSON)."""
+    fields = {key: value for key, value in sidecar.items() if key != "sha256"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(hashlib.sha256(npz_bytes).digest() + canonical).hexdigest()
+
+
+def save_weights(modules: DiTModules, path: str | Path, metadata: dict[str, Any] | None = None, *,
+                 sampling: dict[str, Any] | None = None) -> Path:
     """Write ``modules``' parameters to ``path`` (``.npz``) and the JSON sidecar next to it.
 
-    ``metadata`` (JSON-serialisable) is stored under ``"training"``; the config, format
-    version and digest are added here. Returns the ``.npz`` path.
+    ``metadata`` (JSON-serialisable) is stored under ``"training"``; ``sampling`` (e.g.
+    ``{"schedule": [1000.0], "prediction": "delta", "decoder": "cells"}``) under
+    ``"sampling"``, where :func:`pretrained` reads it. The config, format version and
+    digest are added here. Returns the ``.npz`` path.
     """
     path = Path(path).with_suffix(".npz")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,21 +80,40 @@ def save_weights(modules: DiTModules, path: str | Path, metadata: dict[str, Any]
         "format_version": WEIGHTS_FORMAT_VERSION,
         "config": dataclasses.asdict(modules.transformer.config),
         "num_params": int(sum(a.size for a in arrays.values())),
-        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "sampling": sampling or {},
         "training": metadata or {},
     }
+    sidecar["sha256"] = _digest(path.read_bytes(), sidecar)
     path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return path
 
 
 def _read_sidecar(path: Path) -> dict[str, Any]:
+    """The sidecar of ``path``, its digest checked against the arrays file and itself."""
+    sidecar_path = path.with_suffix(".json")
     try:
-        sidecar = json.loads(path.with_suffix(".json").read_text())
+        sidecar = json.loads(sidecar_path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"weight file {path} has no JSON sidecar {path.with_suffix('.json')}") from None
+        raise FileNotFoundError(f"weight file {path} has no JSON sidecar {sidecar_path}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise ValueError(f"{sidecar_path} is not a valid weights sidecar (truncated or malformed JSON: "
+                         f"{error})") from None
+    if not isinstance(sidecar, dict):
+        raise ValueError(f"{sidecar_path} is not a valid weights sidecar (a JSON object is expected)")
     if sidecar.get("format_version") != WEIGHTS_FORMAT_VERSION:
-        raise ValueError(f"{path.with_suffix('.json')} has format_version {sidecar.get('format_version')!r}; this "
+        raise ValueError(f"{sidecar_path} has format_version {sidecar.get('format_version')!r}; this "
                          f"ardiff_jax reads version {WEIGHTS_FORMAT_VERSION}")
+    for key, kind in (("config", dict), ("sampling", dict), ("training", dict), ("sha256", str)):
+        if not isinstance(sidecar.get(key), kind):
+            raise ValueError(f"{sidecar_path} is not a valid weights sidecar: {key!r} must be a JSON "
+                             f"{'object' if kind is dict else 'string'}")
+    try:
+        npz_bytes = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"weights sidecar {sidecar_path} has no arrays file {path}") from None
+    if _digest(npz_bytes, sidecar) != sidecar["sha256"]:
+        raise ValueError(f"{path} and its sidecar {sidecar_path} do not match their SHA-256 digest "
+                         "(an edited, corrupt or replaced file)")
     return sidecar
 
 
@@ -89,9 +121,6 @@ def load_weights(config: CausalDiTConfig, path: str | Path) -> DiTModules:
     """:class:`DiTModules` of ``config`` with the parameters stored at ``path`` (validated first)."""
     path = Path(path).with_suffix(".npz")
     sidecar = _read_sidecar(path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != sidecar.get("sha256"):
-        raise ValueError(f"{path} does not match the SHA-256 in its sidecar (corrupt or replaced file)")
     stored = sidecar.get("config")
     if stored != dataclasses.asdict(config):
         diff = sorted(k for k in set(stored or {}) | set(dataclasses.asdict(config))
@@ -126,7 +155,7 @@ def _weights_path(name: str) -> Path:
 
 
 def pretrained_metadata(name: str = "sprite_world") -> dict[str, Any]:
-    """The shipped model's sidecar: config, schedule, training command, seed, steps, wall time, loss."""
+    """The shipped model's sidecar: config, sampling, training command, seed, steps, wall time, loss."""
     return _read_sidecar(_weights_path(name))
 
 
@@ -144,11 +173,13 @@ def pretrained(name: str = "sprite_world", *, session_capacity: int = 4, noise_s
     """
     path = _weights_path(name)
     sidecar = _read_sidecar(path)
-    config = CausalDiTConfig(**sidecar["config"])
-    training = sidecar.get("training", {})
-    schedule = training.get("schedule")
-    prediction = training.get("train_config", {}).get("prediction", "flow")
-    pipeline_config = SpriteWorldPipelineConfig(
-        session_capacity=session_capacity, noise_seed=noise_seed, prediction=prediction,
-        **({} if schedule is None else {"schedule": FewStepSchedule(tuple(schedule))}))
+    try:
+        config = CausalDiTConfig(**sidecar["config"])
+        sampling = sidecar["sampling"]
+        pipeline_config = SpriteWorldPipelineConfig(
+            session_capacity=session_capacity, noise_seed=noise_seed,
+            schedule=FewStepSchedule(tuple(sampling["schedule"])), prediction=sampling["prediction"],
+            decoder=sampling["decoder"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path.with_suffix('.json')} does not describe a SpriteWorld model: {error}") from None
     return SpriteWorldPipeline(config, pipeline_config, modules=load_weights(config, path), device=device)

@@ -247,8 +247,20 @@ class MemoryPlan:
             ("host bytes per offloaded session", size(self.offload_bytes_per_session)),
             ("offloaded sessions that fit", str(self.host_session_capacity)),
         ]
+        header = "AR-Diffusion KV memory plan"
+        if self.num_shards > 1:
+            # On a mesh some figures are one device's (the budget and what is charged against
+            # it) and some the whole replica's (a page holds every head): say which is which.
+            per_device = {"available memory", "configured budget", "budget", "required for one session",
+                          "planned for capacity", "model-owned per session"}
+            unscoped = {"KV dtype", "mesh", "session capacity", "scratch pages per branch", "memory fraction",
+                        "pool bytes per device", "host tier", "host bytes per offloaded session",
+                        "offloaded sessions that fit"}  # counts, settings and host memory
+            rows = [(name if name in unscoped else f"{name} [{'per device' if name in per_device else 'all devices'}]",
+                     value) for name, value in rows]
+            header += f" (tp={self.tp} x cfg={self.cfg}: [per device] is one device's share, [all devices] the sum)"
         width = max(len(name) for name, _ in rows)
-        lines = ["AR-Diffusion KV memory plan"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines = [header] + [f"  {name:<{width}}  {value}" for name, value in rows]
         return "\n".join(lines)
 
 
