@@ -8,9 +8,17 @@ and reports how closely the generated frames track the simulator:
 * **tracking error**: mean absolute per-pixel error (0-255 scale, over ``H x W x 3``)
   between generated and simulated frames, over the first and second half of the rollout;
 * the same figure for **repeat the first frame** (a model that never moves anything) and
-  for the **untrained** model (same architecture, random weights, same engine path);
+  for the **untrained** model (same architecture, random weights, same engine path: what
+  the runtime alone would show, so the difference is what training contributed);
+* **one-step accuracy** on held-out transitions with the true context
+  (:func:`ardiff_jax.training.one_step_accuracy`): agent cell, ball cell, whole frame;
 * frames/s of one session alone and of the interleaved sessions, per-request latency
   percentiles, and the memory plan.
+
+Frames are decoded the way the pipeline decodes them for every user: each 4x4 cell snapped
+to the nearest of the seven looks a SpriteWorld cell can have
+(``SpriteWorldPipelineConfig.decoder="cells"``), so a frame shows only what the world can
+show; a sprite in the wrong cell still counts as wrong.
 
 With more sessions than the engine's capacity, LRU eviction drops a session's KV. The
 world is fully observable, so the demo restarts an evicted session from its own last
@@ -18,8 +26,8 @@ generated frame (a new observation prefill) and counts the restarts; with host o
 (a later feature) the session would resume exactly instead.
 
 Outputs (:func:`write_demo_outputs`): one GIF per session (generated | simulator), a
-contact-sheet PNG (generated rows above simulator rows), ``summary.json``, and
-``session_<i>.npz`` with ``frames``, ``truth`` and ``actions``.
+contact-sheet PNG (per session a "model" row above a "simulator" row, frame numbers on
+top), ``summary.json``, and ``session_<i>.npz`` with ``frames``, ``truth`` and ``actions``.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from ardiff_jax.runtime import ARDiffusionEngine
 from ardiff_jax.types import DiffusionRequest, EngineConfig
 
 __all__ = ["SessionTrack", "drive_sessions", "random_actions", "tracking_errors", "quality_summary", "run_demo",
-           "write_demo_outputs"]
+           "write_demo_outputs", "contact_sheet", "verdict"]
 
 
 @dataclasses.dataclass
@@ -190,22 +198,38 @@ def write_demo_outputs(out_dir: str | Path, tracks: Sequence[SessionTrack], summ
         npz = out / f"session_{i}.npz"
         np.savez_compressed(npz, frames=track.frames, truth=track.truth, actions=track.actions)
         written += [gif, npz]
-    # Contact sheet: per session, generated frames above simulator frames at evenly spaced times.
-    num_frames = len(tracks[0].frames)
-    columns = np.linspace(0, num_frames - 1, min(sheet_columns, num_frames)).round().astype(int)
-    scale, pad = 2, 2
-    rows = []
-    for track in tracks:
-        for source in (track.frames, track.truth):
-            cells = [np.pad(_scaled(source[c], scale), ((pad, pad), (pad, pad), (0, 0)), constant_values=255)
-                     for c in columns]
-            rows.append(np.concatenate(cells, axis=1))
-        rows.append(np.full((3 * pad, rows[-1].shape[1], 3), 128, np.uint8))  # separates sessions
     sheet = out / "contact_sheet.png"
-    Image.fromarray(np.concatenate(rows[:-1], axis=0)).save(sheet)
+    contact_sheet(tracks, columns=sheet_columns).save(sheet)
     summary_path = out / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return [*written, sheet, summary_path]
+
+
+def contact_sheet(tracks: Sequence[SessionTrack], *, columns: int = 16, scale: int = 2) -> Any:
+    """A PIL image: per session a "model" row above a "simulator" row, at evenly spaced frames, numbered on top."""
+    from PIL import Image, ImageDraw
+
+    num_frames = len(tracks[0].frames)
+    picked = np.linspace(0, num_frames - 1, min(columns, num_frames)).round().astype(int)
+    pad, label_width, header = 2, 64, 14
+    side = tracks[0].frames.shape[1] * scale + 2 * pad
+    width = label_width + side * len(picked)
+    height = header + len(tracks) * (2 * side + 3 * pad) - 3 * pad
+    sheet = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for c, frame in enumerate(picked):
+        draw.text((label_width + c * side + pad, 1), "obs" if frame == 0 else str(int(frame)), fill=(0, 0, 0))
+    for s, track in enumerate(tracks):
+        top = header + s * (2 * side + 3 * pad)
+        if s:
+            draw.rectangle([0, top - 3 * pad, width, top - 1], fill=(128, 128, 128))  # separates sessions
+        for r, (label, source) in enumerate((("model", track.frames), ("simulator", track.truth))):
+            y = top + r * side
+            draw.text((2, y + side // 2 - 10), label, fill=(0, 0, 0))
+            draw.text((2, y + side // 2 + 1), f"seed {track.seed}", fill=(96, 96, 96))
+            for c, frame in enumerate(picked):
+                sheet.paste(Image.fromarray(_scaled(source[frame], scale)), (label_width + c * side + pad, y + pad))
+    return sheet
 
 
 def _single_session_fps(engine: ARDiffusionEngine, seed: int, num_frames: int) -> float:
@@ -224,20 +248,33 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     """
     from tqdm.auto import tqdm
 
+    from ardiff_jax.training import one_step_accuracy
+
+    if not isinstance(num_frames, int) or num_frames < 2:
+        raise ValueError(f"num_frames must be an integer >= 2 (the error compares two halves), got {num_frames!r}")
+    for name, value in (("sessions", sessions), ("capacity", 1 if capacity is None else capacity)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     started = time.perf_counter()
     capacity = sessions if capacity is None else capacity
-    pipeline = pretrained("sprite_world", session_capacity=capacity)
-    config = EngineConfig(dtype="float32", available_memory_bytes=available_memory_bytes, gpu_memory_fraction=1.0)
-    engine = ARDiffusionEngine(pipeline, config)  # its warmup compiles every program a block needs
-    load_seconds = time.perf_counter() - started
-    seeds = [seed + i for i in range(sessions)]
-    f = pipeline.config.frames_per_block
-    total_blocks = sessions * num_frames // f
-    evictions = []
-    engine.runner.add_session_listener(
-        lambda event: evictions.append(event.session_id) if event.reason == "lru_eviction" else None)
-    with tqdm(total=total_blocks * f * (2 if compare_untrained else 1), unit="frame", disable=not progress,
-              desc="trained model") as bar:
+    # The bar starts before the model loads: loading and compiling take a few seconds, and
+    # a silent terminal looks hung. Its unit is generated frames; loading counts as none.
+    bar = tqdm(total=sessions * num_frames * (2 if compare_untrained else 1), unit="frame", disable=not progress,
+               desc="loading and compiling")
+    with bar:
+        pipeline = pretrained("sprite_world", session_capacity=capacity)
+        f = pipeline.config.frames_per_block
+        if num_frames % f:
+            raise ValueError(f"num_frames ({num_frames}) must be a multiple of frames_per_block ({f})")
+        config = EngineConfig(dtype="float32", available_memory_bytes=available_memory_bytes, gpu_memory_fraction=1.0)
+        engine = ARDiffusionEngine(pipeline, config)  # its warmup compiles every program a block needs
+        load_seconds = time.perf_counter() - started
+        seeds = [seed + i for i in range(sessions)]
+        total_blocks = sessions * num_frames // f
+        evictions = []
+        engine.runner.add_session_listener(
+            lambda event: evictions.append(event.session_id) if event.reason == "lru_eviction" else None)
+        bar.set_description("trained model")
         run_start = time.perf_counter()
         tracks = drive_sessions(engine, seeds, num_frames, action_seed=seed,
                                 on_block=lambda i, ms: bar.update(f))
@@ -245,11 +282,14 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
         single_fps = _single_session_fps(engine, seed + 2000, min(num_frames, 32))
         untrained_tracks = None
         if compare_untrained:
-            bar.set_description("untrained model")
+            bar.set_description("untrained model (random weights, for comparison)")
             untrained = SpriteWorldPipeline(pipeline.config, pipeline.pipeline_config)
             with ARDiffusionEngine(untrained, config) as untrained_engine:
                 untrained_tracks = drive_sessions(untrained_engine, seeds, num_frames, action_seed=seed,
                                                   on_block=lambda i, ms: bar.update(f))
+        bar.set_description("one-step accuracy")
+        accuracy = one_step_accuracy(pipeline.modules, pipeline.config, prediction=pipeline.prediction,
+                                     decoder=pipeline.pipeline_config.decoder)
     plan = engine.memory_plan.as_dict()
     planned_capacity = engine.session_capacity
     engine.close()
@@ -262,7 +302,9 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
         "frames_per_block": f,
         "attention_window_frames": pipeline.config.sink_frames + pipeline.config.window_frames,
         "denoise_steps": pipeline.schedule.num_steps,
+        "decoder": pipeline.pipeline_config.decoder,
         "quality": quality_summary(tracks, untrained_tracks),
+        "one_step_accuracy": accuracy.as_dict(),
         "speed": {
             "frames_per_second_one_session": single_fps,
             "frames_per_second_interleaved": interleaved_fps,
@@ -278,3 +320,15 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     }
     write_demo_outputs(out_dir, tracks, summary)
     return summary
+
+
+def verdict(quality: dict[str, Any], target_ratio: float = 0.25) -> str:
+    """One plain sentence: does the model track the simulator better than repeating the first frame?"""
+    model, repeat = quality["model_second_half"], quality["repeat_first_frame_second_half"]
+    ratio = quality["ratio_to_repeat_first_frame"]
+    if model < repeat:
+        answer = f"yes: the model tracks the simulator better than repeating the first frame ({ratio:.2f}x its error"
+    else:
+        answer = f"no: repeating the first frame tracks the simulator better than the model ({ratio:.2f}x its error"
+    met = "met" if ratio <= target_ratio else "not met"
+    return f"{answer}; target <= {target_ratio}x {met})"

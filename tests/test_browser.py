@@ -46,7 +46,7 @@ from ardiff_jax.serve import ServedWorld, create_app
 CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
 RIGHT = ACTION_NAMES.index("right")
 NO_OP = ACTION_NAMES.index("no-op")
-SEED = 5
+SEED = 5  # the agent starts at (1, 3) with three free cells to its right
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
@@ -127,14 +127,20 @@ def canvas_frame(driver) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
 
 
-def test_the_page_streams_the_trained_world_and_a_held_arrow_key_drives_its_ticks(served_url, browser):
+def agent_column(frame: np.ndarray) -> int:
+    """The grid column of the agent (the greenest 4x4 cell) in a drawn frame; JPEG blurs colours a little."""
+    cells = frame.astype(float).reshape(8, 4, 8, 4, 3).mean(axis=(1, 3))  # [row, col, rgb]
+    greenness = cells[..., 1] - np.maximum(cells[..., 0], cells[..., 2])  # agent (0, 255, 0): 255; balls, walls: <= 0
+    return int(np.unravel_index(np.argmax(greenness), greenness.shape)[1])
+
+
+def test_the_page_streams_the_trained_world_and_a_held_arrow_key_moves_the_agent(served_url, browser):
     url, recorder = served_url
     browser.get(url)
     browser.find_element(By.ID, "seed").send_keys(str(SEED))
     browser.find_element(By.ID, "start").click()
 
-    # Chunks arrive and are drawn; the picture changes (the first frame is the world's reset observation,
-    # with its sharp ball, which the model then moves and blurs).
+    # Chunks arrive and are drawn; the picture changes (the ball moves every frame).
     wait_for(lambda: stats(browser)["framesShown"] >= 1, 30, "the first frame drawn")
     before = canvas_frame(browser)
     assert before.shape == (32, 32, 3)
@@ -148,24 +154,34 @@ def test_the_page_streams_the_trained_world_and_a_held_arrow_key_drives_its_tick
     wait_for(lambda: stats(browser)["framesShown"] >= shown + 3, 20, "3 more frames drawn")
     assert np.abs(canvas_frame(browser).astype(int) - before.astype(int)).max() > 64, "the picture changes"
 
-    # Hold ArrowRight: one "right" interaction (no auto-repeat spam), and the server's ticks take action right.
-    # (Where the agent goes is not asserted: the shipped model, run open-loop from one observation, loses
-    # the agent's sprite within a few frames, so its position in the picture does not track the key.)
+    # Hold ArrowRight: one "right" interaction (no auto-repeat spam), the server's ticks take action right, and
+    # the agent moves right in the frames the page draws (the seed leaves it three free cells to the right).
+    column_before = agent_column(canvas_frame(browser))
     ticks_before_key = len(recorder.ticks)
     ActionChains(browser).key_down(Keys.ARROW_RIGHT).perform()
     wait_for(lambda: any((actions == RIGHT).all() for actions, _ in recorder.ticks[ticks_before_key:]), 10,
              "a tick with action right")
-    time.sleep(1.0)
+    moved = wait_for(lambda: agent_column(canvas_frame(browser)) > column_before, 10,
+                     f"the agent drawn right of column {column_before}")
+    assert moved
+    time.sleep(0.5)
     during = stats(browser)
     ActionChains(browser).key_up(Keys.ARROW_RIGHT).perform()
     assert during["actionsSent"] == ["right"] and during["lastActionSent"] == "right"
     assert during["chunks"] > first["chunks"]
 
-    # Releasing the key sends no-op, and the server applies it.
+    # Releasing the key sends no-op, the server applies it, and the agent stops where it is in the picture.
     wait_for(lambda: stats(browser)["lastActionSent"] == "no-op", 5, "no-op on key up")
     ticks_at_release = len(recorder.ticks)
-    wait_for(lambda: any((actions == NO_OP).all() for actions, _ in recorder.ticks[ticks_at_release:]), 10,
-             "a no-op tick after key up")
+    wait_for(lambda: sum((actions == NO_OP).all() for actions, _ in recorder.ticks[ticks_at_release:]) >= 3, 10,
+             "no-op ticks after key up")
+    shown = stats(browser)["framesShown"]
+    wait_for(lambda: stats(browser)["framesShown"] >= shown + 2, 10, "frames drawn after the no-op ticks")
+    columns = []
+    for _ in range(6):  # frames drawn over about a second after the key came up
+        columns.append(agent_column(canvas_frame(browser)))
+        time.sleep(0.2)
+    assert len(set(columns)) == 1 and columns[0] > column_before, columns
     assert stats(browser)["errors"] == []
     assert "frames/s" in browser.find_element(By.ID, "stat-fps").text
     assert float(browser.find_element(By.ID, "stat-fps").text.split()[-1]) > 0

@@ -7,11 +7,21 @@ import json
 import numpy as np
 import pytest
 
-from ardiff_jax import ARDiffusionEngine, EngineConfig
+from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.cli import main
-from ardiff_jax.demo import drive_sessions, quality_summary, random_actions, run_demo, tracking_errors
-from ardiff_jax.envs import SpriteWorld
+from ardiff_jax.demo import (
+    SessionTrack,
+    contact_sheet,
+    drive_sessions,
+    quality_summary,
+    random_actions,
+    run_demo,
+    tracking_errors,
+    verdict,
+)
+from ardiff_jax.envs import ACTION_NAMES, SpriteWorld, cell_codes
 from ardiff_jax.models import SpriteWorldPipeline, pretrained
+from ardiff_jax.training import one_step_accuracy
 
 ENGINE = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0)
 
@@ -39,11 +49,57 @@ def test_shipped_model_is_far_better_than_untrained_and_does_not_drift(shipped_t
     assert quality["drift_second_over_first_half"] <= 1.5, quality
 
 
+def test_shipped_model_tracks_far_better_than_repeating_the_first_frame(shipped_tracks):
+    """What the shipped weights achieve (docs/models.md, "What it achieves"): well under half the
+    error of a model that never moves anything, over 8x the attention window."""
+    _, _, quality = shipped_tracks
+    assert quality["ratio_to_repeat_first_frame"] <= 0.5, quality
+
+
 @pytest.mark.xfail(strict=True, reason="the issue's target (second-half error at most 1/4 of repeat-first-frame) "
-                                       "is not met by the shipped weights; docs/models.md, 'What it achieves'")
+                                       "is not met: the ball is lost at its first missed bounce; docs/models.md, "
+                                       "'What it achieves'")
 def test_shipped_model_meets_the_tracking_target(shipped_tracks):
     _, _, quality = shipped_tracks
     assert quality["ratio_to_repeat_first_frame"] <= 0.25, quality
+
+
+@pytest.fixture(scope="module")
+def shipped_accuracy():
+    # One-step accuracy with the true context on held-out transitions (docs/models.md, "What it achieves").
+    pipeline = pretrained("sprite_world")
+    return one_step_accuracy(pipeline.modules, pipeline.config, prediction=pipeline.prediction,
+                             decoder=pipeline.pipeline_config.decoder, batches=2)
+
+
+def test_shipped_model_puts_the_agent_in_the_right_cell(shipped_accuracy):
+    assert shipped_accuracy.transitions >= 150
+    assert shipped_accuracy.agent >= 0.99 and shipped_accuracy.ball >= 0.9, shipped_accuracy
+
+
+@pytest.mark.xfail(strict=True, reason="the issue's target (ball cell right in 97% of one-step predictions) is not "
+                                       "met: 94% (every straight move right, about 89% of bounces)")
+def test_shipped_model_meets_the_ball_target(shipped_accuracy):
+    assert shipped_accuracy.ball >= 0.97, shipped_accuracy
+
+
+@pytest.mark.parametrize("seed", [7, 12, 23])  # worlds where each of the five actions puts the agent elsewhere
+def test_shipped_model_follows_the_action(seed):
+    # Same observation, same noise, five actions: the generated agent is where the simulator puts it,
+    # five different cells.
+    pipeline = pretrained("sprite_world", session_capacity=5)
+    cells = []
+    with ARDiffusionEngine(pipeline, ENGINE) as engine:
+        for action in range(len(ACTION_NAMES)):
+            world = SpriteWorld(seed)
+            out = engine.generate(DiffusionRequest(f"a{action}", extra_args={"session_id": f"a{action}"},
+                                                   inputs={"observation": world.reset(), "actions": [action],
+                                                           "seed": 0}))
+            world.step(action)
+            generated = cell_codes(out.frames[0])
+            assert list(zip(*np.nonzero(generated == 2), strict=True)) == [world.state.agent], ACTION_NAMES[action]
+            cells.append(world.state.agent)
+    assert len(set(cells)) == len(ACTION_NAMES)
 
 
 def test_tracks_are_aligned_with_the_simulator(shipped_tracks):
@@ -86,6 +142,8 @@ def test_run_demo_writes_every_output(tmp_path):
         assert key in stored["quality"]
     for key in ("frames_per_second_one_session", "frames_per_second_interleaved", "latency_ms"):
         assert key in stored["speed"]
+    assert set(stored["one_step_accuracy"]) == {"agent", "ball", "frame", "transitions"}
+    assert stored["decoder"] == "cells"
     assert stored["memory_plan"]["session_capacity"] == 2 and summary["sessions"] == 3
     from PIL import Image
 
@@ -98,11 +156,34 @@ def test_run_demo_writes_every_output(tmp_path):
     (["demo", "--out", "x", "--seed", "-1"], "--seed"),
     (["demo", "--out", "FILE/x"], "--out"),
     (["train", "--out", "x", "--steps", "0"], "--steps"),
+    (["demo", "--out", "x", "--frames", "1"], "--frames"),  # the error compares two halves
+    (["train", "--out", "x", "--export", ""], "--export"),  # checked before the run, not after it
+    (["train", "--out", "x", "--export", "DIR"], "--export"),
+    (["train", "--out", "x", "--export", "DIR/weights.txt"], "--export"),
+    (["train", "--out", "x", "--export", "FILE/sub/weights.npz"], "--export"),
 ])
 def test_cli_refuses_bad_arguments(argv, flag, capsys, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    argv = [arg.replace("FILE", str(a_file)) for arg in argv]
+    argv = [arg.replace("FILE", str(a_file)).replace("DIR", str(tmp_path)) for arg in argv]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_the_demo_says_plainly_whether_the_model_beats_repeating_the_first_frame():
+    better = {"model_second_half": 1.0, "repeat_first_frame_second_half": 6.0, "ratio_to_repeat_first_frame": 1 / 6}
+    worse = {"model_second_half": 9.0, "repeat_first_frame_second_half": 6.0, "ratio_to_repeat_first_frame": 1.5}
+    assert verdict(better).startswith("yes: the model tracks the simulator better") and "target <= 0.25x met" in \
+        verdict(better)
+    assert verdict(worse).startswith("no: repeating the first frame tracks the simulator better") and \
+        "not met" in verdict(worse)
+
+
+def test_contact_sheet_labels_its_rows_and_frames():
+    frames = np.stack([SpriteWorld(1).reset()] * 5)
+    track = SessionTrack(seed=1, frames=frames, truth=frames, actions=np.zeros(5, np.int32), latencies_ms=[])
+    sheet = np.asarray(contact_sheet([track, track], columns=5))
+    # A label column on the left and a header row of frame numbers: dark text pixels in both.
+    assert (sheet[14:, :60] < 100).any() and (sheet[:12, 64:] < 100).any()
+    assert sheet.shape[0] > 2 * 2 * 64 and sheet.shape[1] == 64 + 5 * (2 * 32 + 4)

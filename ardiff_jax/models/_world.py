@@ -93,6 +93,23 @@ class WorldPipelineConfig(PipelineConfigBase):
     """
 
 
+def _per_block_input(name: str, value: Any, shape: tuple[int, int], block: int, num_blocks: int,
+                     absent_reason: str) -> np.ndarray | None:
+    """A block's float input of ``shape`` (zeros by default), or one row per block ``[num_blocks, *shape]`` of a
+    streaming request (row ``block`` taken); ``None`` when the model takes none (``shape`` has a 0), where a
+    given value is refused with ``absent_reason``."""
+    if not all(shape):
+        if value is not None:
+            raise ValueError(f"{absent_reason}; {name} must be absent")
+        return None
+    if value is None:
+        return np.zeros(shape, np.float32)
+    array = np.asarray(value)
+    if array.ndim == 3:
+        array = check_array(name, array, (num_blocks, *shape))[block]
+    return check_array(name, array, shape)
+
+
 class _BlockInputs(NamedTuple):
     """The per-block conditioning of a request, parsed on the host."""
 
@@ -278,32 +295,13 @@ class WorldPipeline(PipelineBase):
 
     def _parse_controls(self, controls: Any, block: int, num_blocks: int) -> np.ndarray | None:
         cfg = self.config
-        if not cfg.control_dim:
-            if controls is not None:
-                raise ValueError("this WorldPipeline's transformer is not control-conditioned (control_dim 0); "
-                                 "inputs['controls'] must be absent")
-            return None
-        shape = (cfg.frames_per_block, cfg.control_dim)
-        if controls is None:
-            return np.zeros(shape, np.float32)
-        array = np.asarray(controls)
-        if array.ndim == 3:
-            array = check_array("inputs['controls']", array, (num_blocks,) + shape)[block]
-        return check_array("inputs['controls']", array, shape)
+        return _per_block_input("inputs['controls']", controls, (cfg.frames_per_block, cfg.control_dim), block,
+                                num_blocks, "this WorldPipeline's transformer is not control-conditioned (control_dim 0)")
 
     def _parse_action(self, action: Any, block: int, num_blocks: int) -> np.ndarray | None:
         cfg = self.config
-        if not cfg.num_register_tokens:
-            if action is not None:
-                raise ValueError("this WorldPipeline has no register tokens; inputs['action'] must be absent")
-            return None
-        shape = (cfg.num_register_tokens, cfg.register_dim)
-        if action is None:
-            return np.zeros(shape, np.float32)
-        array = np.asarray(action)
-        if array.ndim == 3:
-            array = check_array("inputs['action']", array, (num_blocks,) + shape)[block]
-        return check_array("inputs['action']", array, shape)
+        return _per_block_input("inputs['action']", action, (cfg.num_register_tokens, cfg.register_dim), block,
+                                num_blocks, "this WorldPipeline has no register tokens")
 
     # -- device work ----------------------------------------------------------------------------
     def _session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> _WorldSession:
