@@ -472,10 +472,12 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         self.config = config
         self.pipeline_config = pipeline_config
         if modules is None:
-            modules = DiTModules.create(config, pipeline_config.weights_seed)
-        elif not isinstance(modules, DiTModules) or modules.transformer.config != config:
-            raise ValueError("modules must be DiTModules built for the same CausalDiTConfig (share them between "
-                             "pipelines of one config to skip re-initialisation)")
+            modules = cls.create_modules(config, pipeline_config.weights_seed)
+        elif not isinstance(modules, nnx.Module) or not isinstance(getattr(modules, "transformer", None), CausalDiT) \
+                or modules.transformer.config != config:
+            raise ValueError("modules must hold a transformer built for the same CausalDiTConfig (e.g. another "
+                             "pipeline's .modules: share them between pipelines of one config to skip "
+                             "re-initialisation)")
         self.modules = modules
         self.device = jax.devices()[0] if device is None else device
         # Split once; jitted entry points take (graphdef, params) and merge inside.
@@ -486,6 +488,11 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         self._ar_state = None
         # Model-owned per-session state (noise key, prompt, latents), keyed by session id.
         self._sessions: dict[str, Any] = {}
+
+    @classmethod
+    def create_modules(cls, config: CausalDiTConfig, seed: int) -> nnx.Module:
+        """Random-init weights of ``config`` (the transformer and what else the pipeline computes with)."""
+        return DiTModules.create(config, seed)
 
     @classmethod
     def _checked_subclass(cls) -> type[PipelineBase]:

@@ -198,8 +198,39 @@ def sprite_world() -> CausalDiTConfig:
     )
 
 
+def _wan(name: str, *, num_layers: int, dim: int, num_heads: int, ffn_dim: int, channels: int = 16,
+         latent: tuple[int, int] = (60, 104)) -> CausalDiTConfig:
+    # The block policy defaults to Self-Forcing's: 3-frame blocks attending to everything up to
+    # its trained 21-frame length, then a 21-frame sliding window (no sink). Pipelines pick
+    # another policy (LongLive: sink 3 + 9) with CausalDiTConfig.replace.
+    return CausalDiTConfig(
+        name=name, num_layers=num_layers, dim=dim, num_heads=num_heads, ffn_dim=ffn_dim, latent_channels=channels,
+        latent_height=latent[0], latent_width=latent[1], text_len=512, text_dim=4096, frames_per_block=3,
+        window_frames=21, sink_frames=0, dtype="bfloat16", param_dtype="bfloat16",
+    )
+
+
+def wan21_t2v_1_3b() -> CausalDiTConfig:
+    """The published Wan2.1-T2V-1.3B network (Self-Forcing, LongLive): 30 layers, 12 heads x 128,
+    dim 1536, FFN 8960; 480x832 video = a 60x104 latent (1560 tokens/frame); bf16."""
+    return _wan("wan2.1-t2v-1.3b", num_layers=30, dim=1536, num_heads=12, ffn_dim=8960)
+
+
+def wan21_t2v_14b() -> CausalDiTConfig:
+    """The published Wan2.1-T2V-14B network (Krea realtime): 40 layers, 40 heads x 128, dim 5120, FFN 13824."""
+    return _wan("wan2.1-t2v-14b", num_layers=40, dim=5120, num_heads=40, ffn_dim=13824)
+
+
+def wan22_ti2v_5b() -> CausalDiTConfig:
+    """The Wan2.2-TI2V-5B transformer of LongLive 2.0: 30 layers, 24 heads x 128, dim 3072, FFN 14336,
+    48 latent channels; 704x1280 video through its 16x VAE = a 44x80 latent (880 tokens/frame)."""
+    return _wan("wan2.2-ti2v-5b", num_layers=30, dim=3072, num_heads=24, ffn_dim=14336, channels=48,
+                latent=(44, 80))
+
+
 DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {
-    "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world}
+    "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world,
+    "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b}
 
 
 def dit_preset(name: str, **overrides: object) -> CausalDiTConfig:

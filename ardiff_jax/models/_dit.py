@@ -40,6 +40,7 @@ umT5, so prompts matter without downloads.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -52,7 +53,7 @@ from ardiff_jax.models._attention import SelfAttentionBackend, dot_attention
 from ardiff_jax.models._config import CausalDiTConfig
 
 __all__ = ["CausalDiT", "DiTOutput", "ByteTextEncoder", "tokenize_prompt", "patchify", "unpatchify",
-           "rope_angles", "apply_rope", "timestep_embedding"]
+           "rope_rotation", "apply_rope", "timestep_embedding"]
 
 _F32 = jnp.float32
 
@@ -91,20 +92,70 @@ def unpatchify(tokens: jax.Array, frames: int, channels: int, height: int, width
     return x.reshape(frames, channels, height, width)
 
 
-def timestep_embedding(dim: int, timestep: jax.Array) -> jax.Array:
-    """Wan's sinusoidal embedding: ``f32[...]`` timesteps -> ``f32[..., dim]`` = ``[cos, sin]``."""
+#: Rows of the host-built float64 tables below: one level of a base-1024 position (or timestep) split.
+_TABLE_ROWS = 1024
+
+
+@functools.lru_cache(maxsize=64)
+def _sinusoid_table(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(freqs f32[dim/2], cos f32[1024, dim/2], sin f32[1024, dim/2])``: the angles ``n * freq`` of
+    integer timesteps ``n`` evaluated in float64 on the host, as Wan evaluates its sinusoid."""
     half = dim // 2
-    freqs = jnp.power(10000.0, -jnp.arange(half, dtype=_F32) / half)
-    angle = jnp.asarray(timestep, _F32)[..., None] * freqs
-    return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=-1)
+    freqs = np.power(10000.0, -np.arange(half, dtype=np.float64) / half)
+    angles = np.outer(np.arange(_TABLE_ROWS, dtype=np.float64), freqs)
+    return freqs.astype(np.float32), np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def _inv_freq(axis_dim: int, theta: float) -> jax.Array:
-    return 1.0 / jnp.power(theta, jnp.arange(0, axis_dim, 2, dtype=_F32) / axis_dim)
+def timestep_embedding(dim: int, timestep: jax.Array) -> jax.Array:
+    """Wan's sinusoidal embedding: ``f32[...]`` timesteps -> ``f32[..., dim]`` = ``[cos, sin]``.
+
+    Wan evaluates ``cos(t * freq)`` in float64; in float32 the angle alone is off by up to
+    ``6e-5`` at ``t = 1000``. Here ``t = n + r`` with ``n = floor(t)``: the angles of ``n``
+    come from a float64 table built on the host and the small remainder ``r * freq`` is
+    exact enough in float32, combined by the angle-addition formula, so the result is
+    float64's rounded to float32 within ~2e-7 (``tests/test_wan_numerics.py``).
+    """
+    freqs, cos_table, sin_table = _sinusoid_table(dim)
+    t = jnp.asarray(timestep, _F32)
+    whole = jnp.clip(jnp.floor(t), 0, _TABLE_ROWS - 1)
+    rest = (t - whole)[..., None] * freqs
+    index = whole.astype(jnp.int32)
+    cos_n, sin_n = jnp.take(cos_table, index, axis=0), jnp.take(sin_table, index, axis=0)
+    cos_r, sin_r = jnp.cos(rest), jnp.sin(rest)
+    return jnp.concatenate([cos_n * cos_r - sin_n * sin_r, sin_n * cos_r + cos_n * sin_r], axis=-1)
 
 
-def rope_angles(config: CausalDiTConfig, frame_start: jax.Array, num_frames: int) -> jax.Array:
-    """Rotation angles ``f32[f*T, D/2]`` of a block's tokens.
+#: Base-1024 levels of a frame position: frames up to ``1024**3`` rotate exactly.
+_ROPE_LEVELS = 3
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_table(axis_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin) f32[levels, 1024, axis_dim/2]``: RoPE angles of ``n * 1024**level`` in float64.
+
+    Wan builds its rotary table in float64 (complex128) on the host; position ``p`` is
+    rotated by the product of its base-1024 digits' rotations, each exact to float32.
+    """
+    inv_freq = 1.0 / np.power(float(theta), np.arange(0, axis_dim, 2, dtype=np.float64) / axis_dim)
+    digits = np.arange(_TABLE_ROWS, dtype=np.float64)
+    angles = np.stack([np.outer(digits * float(_TABLE_ROWS) ** level, inv_freq) for level in range(_ROPE_LEVELS)])
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotation_at(positions: jax.Array, axis_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """``i32[N]`` positions -> ``(cos, sin) f32[N, axis_dim/2]`` from the float64 tables."""
+    cos_table, sin_table = _rope_table(axis_dim, theta)
+    positions = jnp.asarray(positions, jnp.int32)
+    cos, sin = None, None
+    for level in range(_ROPE_LEVELS):
+        digit = (positions // (_TABLE_ROWS ** level)) % _TABLE_ROWS
+        c, s = jnp.take(cos_table[level], digit, axis=0), jnp.take(sin_table[level], digit, axis=0)
+        cos, sin = (c, s) if cos is None else (cos * c - sin * s, sin * c + cos * s)
+    return cos, sin
+
+
+def rope_rotation(config: CausalDiTConfig, frame_start: jax.Array, num_frames: int) -> tuple[jax.Array, jax.Array]:
+    """The rotation ``(cos, sin)``, each ``f32[f*T, D/2]``, of a block's tokens.
 
     Token ``(i, r, c)`` of the block is at frame ``frame_start + i`` (absolute: keys are
     cached rotated), row ``r``, column ``c``; each axis rotates its own slice of the head
@@ -112,21 +163,27 @@ def rope_angles(config: CausalDiTConfig, frame_start: jax.Array, num_frames: int
     """
     rows, cols = config.grid
     d_t, d_h, d_w = config.rope_axes
-    frames = jnp.asarray(frame_start, _F32) + jnp.arange(num_frames, dtype=_F32)
-    t_pos = jnp.broadcast_to(frames[:, None, None], (num_frames, rows, cols)).reshape(-1)
-    r_pos = jnp.broadcast_to(jnp.arange(rows, dtype=_F32)[None, :, None], (num_frames, rows, cols)).reshape(-1)
-    c_pos = jnp.broadcast_to(jnp.arange(cols, dtype=_F32)[None, None, :], (num_frames, rows, cols)).reshape(-1)
     theta = config.rope_theta
-    return jnp.concatenate(
-        [t_pos[:, None] * _inv_freq(d_t, theta), r_pos[:, None] * _inv_freq(d_h, theta),
-         c_pos[:, None] * _inv_freq(d_w, theta)], axis=-1)
+    frame_cos, frame_sin = _rotation_at(jnp.asarray(frame_start, jnp.int32) + jnp.arange(num_frames), d_t, theta)
+    row_cos, row_sin = _rotation_at(jnp.arange(rows), d_h, theta)
+    col_cos, col_sin = _rotation_at(jnp.arange(cols), d_w, theta)
+
+    def grid(frame: jax.Array, row: jax.Array, col: jax.Array) -> jax.Array:
+        shape = (num_frames, rows, cols)
+        parts = [jnp.broadcast_to(frame[:, None, None, :], (*shape, frame.shape[-1])),
+                 jnp.broadcast_to(row[None, :, None, :], (*shape, row.shape[-1])),
+                 jnp.broadcast_to(col[None, None, :, :], (*shape, col.shape[-1]))]
+        return jnp.concatenate(parts, axis=-1).reshape(num_frames * rows * cols, -1)
+
+    return grid(frame_cos, row_cos, col_cos), grid(frame_sin, row_sin, col_sin)
 
 
-def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
-    """Rotate consecutive channel pairs of ``x [N, H, D]`` by ``angles [N, D/2]`` (complex multiply)."""
+def apply_rope(x: jax.Array, rotation: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate consecutive (interleaved) channel pairs of ``x [N, H, D]`` by ``rotation = (cos, sin)``,
+    each ``[N, D/2]`` (Wan's complex multiply of pairs)."""
     n, h, d = x.shape
     pairs = x.astype(_F32).reshape(n, h, d // 2, 2)
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = rotation[0][:, None, :], rotation[1][:, None, :]
     a, b = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)
     return out.reshape(n, h, d).astype(x.dtype)
@@ -212,7 +269,7 @@ class SelfAttention(nnx.Module):
         self,
         x: jax.Array,  # [V + E, dim]: video tokens then register tokens
         num_video: int,  # V (static)
-        angles: jax.Array,  # f32[V, D/2]
+        rotation: tuple[jax.Array, jax.Array],  # (cos, sin) f32[V, D/2] each
         layer: jax.Array,  # i32[]
         attention: SelfAttentionBackend,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -224,8 +281,8 @@ class SelfAttention(nnx.Module):
         v = self.v(x).reshape(s, heads, head_dim)
         # Rotate before the K/V leave the layer: the cache holds rotated keys at absolute
         # frame positions, so history never needs re-rotation when the window slides.
-        q_video = apply_rope(q[:num_video], angles)
-        k_video = apply_rope(k[:num_video], angles)
+        q_video = apply_rope(q[:num_video], rotation)
+        k_video = apply_rope(k[:num_video], rotation)
         v_video = v[:num_video]
         if s > num_video:
             q_all = jnp.concatenate([q_video, q[num_video:]])
@@ -293,7 +350,7 @@ class DiTBlock(nnx.Module):
         x: jax.Array,  # f32[V + E, dim]: the residual stream stays float32, as in Wan
         e0: jax.Array,  # f32[6, dim] (one timestep) or f32[V + E, 6, dim] (one per token)
         num_video: int,
-        angles: jax.Array,  # f32[V, D/2]
+        rotation: tuple[jax.Array, jax.Array],  # (cos, sin) f32[V, D/2] each
         layer: jax.Array,  # i32[]
         attention: SelfAttentionBackend,
         text_kv: tuple[jax.Array, jax.Array],  # [N, H, D] each
@@ -304,7 +361,7 @@ class DiTBlock(nnx.Module):
         mod = self.modulation[...].astype(_F32) + e0
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[..., i, :] for i in range(6))
         h = (_layer_norm(x, eps) * (1 + scale_msa) + shift_msa).astype(cfg.dtype)
-        y, block_kv = self.self_attn(h, num_video, angles, layer, attention)
+        y, block_kv = self.self_attn(h, num_video, rotation, layer, attention)
         x = x + y.astype(_F32) * gate_msa
         x = x + self.cross_attn(self.norm3(x).astype(cfg.dtype), text_kv, image_kv).astype(_F32)
         h = (_layer_norm(x, eps) * (1 + scale_mlp) + shift_mlp).astype(cfg.dtype)
@@ -442,7 +499,7 @@ class CausalDiT(nnx.Module):
                 f"registers must be [..., {cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
         return self.register_in(registers.astype(cfg.dtype)).astype(_F32) + self.register_pos[...].astype(_F32)
 
-    def _layers(self, x: jax.Array, e0: jax.Array, num_video: int, angles: jax.Array,
+    def _layers(self, x: jax.Array, e0: jax.Array, num_video: int, rotation: tuple[jax.Array, jax.Array],
                 attention: SelfAttentionBackend, text_kv: tuple[jax.Array, jax.Array],
                 image_kv: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Every DiT block over the token stream ``x [V + E, dim]``; returns ``(x, k [L, V, H, D], v)``."""
@@ -451,7 +508,7 @@ class CausalDiT(nnx.Module):
         def layer_step(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             layer, state, layer_text, layer_image = xs
             block = nnx.merge(graphdef, state)
-            return block(x, e0, num_video, angles, layer, attention, layer_text, layer_image)
+            return block(x, e0, num_video, rotation, layer, attention, layer_text, layer_image)
 
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         x, (block_k, block_v) = jax.lax.scan(layer_step, x, (layers, stacked, text_kv, image_kv))
@@ -469,7 +526,7 @@ class CausalDiT(nnx.Module):
     def __call__(
         self,
         latents: jax.Array,  # [f, C, H, W]: noisy (or clean, t = 0) latent frames of the block
-        timestep: jax.Array,  # f32[]: diffusion time in [0, 1000]
+        timestep: jax.Array,  # f32[] or f32[f]: diffusion time in [0, 1000], one for the block or one per frame
         frame_start: jax.Array,  # i32[]: absolute index of the block's first frame (RoPE)
         text_kv: tuple[jax.Array, jax.Array],  # [L, N, H, D] each
         image_kv: tuple[jax.Array, jax.Array] | None = None,  # [L, Ni, H, D] each
@@ -478,11 +535,17 @@ class CausalDiT(nnx.Module):
         *,
         attention: SelfAttentionBackend,
     ) -> DiTOutput:
-        """One AR block (inference): history comes from ``attention`` (the paged view or a dense reference)."""
+        """One AR block (inference): history comes from ``attention`` (the paged view or a dense reference).
+
+        A per-frame ``timestep [f]`` modulates each frame's tokens by its own time (Wan's
+        ``t [B, F]``; Wan2.2-TI2V keeps a conditioning frame at ``t = 0``).
+        """
         cfg = self.config
         self._check_latents(latents, 1)
         frames = latents.shape[0]
         self._check_controls(controls, (frames,))
+        if jnp.ndim(timestep) not in (0, 1) or (jnp.ndim(timestep) == 1 and jnp.shape(timestep)[0] != frames):
+            raise ValueError(f"timestep must be a scalar or one per frame [{frames}], got shape {jnp.shape(timestep)}")
         num_video = frames * cfg.tokens_per_frame
         x = self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
         if registers is not None:
@@ -490,20 +553,23 @@ class CausalDiT(nnx.Module):
                 raise ValueError(
                     f"registers must be [{cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
             x = jnp.concatenate([x, self._embed_registers(registers)])
-        if controls is None:
+        if controls is None and jnp.ndim(timestep) == 0:
             e, e0 = self._time(timestep)  # one modulation for every token
         else:
             # Every video token takes its frame's conditioning; register tokens the block's
-            # mean control (they belong to the block, not to one frame).
-            per_frame = jnp.asarray(controls, _F32)
+            # mean (they belong to the block, not to one frame).
+            times = jnp.broadcast_to(jnp.asarray(timestep, _F32), (frames,))
+            per_frame = None if controls is None else jnp.asarray(controls, _F32)
             if registers is not None:
-                per_frame = jnp.concatenate([per_frame, per_frame.mean(0, keepdims=True)])
-            e, e0 = self._time(timestep, per_frame)
+                times = jnp.concatenate([times, times.mean(keepdims=True)])
+                if per_frame is not None:
+                    per_frame = jnp.concatenate([per_frame, per_frame.mean(0, keepdims=True)])
+            e, e0 = self._time(times, per_frame)
             counts = np.array([cfg.tokens_per_frame] * frames + ([registers.shape[0]] if registers is not None else []))
             e = jnp.repeat(e, counts, axis=0, total_repeat_length=int(counts.sum()))
             e0 = jnp.repeat(e0, counts, axis=0, total_repeat_length=int(counts.sum()))
-        angles = rope_angles(cfg, frame_start, frames)
-        x, block_k, block_v = self._layers(x, e0, num_video, angles, attention, text_kv, image_kv)
+        rotation = rope_rotation(cfg, frame_start, frames)
+        x, block_k, block_v = self._layers(x, e0, num_video, rotation, attention, text_kv, image_kv)
         h = self._head(x, e)
         video = unpatchify(self.head(h[:num_video]).astype(_F32), frames, cfg.latent_channels, cfg.latent_height,
                            cfg.latent_width, cfg.patch_size)
@@ -564,8 +630,9 @@ class CausalDiT(nnx.Module):
             num_reg = registers.shape[1]
             e_tokens = jnp.concatenate([e_tokens, jnp.repeat(e, num_reg, axis=0)])
             e0_tokens = jnp.concatenate([e0_tokens, jnp.repeat(e0, num_reg, axis=0)])
-        angles = jax.vmap(lambda start: rope_angles(cfg, start, frames))(jnp.asarray(frame_starts))
-        x, block_k, block_v = self._layers(x, e0_tokens, num_video, angles.reshape(num_video, -1), attention,
+        cos, sin = jax.vmap(lambda start: rope_rotation(cfg, start, frames))(jnp.asarray(frame_starts))
+        rotation = (cos.reshape(num_video, -1), sin.reshape(num_video, -1))
+        x, block_k, block_v = self._layers(x, e0_tokens, num_video, rotation, attention,
                                            text_kv, image_kv)
         h = self._head(x, e_tokens)
         patches = self.head(h[:num_video]).astype(_F32).reshape(num_instances, tokens, cfg.patch_dim)

@@ -1,0 +1,265 @@
+"""``CausalWanPipeline``: text-to-video with a published causal Wan (Self-Forcing, LongLive) on the paged runtime.
+
+The sampler is Self-Forcing's, which is the :class:`~ardiff_jax.models.WorldPipeline`
+loop with Wan's settings:
+
+* the step list ``[1000, 750, 500, 250]`` warped by the training scheduler's shift 5
+  (:func:`warped_schedule`: ``[1000, 937.5, 833.33, 625]``), each step predicting the flow,
+  taking ``x0 = x_t - sigma * flow`` and re-noising with fresh noise;
+* after the last step one forward at ``t = 0`` over the clean block writes its K/V (the
+  commit pass), so later blocks attend to clean history;
+* 3 latent frames per block; the attention policy of the checkpoint (:data:`CAUSAL_WAN_POLICIES`):
+  Self-Forcing attends to everything up to its trained 21 frames and then slides a
+  21-frame window; LongLive keeps a 3-frame sink plus the newest 9 frames.
+
+Conditioning is the text encoder's output, ``inputs["prompt_embeds"]`` (``[L <= text_len,
+text_dim]``, umT5-XXL: ``[<= 512, 4096]``), zero-padded to ``text_len`` as Wan pads it. It
+is required on a session's first request and may come again with any request: when its
+content differs from the session's current prompt, the session's text cross-attention K/V
+are replaced (one functional swap in the runtime) and the self-attention history is kept.
+A request that carries the same embeddings again costs nothing.
+
+Each block returns the denoised latents ``f32[3, C, H/8, W/8]`` (:class:`~ardiff_jax.models.WorldBlock`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ardiff_jax.models._common import NOISE_PRNG_IMPL, FewStepSchedule, check_seed, resolve_config
+from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._dit import CausalDiT
+from ardiff_jax.models._world import MAIN, TEXT, WorldPipeline, WorldPipelineConfig, _BlockInputs
+from ardiff_jax.types import DiffusionRequest
+
+__all__ = ["CausalWanPipeline", "CausalWanPipelineConfig", "CAUSAL_WAN_POLICIES", "WanModules", "warped_schedule",
+           "with_policy"]
+
+
+def warped_schedule(steps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0), shift: float = 5.0,
+                    num_train_timesteps: int = 1000) -> FewStepSchedule:
+    """Self-Forcing's denoising list: ``steps`` looked up in the shifted training schedule.
+
+    The training scheduler has ``sigma_i = linspace(1, 0, T + 1)[:-1]`` shifted to
+    ``s * sigma / (1 + (s - 1) * sigma)`` and timesteps ``T * sigma'``; step ``t`` of the
+    list becomes that schedule's entry ``T - t`` (``t = 0`` past its end). Evaluated in
+    float32 as the original. ``(1000, 750, 500, 250)`` at shift 5 gives
+    ``(1000, 937.5, 833.33, 625)``.
+    """
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}")
+    total = int(num_train_timesteps)
+    sigmas = np.linspace(1.0, 0.0, total + 1, dtype=np.float32)[:-1]
+    shifted = np.float32(shift) * sigmas / (np.float32(1.0) + np.float32(shift - 1.0) * sigmas)
+    timesteps = np.concatenate([shifted * np.float32(total), np.zeros((1,), np.float32)])
+    picked = []
+    for step in steps:
+        if not (0 < float(step) <= total) or float(step) != int(step):
+            raise ValueError(f"denoising steps must be integers in (0, {total}], got {step!r}")
+        picked.append(float(timesteps[total - int(step)]))
+    return FewStepSchedule(timesteps=tuple(picked), num_train_timesteps=float(total))
+
+
+#: Attention policies of the published checkpoints: frames per block, window and sink
+#: (``sink_frames + window_frames`` frames are visible, the current block included).
+CAUSAL_WAN_POLICIES: dict[str, dict[str, int]] = {
+    # Self-Forcing: global attention up to its trained length (21 latent frames), then sliding.
+    "self-forcing": {"frames_per_block": 3, "window_frames": 21, "sink_frames": 0},
+    # LongLive: local_attn_size 12 with a 3-frame frame sink that never rolls.
+    "longlive": {"frames_per_block": 3, "window_frames": 9, "sink_frames": 3},
+}
+
+
+def with_policy(config: CausalDiTConfig | str, policy: str) -> CausalDiTConfig:
+    """``config`` with the block, window and sink of a :data:`CAUSAL_WAN_POLICIES` entry."""
+    try:
+        fields = CAUSAL_WAN_POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown causal-Wan policy {policy!r}; choose from {sorted(CAUSAL_WAN_POLICIES)}") from None
+    return resolve_config(config).replace(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalWanPipelineConfig(WorldPipelineConfig):
+    """Policy around a causal Wan: Self-Forcing's warped 4-step schedule by default.
+
+    Attributes:
+      schedule: the denoising list (:func:`warped_schedule`; default ``[1000, 750, 500, 250]``
+        warped with shift 5).
+      session_capacity: requested upper bound of resident sessions (the memory plan may keep fewer).
+      weights_seed: seed of random weights (``--random-weights``: benchmarks of the real geometry).
+      noise_seed: mixed into session ids to derive per-session noise seeds.
+    """
+
+    schedule: FewStepSchedule = dataclasses.field(default_factory=warped_schedule)
+    session_capacity: int = 2
+
+
+class WanModules(nnx.Module):
+    """What a causal-Wan pipeline computes with: the transformer alone (text comes in as embeddings)."""
+
+    def __init__(self, transformer: CausalDiT) -> None:
+        self.transformer = transformer
+
+    @classmethod
+    def create(cls, config: CausalDiTConfig, seed: int) -> WanModules:
+        """Random weights of ``config`` in one compiled program (``--random-weights``)."""
+        graphdef = nnx.split(nnx.eval_shape(lambda: cls(CausalDiT(config, rngs=_rngs(seed)))))[0]
+        return nnx.merge(graphdef, _init_wan_params(config, seed))
+
+
+def _rngs(seed: int) -> nnx.Rngs:
+    return nnx.Rngs(jax.random.key(seed, impl=NOISE_PRNG_IMPL))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_wan_params(config: CausalDiTConfig, seed: int) -> Any:
+    return nnx.split(WanModules(CausalDiT(config, rngs=_rngs(seed))))[1]
+
+
+def _wan_text_kv(graphdef: Any, params: Any, embeds: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return nnx.merge(graphdef, params).transformer.text_cross_kv(embeds)
+
+
+#: ``(graphdef, params, f32[text_len, text_dim]) -> ([L, N, H, D], [L, N, H, D])``: a prompt's text K/V.
+wan_text_kv = jax.jit(_wan_text_kv, static_argnums=0)
+
+
+class _Prompt(NamedTuple):
+    """Prompt embeddings checked on the host: zero-padded to ``text_len`` and their digest."""
+
+    digest: str
+    embeds: np.ndarray  # f32[text_len, text_dim]
+
+
+class CausalWanPipeline(WorldPipeline):
+    """Text-to-video with a causal Wan transformer: Self-Forcing's sampler on the paged runtime.
+
+    Args:
+      config: a :class:`CausalDiTConfig` or preset name (default ``"wan2.1-t2v-1.3b"``: the
+        Self-Forcing policy; :func:`with_policy` picks another).
+      pipeline_config: :class:`CausalWanPipelineConfig`.
+      modules: the weights, e.g. ``WanModules(load_checkpoint(path))``; default random weights
+        from ``pipeline_config.weights_seed`` (the real geometry without a checkpoint).
+      device: where inputs and weights live (default: the first device).
+
+    Use :meth:`from_checkpoint` to load a published checkpoint. Request schema:
+    ``inputs["prompt_embeds"]`` (``f32[L <= text_len, text_dim]``; required first, replaces
+    the prompt when its content changes), ``inputs["seed"]``, ``inputs["num_blocks"]``
+    (stepwise). A string ``prompt`` is refused: this pipeline has no text encoder.
+    """
+
+    pipeline_config_type = CausalWanPipelineConfig
+    prediction = "flow"
+    pipeline_config: CausalWanPipelineConfig
+
+    def __init__(self, config: CausalDiTConfig | str = "wan2.1-t2v-1.3b",
+                 pipeline_config: CausalWanPipelineConfig | None = None, *, modules: WanModules | None = None,
+                 device: jax.Device | None = None) -> None:
+        super().__init__(config, pipeline_config, modules=modules, device=device)
+
+    @classmethod
+    def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, policy: str | None = None,
+                        pipeline_config: CausalWanPipelineConfig | None = None, device: jax.Device | None = None,
+                        **load_options: Any) -> CausalWanPipeline:
+        """A pipeline on the weights at ``path`` (any format :func:`load_checkpoint` reads).
+
+        ``policy`` (``"self-forcing"`` or ``"longlive"``) sets block, window and sink;
+        ``load_options`` go to :func:`load_checkpoint` (``format``, ``dtype``, ``lora``, ...).
+        """
+        from ardiff_jax.models.wan._checkpoint import load_checkpoint
+
+        transformer = load_checkpoint(path, config, **load_options)
+        if policy is not None:
+            transformer = _with_config(transformer, with_policy(transformer.config, policy))
+        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), device=device)
+
+    @classmethod
+    def create_modules(cls, config: CausalDiTConfig, seed: int) -> WanModules:
+        return WanModules.create(config, seed)
+
+    @classmethod
+    def check_compatible(cls, config: CausalDiTConfig, pipeline_config: Any) -> None:
+        if config.image_len or config.num_register_tokens or config.control_dim:
+            raise ValueError("CausalWanPipeline runs text-to-video transformers: image_len, num_register_tokens and "
+                             f"control_dim must be 0, got {config.image_len}, {config.num_register_tokens}, "
+                             f"{config.control_dim}")
+
+    # -- request parsing (host only) ------------------------------------------------------------
+    def _check_embeds(self, embeds: Any) -> _Prompt:
+        cfg = self.config
+        name = "inputs['prompt_embeds']"
+        try:
+            array = np.asarray(embeds, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a float array [L <= {cfg.text_len}, {cfg.text_dim}], got "
+                             f"{type(embeds).__name__}") from None
+        if array.ndim != 2 or not 1 <= array.shape[0] <= cfg.text_len or array.shape[1] != cfg.text_dim:
+            raise ValueError(f"{name} must be [L <= {cfg.text_len}, {cfg.text_dim}] (the text encoder's features), "
+                             f"got {list(array.shape)}")
+        if not np.isfinite(array).all():
+            raise ValueError(f"{name} must be finite")
+        # Wan pads the context with zeros to text_len *before* its text MLP and attends to every
+        # position without a mask, so the padding is part of the conditioning.
+        padded = np.zeros((cfg.text_len, cfg.text_dim), np.float32)
+        padded[: array.shape[0]] = array
+        return _Prompt(hashlib.sha256(padded.tobytes()).hexdigest(), padded)
+
+    def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[Any, _BlockInputs]:
+        self._num_blocks(request)
+        if request.prompt is not None:
+            raise ValueError("CausalWanPipeline is conditioned on inputs['prompt_embeds'] (the text encoder's "
+                             f"[L <= {self.config.text_len}, {self.config.text_dim}] features), not a text prompt")
+        for key in ("action", "controls"):
+            if request.inputs.get(key) is not None:
+                raise ValueError(f"CausalWanPipeline takes no inputs[{key!r}]: it is a text-to-video model")
+        if request.inputs.get("seed") is not None:
+            check_seed(request.inputs["seed"])
+        embeds = request.inputs.get("prompt_embeds")
+        if embeds is None:
+            if session_id not in self._sessions:
+                raise ValueError(f"CausalWanPipeline session {session_id!r} has no prompt yet: its first request "
+                                 "needs inputs['prompt_embeds'] (the session may have been evicted or reset)")
+            return None, _BlockInputs(None, None)
+        return self._check_embeds(embeds), _BlockInputs(None, None)
+
+    # -- device work ----------------------------------------------------------------------------
+    def _new_session(self, session_id: str, request: DiffusionRequest, prompt: Any) -> Any:
+        return super()._new_session(session_id, request, None if prompt is None else prompt.digest)
+
+    def _sync_prompt(self, state: Any, session: Any, prompt: _Prompt | None) -> None:
+        if prompt is not None and prompt.digest != session.prompt:
+            # New prompt: drop the old text K/V (self-attention history stays) and repopulate.
+            state.clear_cross_attention()
+            session.prompt = prompt.digest
+        if not state.is_cross_attention_populated(MAIN, TEXT):
+            if prompt is None:  # the runtime keeps a session's text K/V with its pages (offload included)
+                raise RuntimeError(f"session {state.session_id!r} lost its text cross-attention K/V; send "
+                                   "inputs['prompt_embeds'] again")
+            k, v = wan_text_kv(self._graphdef, self._params, self._to_device(prompt.embeds))
+            state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Any:
+        """One block with zero embeddings: compiles the step program and the text projection."""
+        yield DiffusionRequest(
+            "wan-warmup-0", inputs={"prompt_embeds": np.zeros((1, self.config.text_dim), np.float32)},
+            extra_args={"session_id": session_id, "reset": True})
+
+
+def _with_config(transformer: CausalDiT, config: CausalDiTConfig) -> CausalDiT:
+    """The same weights under a config that differs only in its causal policy (block, window, sink)."""
+    graphdef, state = nnx.split(transformer)
+    abstract = nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0)))
+    new_graphdef, new_state = nnx.split(abstract)
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
+        raise ValueError("the policy changed the parameter layout")  # pragma: no cover - policies touch no weights
+    del graphdef
+    return nnx.merge(new_graphdef, state)
+
