@@ -113,7 +113,7 @@ def timestep_embedding(dim: int, timestep: jax.Array) -> jax.Array:
     ``6e-5`` at ``t = 1000``. Here ``t = n + r`` with ``n = floor(t)``: the angles of ``n``
     come from a float64 table built on the host and the small remainder ``r * freq`` is
     exact enough in float32, combined by the angle-addition formula, so the result is
-    float64's rounded to float32 within ~2e-7 (``tests/test_wan_numerics.py``).
+    float64's within 3e-7 (``tests/test_wan_numerics.py``).
     """
     freqs, cos_table, sin_table = _sinusoid_table(dim)
     t = jnp.asarray(timestep, _F32)
