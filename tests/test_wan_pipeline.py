@@ -251,3 +251,83 @@ def _in_bfloat16(modules, config):
     graphdef, state = nnx.split(modules.transformer)
     state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state)
     return WanModules(_with_config(nnx.merge(graphdef, state), config))
+
+
+def test_recache_recomputes_the_visible_history_under_the_new_prompt(modules):
+    """LongLive's recache: after a switch, the next block equals one dense pass over the visible blocks
+    (sink + window, clean, at t = 0) and the new block, all under the new prompt."""
+    pipeline = _pipeline(modules, recache_on_prompt_switch=True)
+    engine = ARDiffusionEngine(pipeline, ENGINE)
+    old, new = _embeds(5), _embeds(6, length=7)
+    clean = [np.asarray(engine.generate(_request("S", old if b == 0 else None)).latents) for b in range(4)]
+    switched = np.asarray(engine.generate(_request("S", new)).latents)
+
+    # 4 blocks = 12 frames committed; the next block (frames 12-14) sees the sink block (0-2) and
+    # the newest window - f = 3 frames (9-11).
+    config, schedule = pipeline.config, pipeline.schedule
+    key = pipeline._sessions["S"].key
+    visible = [clean[0], clean[3]]
+    starts = jnp.asarray([0, 9, 12], jnp.int32)
+    mask = block_causal_mask(config, starts, jnp.asarray([True, True, False]))
+    graphdef, params = nnx.split(pipeline.transformer)
+    text_kv = pipeline.transformer.text_cross_kv(jnp.asarray(pipeline._check_embeds(new).embeds))
+    x = block_noise(key, np.int32(4), config.block_shape)
+    for step in range(schedule.num_steps):
+        t, sigma, sigma_next = schedule.step_args(step)
+        times = jnp.asarray([0.0, 0.0, t], jnp.float32)
+        flow = _dense_flow(graphdef, params, jnp.stack([*map(jnp.asarray, visible), x]), times, starts, text_kv, mask)
+        x0 = x - sigma * flow
+        x = renoise(x0, sigma_next, jax.random.normal(step_noise_key(key, np.int32(4), np.int32(step)), x.shape))
+    diff = float(np.max(np.abs(switched - np.asarray(x0))))
+    assert diff <= 1e-4, f"recached block: max |paged - dense| = {diff:.3g}"
+
+    # Without the recache the history keeps the old prompt's K/V: a different block.
+    plain = ARDiffusionEngine(_pipeline(modules), ENGINE)
+    for b in range(4):
+        plain.generate(_request("S", old if b == 0 else None))
+    assert not np.allclose(np.asarray(plain.generate(_request("S", new)).latents), switched, atol=1e-3)
+
+
+def test_recache_keeps_resident_latents_within_the_declared_bound(modules):
+    pipeline = _pipeline(modules, recache_on_prompt_switch=True)
+    engine = ARDiffusionEngine(pipeline, ENGINE)
+    for b in range(3):
+        engine.generate(_request("S", _embeds(b)))  # a switch every block
+    spec = pipeline.ar_diffusion_kv_cache_spec()
+    assert 0 < pipeline.model_owned_bytes("S") <= spec.model_owned_state_bytes_per_session
+    with pytest.raises(ValueError, match="multiples of frames_per_block"):
+        _pipeline(modules, TINY_WAN.replace(window_frames=7), recache_on_prompt_switch=True)
+
+
+def test_rewrite_committed_context_writes_resident_frames_only(modules):
+    from ardiff_jax.kv import page_of_frame
+    from helpers import make_cache, pool_snapshot
+
+    spec = _pipeline(modules).ar_diffusion_kv_cache_spec()
+    cache = make_cache(spec)
+    state = cache.create_state("s")
+    cfg = TINY_WAN
+    seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+    shape = (cfg.num_layers, seq_len, cfg.num_heads, cfg.head_dim)
+    for block in range(4):  # 12 frames: sink 0-2, the ring holds 6-11
+        state.get_kv_caches("main", seq_len=seq_len, commit_current=True)
+        state.commit_paged_context("main", kv=(jnp.full(shape, block, jnp.float32),) * 2)
+    new = jnp.full(shape, 7.0, jnp.float32)
+    with pytest.raises(ValueError, match=r"cannot rewrite frames \[3, 4, 5\]"):
+        state.rewrite_committed_context("main", 3, (new, new))  # slid out of the ring
+    with pytest.raises(ValueError, match=r"cannot rewrite frames \[12, 13, 14\]"):
+        state.rewrite_committed_context("main", 12, (new, new))  # not committed yet
+    with pytest.raises(ValueError, match="whole frames"):
+        state.rewrite_committed_context("main", 9, (new[:, :5], new[:, :5]))
+    state.get_kv_caches("main", seq_len=seq_len, commit_current=False)
+    with pytest.raises(RuntimeError, match="pending context"):
+        state.rewrite_committed_context("main", 9, (new, new))
+    state.commit_paged_context("main")
+    before, _ = pool_snapshot(cache)
+    state.rewrite_committed_context("main", 0, (new, new))  # the sink block
+    after, _ = pool_snapshot(cache)
+    assert state.adapter("main").committed_frames == 12  # the cursor did not move
+    pages = page_of_frame(cache.layout, 0, np.arange(3), np)
+    assert (after[:, pages] == 7.0).all()
+    untouched = np.setdiff1d(np.arange(after.shape[1]), pages)
+    assert np.array_equal(after[:, untouched], before[:, untouched])

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ardiff_jax._checks import check_not_traced, is_integer
-from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor
+from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor, page_of_frame
 from ardiff_jax.runtime._legacy import LegacyStateAPI, branch_of, deprecated
 from ardiff_jax.runtime._session import (
     BranchCursor,
@@ -341,6 +341,47 @@ class ARDiffusionKVState(LegacyStateAPI):
         # Bookkeeping only after the device call returned.
         self._publish(committed)
         del self._pending[kv_branch]
+
+    def rewrite_committed_context(self, kv_branch: str, first_frame: int, kv: tuple[jax.Array, jax.Array]) -> None:
+        """Overwrite the K/V of committed frames still in the pool; the cursor does not move.
+
+        For a prompt switch that recomputes the visible history under the new prompt
+        (LongLive's recache). ``kv=(k, v)``, each ``[num_layers, n * tokens_per_frame, H, D]``,
+        replaces frames ``[first_frame, first_frame + n)``; every one of them must be resident
+        and visible to the next forward (a sink frame, or one of the newest ``window_frames``
+        not before ``visible_start_frame``). One donated write, as a commit. Refused, changing
+        nothing, while the branch has a pending context.
+        """
+        kv_branch = branch_of(kv_branch, "rewrite_committed_context")
+        adapter = self.adapter(kv_branch)
+        check_not_traced("ARDiffusionKVState.rewrite_committed_context", kv)
+        if kv_branch in self._pending:
+            raise RuntimeError(f"AR-Diffusion branch {kv_branch!r} has a pending context; commit or discard it "
+                               "before rewriting committed frames")
+        layout = self._cache.layout
+        try:
+            tokens = _shape_of("AR-Diffusion rewrite k", kv[0])[1]
+        except (TypeError, IndexError, KeyError):
+            raise ValueError("AR-Diffusion kv must be a (k, v) pair of [num_layers, tokens, H, D] arrays") from None
+        if tokens <= 0 or tokens % layout.tokens_per_frame:
+            raise ValueError(f"AR-Diffusion rewrite covers whole frames: {tokens} tokens is not a positive multiple "
+                             f"of {layout.tokens_per_frame} tokens per frame")
+        k, v = self._validate_block_kv(kv, tokens)
+        if not is_integer(first_frame) or int(first_frame) < 0:
+            raise ValueError(f"AR-Diffusion first_frame must be a non-negative integer, got {first_frame!r}")
+        first, count = int(first_frame), tokens // layout.tokens_per_frame
+        committed, visible_start = adapter.committed_frames, adapter.visible_start_frame
+        oldest_ring = max(visible_start, layout.sink_frames, committed - layout.window_frames)
+        stale = [frame for frame in range(first, first + count)
+                 if frame >= committed or (layout.sink_frames <= frame < oldest_ring)]
+        if stale:
+            raise ValueError(
+                f"AR-Diffusion branch {kv_branch!r} cannot rewrite frames {stale}: only committed frames still in "
+                f"the pool can be rewritten (sink frames < {min(committed, layout.sink_frames)} and frames "
+                f"{oldest_ring}..{committed - 1})")
+        frames = np.arange(first, first + count, dtype=np.int32)
+        pages = page_of_frame(layout, self._run_base(adapter.local_index), frames, np).astype(np.int32)
+        self._cache._write_block(pages, k, v)
 
     def discard_paged_context(self, kv_branch: str) -> None:
         """Drop the pending context of ``kv_branch`` without writing (e.g. after a failed forward)."""

@@ -30,13 +30,17 @@ import hashlib
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ardiff_jax.models._common import NOISE_PRNG_IMPL, FewStepSchedule, check_seed, resolve_config
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import CausalDiT
-from ardiff_jax.models._world import MAIN, TEXT, WorldPipeline, WorldPipelineConfig, _BlockInputs
+from ardiff_jax.kv import page_of_frame, visible_history
+from ardiff_jax.models._attention import MaskedAttention, block_causal_mask
+from ardiff_jax.models._common import nbytes
+from ardiff_jax.models._world import MAIN, TEXT, WorldBlock, WorldPipeline, WorldPipelineConfig, _BlockInputs, _WorldSession
 from ardiff_jax.types import DiffusionRequest
 
 __all__ = ["CausalWanPipeline", "CausalWanPipelineConfig", "CAUSAL_WAN_POLICIES", "WanModules", "warped_schedule",
@@ -96,10 +100,21 @@ class CausalWanPipelineConfig(WorldPipelineConfig):
       session_capacity: requested upper bound of resident sessions (the memory plan may keep fewer).
       weights_seed: seed of random weights (``--random-weights``: benchmarks of the real geometry).
       noise_seed: mixed into session ids to derive per-session noise seeds.
+      recache_on_prompt_switch: LongLive's recache: when the prompt changes, recompute the K/V
+        of every frame the next block sees (sink and window) under the new prompt, so the
+        history stops pulling toward the old one. Costs one forward over the visible frames
+        per switch and keeps those frames' clean latents per session (model-owned state).
     """
 
     schedule: FewStepSchedule = dataclasses.field(default_factory=warped_schedule)
     session_capacity: int = 2
+    recache_on_prompt_switch: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.recache_on_prompt_switch, bool):
+            raise TypeError(f"CausalWanPipelineConfig recache_on_prompt_switch must be a bool, got "
+                            f"{self.recache_on_prompt_switch!r}")
 
 
 class WanModules(nnx.Module):
@@ -132,11 +147,36 @@ def _wan_text_kv(graphdef: Any, params: Any, embeds: jax.Array) -> tuple[jax.Arr
 wan_text_kv = jax.jit(_wan_text_kv, static_argnums=0)
 
 
+def _wan_recache(graphdef: Any, params: Any, latents: jax.Array, starts: jax.Array,
+                 text_kv: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    model = nnx.merge(graphdef, params).transformer
+    config = model.config
+    mask = block_causal_mask(config, starts, jnp.ones(starts.shape, bool))
+    times = jnp.zeros(starts.shape, jnp.float32)
+    out = model.forward_blocks(latents, times, starts, text_kv, attention=MaskedAttention(mask))
+    return out.k, out.v
+
+
+#: ``(graphdef, params, f32[B, f, C, H, W], i32[B], text_kv) -> (k, v) [L, B*f*T, H, D]``: the K/V of
+#: ``B`` committed blocks recomputed at ``t = 0`` in one block-causal pass (a prompt switch's recache).
+wan_recache = jax.jit(_wan_recache, static_argnums=0)
+
+
 class _Prompt(NamedTuple):
     """Prompt embeddings checked on the host: zero-padded to ``text_len`` and their digest."""
 
     digest: str
     embeds: np.ndarray  # f32[text_len, text_dim]
+
+
+@dataclasses.dataclass
+class _WanSession(_WorldSession):
+    #: With recache on: the clean latents of every resident frame ``f32[sink + window, C, H, W]``,
+    #: frame ``i`` at the slot of its KV page (sink frames first, then the ring).
+    resident: jax.Array | None = None
+
+    def device_arrays(self) -> tuple[jax.Array | None, ...]:
+        return (*super().device_arrays(), self.resident)
 
 
 class CausalWanPipeline(WorldPipeline):
@@ -157,6 +197,7 @@ class CausalWanPipeline(WorldPipeline):
     """
 
     pipeline_config_type = CausalWanPipelineConfig
+    session_type = _WanSession
     prediction = "flow"
     pipeline_config: CausalWanPipelineConfig
 
@@ -191,6 +232,24 @@ class CausalWanPipeline(WorldPipeline):
             raise ValueError("CausalWanPipeline runs text-to-video transformers: image_len, num_register_tokens and "
                              f"control_dim must be 0, got {config.image_len}, {config.num_register_tokens}, "
                              f"{config.control_dim}")
+        if getattr(pipeline_config, "recache_on_prompt_switch", False) and (
+                config.sink_frames % config.frames_per_block or config.window_frames % config.frames_per_block):
+            raise ValueError("recache_on_prompt_switch recomputes whole blocks: sink_frames "
+                             f"({config.sink_frames}) and window_frames ({config.window_frames}) must be multiples of "
+                             f"frames_per_block ({config.frames_per_block})")
+
+    @staticmethod
+    def kv_spec_for(config: CausalDiTConfig, pipeline_config: Any = None) -> Any:
+        spec = WorldPipeline.kv_spec_for(config, pipeline_config)
+        if pipeline_config is None or not pipeline_config.recache_on_prompt_switch:
+            return spec
+        resident = nbytes((config.sink_frames + config.window_frames, *config.block_shape[1:]))
+        return dataclasses.replace(
+            spec, model_owned_state_bytes_per_session=spec.model_owned_state_bytes_per_session + resident)
+
+    def _session_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.config
+        return {**super()._session_shapes(), "resident": (cfg.sink_frames + cfg.window_frames, *cfg.block_shape[1:])}
 
     # -- request parsing (host only) ------------------------------------------------------------
     def _check_embeds(self, embeds: Any) -> _Prompt:
@@ -235,7 +294,8 @@ class CausalWanPipeline(WorldPipeline):
         return super()._new_session(session_id, request, None if prompt is None else prompt.digest)
 
     def _sync_prompt(self, state: Any, session: Any, prompt: _Prompt | None) -> None:
-        if prompt is not None and prompt.digest != session.prompt:
+        switched = prompt is not None and prompt.digest != session.prompt
+        if switched:
             # New prompt: drop the old text K/V (self-attention history stays) and repopulate.
             state.clear_cross_attention()
             session.prompt = prompt.digest
@@ -245,12 +305,59 @@ class CausalWanPipeline(WorldPipeline):
                                    "inputs['prompt_embeds'] again")
             k, v = wan_text_kv(self._graphdef, self._params, self._to_device(prompt.embeds))
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
+            if switched and self.pipeline_config.recache_on_prompt_switch:
+                self._recache(state, session, (k, v))
+
+    def _recache(self, state: Any, session: _WanSession, text_kv: tuple[jax.Array, jax.Array]) -> None:
+        """Recompute the K/V of every frame the next block sees under the new prompt (LongLive's recache).
+
+        The visible blocks (sink, then the newest window) run in one block-causal pass at
+        ``t = 0`` with absolute positions, each seeing the earlier visible blocks as the window
+        rule shows them, and their pages are rewritten in place.
+        """
+        cfg = self.config
+        adapter = state.adapter(MAIN)
+        committed, f = adapter.committed_frames, cfg.frames_per_block
+        if committed == 0 or session.resident is None:
+            return
+        history = visible_history(state_layout(cfg), committed, adapter.visible_start_frame, f)
+        frames = [*range(int(history.num_sink)), *range(int(history.window_start), committed)]
+        starts = np.asarray(frames[::f], np.int32)
+        slots = page_of_frame(state_layout(cfg), 0, np.asarray(frames), np)
+        latents = session.resident[self._to_device(slots)].reshape(len(starts), f, *cfg.block_shape[1:])
+        k, v = wan_recache(self._graphdef, self._params, latents, self._to_device(starts), text_kv)
+        tokens = f * cfg.tokens_per_frame
+        for index, start in enumerate(starts.tolist()):
+            part = slice(index * tokens, (index + 1) * tokens)
+            state.rewrite_committed_context(MAIN, start, (k[:, part], v[:, part]))
+
+    def _advance(self, state: Any, session: _WanSession) -> WorldBlock | None:
+        block = super()._advance(state, session)
+        if block is not None and self.pipeline_config.recache_on_prompt_switch:
+            cfg = self.config
+            if session.resident is None:
+                session.resident = self._to_device(
+                    np.zeros((cfg.sink_frames + cfg.window_frames, *cfg.block_shape[1:]), np.float32))
+            frames = np.arange(block.first_frame, block.first_frame + cfg.frames_per_block)
+            slots = self._to_device(page_of_frame(state_layout(cfg), 0, frames, np).astype(np.int32))
+            session.resident = session.resident.at[slots].set(block.latents)
+        return block
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Any:
         """One block with zero embeddings: compiles the step program and the text projection."""
         yield DiffusionRequest(
             "wan-warmup-0", inputs={"prompt_embeds": np.zeros((1, self.config.text_dim), np.float32)},
             extra_args={"session_id": session_id, "reset": True})
+
+
+def state_layout(config: CausalDiTConfig) -> Any:
+    """The sink/window geometry of ``config`` as the KV helpers read it (pages of one branch, run base 0)."""
+    from ardiff_jax.kv import KVLayout
+
+    return KVLayout(num_layers=config.num_layers, num_pages=config.sink_frames + config.window_frames,
+                    tokens_per_frame=config.tokens_per_frame, num_kv_heads=config.num_heads,
+                    head_size=config.head_dim, sink_frames=config.sink_frames, window_frames=config.window_frames,
+                    frames_per_block=config.frames_per_block, scratch_pages=1)
 
 
 def _with_config(transformer: CausalDiT, config: CausalDiTConfig) -> CausalDiT:
