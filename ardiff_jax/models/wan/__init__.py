@@ -22,6 +22,13 @@ Example::
 """
 
 from ardiff_jax.models._dit import CausalDiT as CausalWan
+from ardiff_jax.models.wan._checkpoint import (
+    CHECKPOINT_FORMATS,
+    CheckpointError,
+    checkpoint_config,
+    load_checkpoint,
+    wan_names,
+)
 from ardiff_jax.models.wan._pipeline import (
     CAUSAL_WAN_POLICIES,
     CausalWanPipeline,
@@ -32,6 +39,11 @@ from ardiff_jax.models.wan._pipeline import (
 )
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
+    "CheckpointError",
+    "checkpoint_config",
+    "load_checkpoint",
+    "wan_names",
     "CAUSAL_WAN_POLICIES",
     "CausalWan",
     "CausalWanPipeline",
