@@ -58,11 +58,12 @@ def test_api_reference_names_every_export():
     import ardiff_jax.types
     import ardiff_jax.demo
     import ardiff_jax.training
+    import ardiff_jax.models.wan
 
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     code_spans = " ".join(re.findall(r"`([^`]*)`", api))
     modules = (ardiff_jax, ardiff_jax.capability, ardiff_jax.kv, ardiff_jax.runtime, ardiff_jax.types,
-               ardiff_jax.rollout, ardiff_jax.models, ardiff_jax.envs, ardiff_jax.training, ardiff_jax.demo,
+               ardiff_jax.rollout, ardiff_jax.models, ardiff_jax.models.wan, ardiff_jax.envs, ardiff_jax.training, ardiff_jax.demo,
                ardiff_jax.realtime, ardiff_jax.serve)
     missing = [f"{module.__name__}.{name}" for module in modules for name in module.__all__
                if not re.search(rf"\b{name}\b", code_spans)]

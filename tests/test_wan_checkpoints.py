@@ -664,3 +664,21 @@ def test_a_mesh_splits_the_weights_over_tp(tmp_path):
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0 and "mesh ok" in output, output[-6000:]
+
+
+def test_the_readme_snippet_loads_a_checkpoint_and_generates_a_block(ref):
+    """The README's three lines, run as written with the tiny checkpoint and its config in place of the real ones."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Run a published causal Wan", 1)[1]
+    snippet = re.findall(r"```py\n(.*?)```", section, flags=re.DOTALL)[0]
+    assert '"checkpoints/self_forcing_dmd.pt", "wan2.1-t2v-1.3b"' in snippet
+    snippet = snippet.replace('"checkpoints/self_forcing_dmd.pt", "wan2.1-t2v-1.3b"', "CHECKPOINT, TINY")
+    rng = np.random.default_rng(0)
+    namespace = {"CHECKPOINT": str(ref.paths["pt"]), "TINY": CONFIG,
+                 "prompt_embeds": rng.standard_normal((5, TEXT_DIM)).astype(np.float32)}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    block = namespace["block"]
+    assert block.latents.shape == (3, CHANNELS, HEIGHT, WIDTH)
+    assert np.isfinite(np.asarray(block.latents)).all()
