@@ -36,18 +36,25 @@ from ardiff_jax.models import (
     WorldPipelineConfig,
     dit_preset,
 )
+from ardiff_jax.models.wan import CausalWanPipeline, CausalWanPipelineConfig
 from ardiff_jax.runtime import ARDiffusionEngine, MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.types import DiffusionRequest, EngineConfig, check_kv_dtype
 
 __all__ = ["TimedGenerationOptions", "plan_timed_generation", "run_timed_generation"]
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_PIPELINES = {"world": (WorldPipeline, WorldPipelineConfig), "cfg": (CFGWorldActionPipeline, CFGPipelineConfig)}
+_PIPELINES = {"world": (WorldPipeline, WorldPipelineConfig), "cfg": (CFGWorldActionPipeline, CFGPipelineConfig),
+              "wan": (CausalWanPipeline, CausalWanPipelineConfig)}
 
 
 @dataclasses.dataclass(frozen=True)
 class TimedGenerationOptions:
-    """What to run. ``available_memory_bytes=None`` measures the device's free memory."""
+    """What to run. ``available_memory_bytes=None`` measures the device's free memory.
+
+    ``pipeline="wan"`` (a causal Wan, e.g. ``preset="wan2.1-t2v-1.3b"``) needs either a
+    ``checkpoint`` to load or ``random_weights=True`` (the real geometry without a checkpoint:
+    timing, not video); the reference pipelines always run on random weights.
+    """
 
     pipeline: str = "world"
     preset: str = "tiny"
@@ -57,6 +64,8 @@ class TimedGenerationOptions:
     available_memory_bytes: int | None = None
     gpu_memory_fraction: float = 0.1
     seed: int = 0
+    checkpoint: str | None = None
+    random_weights: bool = False
 
     def validate(self) -> None:
         """ValueError naming the first bad field (host only, no weights, no device work)."""
@@ -73,6 +82,13 @@ class TimedGenerationOptions:
             raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
         if self.available_memory_bytes is not None:
             check_positive_int("available_memory_bytes", self.available_memory_bytes)
+        if self.pipeline == "wan":
+            if (self.checkpoint is None) == (not self.random_weights):
+                raise ValueError("pipeline 'wan' needs exactly one of a checkpoint to load or random_weights=True "
+                                 "(the real geometry without a checkpoint)")
+        elif self.checkpoint is not None:
+            raise ValueError(f"pipeline {self.pipeline!r} has no checkpoints (it runs on random weights); "
+                             "checkpoints load with pipeline 'wan'")
 
     def kv_spec(self) -> ARDiffusionKVCacheSpec:
         """The KV spec the run's pipeline will report, from the preset alone (no weights)."""
@@ -124,7 +140,14 @@ def _make_requests(options: TimedGenerationOptions, pipeline: Any) -> Callable[[
         return DiffusionRequest(f"s{session}-b{block}", prompt=f"session {session}: pick up the cup",
                                 extra_args={"session_id": f"session-{session}"}, inputs={"observation": observation})
 
-    return world if options.pipeline == "world" else cfg_request
+    def wan(session: int, block: int) -> DiffusionRequest:
+        # Stand-in umT5 features: one fixed random prompt per session, sent with every request
+        # (the same embeddings again cost nothing: the pipeline compares their digest).
+        embeds = np.random.default_rng(options.seed + session).standard_normal((min(32, cfg.text_len), cfg.text_dim)).astype(np.float32)
+        return DiffusionRequest(f"s{session}-b{block}", extra_args={"session_id": f"session-{session}"},
+                                inputs={"prompt_embeds": embeds})
+
+    return {"world": world, "cfg": cfg_request, "wan": wan}[options.pipeline]
 
 
 def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | None = None,
@@ -142,7 +165,11 @@ def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | No
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         load_start = time.perf_counter()
-        pipeline = pipeline_cls(config, config_cls(session_capacity=options.sessions))
+        if options.checkpoint is not None:
+            pipeline = CausalWanPipeline.from_checkpoint(options.checkpoint, config,
+                                                         pipeline_config=config_cls(session_capacity=options.sessions))
+        else:
+            pipeline = pipeline_cls(config, config_cls(session_capacity=options.sessions))
         engine = ARDiffusionEngine(pipeline, EngineConfig(
             dtype=options.dtype, available_memory_bytes=options.available_memory_bytes,
             gpu_memory_fraction=options.gpu_memory_fraction))
@@ -181,6 +208,7 @@ def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | No
     summary = {
         "pipeline": options.pipeline,
         "preset": options.preset,
+        "weights": options.checkpoint or "random",
         "device": str(jax.devices()[0]),
         "dtype": options.dtype,
         "sessions": options.sessions,

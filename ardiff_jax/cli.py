@@ -239,9 +239,17 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _add_rollout(subparsers: argparse._SubParsersAction) -> None:
     rollout = subparsers.add_parser("rollout", help="run a timed multi-session generation with a reference pipeline")
-    rollout.add_argument("--pipeline", default="world", choices=("world", "cfg"),
-                         help="world: single-branch WorldPipeline; cfg: DreamZero-style CFGWorldActionPipeline")
-    rollout.add_argument("--preset", default="tiny", help="CausalDiT preset (tiny, medium, wan_1_3b)")
+    rollout.add_argument("--pipeline", default="world", choices=("world", "cfg", "wan"),
+                         help="world: single-branch WorldPipeline; cfg: DreamZero-style CFGWorldActionPipeline; "
+                              "wan: a published causal Wan (CausalWanPipeline; needs --checkpoint or --random-weights)")
+    rollout.add_argument("--preset", default="tiny",
+                         help="CausalDiT preset (tiny, medium, wan_1_3b; for --pipeline wan: wan2.1-t2v-1.3b, "
+                              "wan2.1-t2v-14b, wan2.2-ti2v-5b)")
+    weights = rollout.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", default=None,
+                         help="--pipeline wan: the checkpoint to load (.pt, .safetensors, Wan or diffusers directory)")
+    weights.add_argument("--random-weights", action="store_true",
+                         help="--pipeline wan: random weights of the real geometry (timing without a checkpoint)")
     rollout.add_argument("--sessions", type=_positive_int, default=2, help="concurrent sessions (round-robin)")
     rollout.add_argument("--blocks", type=_positive_int, default=4, help="blocks per session")
     _add_budget_arguments(rollout)
@@ -265,7 +273,10 @@ def _run_rollout(args: argparse.Namespace) -> int:
     options = TimedGenerationOptions(
         pipeline=args.pipeline, preset=args.preset, sessions=args.sessions, blocks=args.blocks, dtype=args.dtype,
         available_memory_bytes=_available_bytes(args), gpu_memory_fraction=args.fraction,
+        checkpoint=args.checkpoint, random_weights=args.random_weights,
     )
+    if args.checkpoint is not None and not os.path.exists(args.checkpoint):
+        return _refuse("rollout", f"argument --checkpoint: {args.checkpoint} does not exist")
     try:
         options.validate()  # the argument types checked each value already; this is the library's own check
         options.kv_spec()

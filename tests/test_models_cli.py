@@ -8,6 +8,7 @@ import pytest
 
 from ardiff_jax.cli import main
 from ardiff_jax.models._common import DiTModules
+from ardiff_jax.models.wan import WanModules
 
 # The same plan as the model tests (float32, ample memory, 3 sessions): the compiled
 # programs are shared with them when the suite runs in one process.
@@ -33,6 +34,18 @@ def test_rollout_writes_summary(pipeline, tmp_path, capsys):
     assert summary["compile_seconds_during_rollout"] == 0.0
 
 
+def test_rollout_runs_a_causal_wan_on_random_weights(tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    argv = ["rollout", "--pipeline", "wan", "--preset", "wan-tiny", "--random-weights", "--sessions", "2",
+            "--blocks", "2", "--dtype", "float32", "--available-bytes", str(10**9), "--fraction", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["pipeline"] == "wan" and summary["weights"] == "random"
+    assert summary["frames_per_block"] == 3 and summary["denoise_steps"] == 4
+    assert summary["compile_seconds_during_rollout"] == 0.0  # warmup compiled every program at load
+    assert "4/4 blocks" in capsys.readouterr().err
+
+
 def _exit_code(argv: list[str]) -> int:
     """What the ``ardiff-jax`` process would exit with (argparse errors raise SystemExit)."""
     try:
@@ -49,6 +62,7 @@ def no_weights(monkeypatch):
         raise AssertionError(f"weights of {config.name} were built before the arguments were checked")
 
     monkeypatch.setattr(DiTModules, "create", classmethod(refuse))
+    monkeypatch.setattr(WanModules, "create", classmethod(refuse))
 
 
 BAD_ARGUMENTS = [
@@ -75,6 +89,11 @@ BAD_ARGUMENTS = [
     (["rollout", "--out", ""], "--out"),
     (["rollout", "--out", "{tmp}/missing/summary.json"], "--out"),
     (["rollout", "--out", "{tmp}"], "--out"),
+    (["rollout", "--pipeline", "wan", "--preset", "wan-tiny"], "needs exactly one of a checkpoint"),
+    (["rollout", "--pipeline", "wan", "--preset", "tiny", "--random-weights"], "text-to-video"),
+    (["rollout", "--pipeline", "wan", "--checkpoint", "{tmp}/missing.pt"], "--checkpoint"),
+    (["rollout", "--pipeline", "world", "--checkpoint", "{tmp}"], "has no checkpoints"),
+    (["rollout", "--pipeline", "wan", "--checkpoint", "a.pt", "--random-weights"], "not allowed with"),
 ]
 
 

@@ -228,9 +228,18 @@ def wan22_ti2v_5b() -> CausalDiTConfig:
                 latent=(44, 80))
 
 
+def wan_tiny() -> CausalDiTConfig:
+    """A Wan-shaped network for CPU tests and smoke runs of the causal-Wan path: 2 layers, 2 heads x 12,
+    4-channel 4x6 latent (6 tokens/frame), 8 x 16 text; LongLive's sink 3 + window 9."""
+    return CausalDiTConfig(
+        name="wan-tiny", num_layers=2, dim=24, num_heads=2, ffn_dim=32, latent_channels=4, latent_height=4,
+        latent_width=6, text_len=8, text_dim=16, frames_per_block=3, window_frames=9, sink_frames=3, freq_dim=32,
+    )
+
+
 DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {
     "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world,
-    "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b}
+    "wan-tiny": wan_tiny, "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b}
 
 
 def dit_preset(name: str, **overrides: object) -> CausalDiTConfig:

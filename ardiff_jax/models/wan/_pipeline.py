@@ -240,6 +240,7 @@ class CausalWanPipeline(WorldPipeline):
 
     @staticmethod
     def kv_spec_for(config: CausalDiTConfig, pipeline_config: Any = None) -> Any:
+        CausalWanPipeline.check_compatible(config, pipeline_config)
         spec = WorldPipeline.kv_spec_for(config, pipeline_config)
         if pipeline_config is None or not pipeline_config.recache_on_prompt_switch:
             return spec
