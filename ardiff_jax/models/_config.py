@@ -16,6 +16,9 @@ Presets:
   tokens/frame = 60x104 latent, 3-frame blocks, 512 x 4096 text); the geometry of
   ``ardiff_jax.geometries.wan_1_3b()``. On CPU instantiate it shape-wise only
   (``nnx.eval_shape``).
+* ``wan2.1-t2v-1.3b``, ``wan2.1-t2v-14b``, ``wan2.2-ti2v-5b``: the published networks
+  (``ardiff_jax.models.wan`` loads their checkpoints), bf16, Self-Forcing's block policy;
+  ``wan-tiny``: a Wan-shaped 2-layer network for CPU tests of that path.
 """
 
 from __future__ import annotations
