@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
            "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "PipelineConfigBase", "PipelineSession",
            "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise", "with_tick_metadata",
-           "weights_fingerprint"]
+           "weights_fingerprint", "mesh_placement"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
 #: compiles several times faster than threefry on XLA:CPU. Its streams are deterministic
@@ -404,6 +404,27 @@ def weights_fingerprint(params: Any) -> str:
     return digest.hexdigest()
 
 
+def mesh_placement(mesh: jax.sharding.Mesh, config: CausalDiTConfig
+                   ) -> Any:  # Callable[[PartitionSpec], NamedSharding]
+    """Where a parameter with a partition annotation goes on ``mesh``: the model's placement rule.
+
+    Attention heads, the FFN hidden layer and the q/k norms split over ``"tp"`` (the
+    ``CausalDiT`` annotations); annotated axes the mesh does not split are replicated.
+    ValueError when the heads or the FFN do not split over the mesh's ``tp``.
+    """
+    tp = int(mesh.shape.get("tp", 1))
+    for what, size in (("attention heads", config.num_heads), ("FFN hidden units", config.ffn_dim)):
+        if size % tp:
+            raise ValueError(f"cannot split {size} {what} over tp={tp}")
+    axes = {name for name, size in mesh.shape.items() if size > 1}
+
+    def placement(spec: jax.sharding.PartitionSpec) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+            *(name if name in axes else None for name in spec)))
+
+    return placement
+
+
 class BoundStateMixin:
     """DreamZero-style binding: one state at a time, for the invocation only, never retained.
 
@@ -571,18 +592,10 @@ class PipelineBase(BoundStateMixin, abc.ABC):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if self._sessions:
             raise RuntimeError(f"{type(self).__name__}: shard the model before any session runs")
-        tp = int(mesh.shape.get("tp", 1))
-        config = self.config
-        for what, size in (("attention heads", config.num_heads), ("FFN hidden units", config.ffn_dim)):
-            if size % tp:
-                raise ValueError(f"{type(self).__name__} cannot split {size} {what} over tp={tp}")
-        axes = {name for name, size in mesh.shape.items() if size > 1}
-
-        def placement(spec: jax.sharding.PartitionSpec) -> jax.sharding.NamedSharding:
-            # Annotated axes the mesh does not split are replicated.
-            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-                *(name if name in axes else None for name in spec)))
-
+        try:
+            placement = mesh_placement(mesh, self.config)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__} {error}") from None
         specs = nnx.get_partition_spec(self._params)
         shardings = jax.tree.map(placement, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         self._params = jax.device_put(self._params, shardings)

@@ -51,7 +51,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from ardiff_jax.models._common import mesh_placement
 from ardiff_jax.models._config import CausalDiTConfig, dit_preset
+from ardiff_jax.models._pretrained import _path_name as weight_file_name
 from ardiff_jax.models._dit import CausalDiT
 from ardiff_jax.models.wan._safetensors import SafetensorsError, SafetensorsFile
 
@@ -845,27 +847,12 @@ def _placement(mesh: Any, config: CausalDiTConfig) -> Callable[[Any], Any] | Non
         return None
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    tp = int(mesh.shape.get("tp", 1))
-    for what, size in (("attention heads", config.num_heads), ("FFN hidden units", config.ffn_dim)):
-        if size % tp:
-            raise ValueError(f"cannot split {size} {what} over tp={tp}")
-    axes = {name for name, size in mesh.shape.items() if size > 1}
-
-    def placement(spec: jax.sharding.PartitionSpec) -> jax.sharding.NamedSharding:
-        # As PipelineBase.shard_ar_diffusion_model: annotated axes the mesh does not split are replicated.
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-            *(name if name in axes else None for name in spec)))
-
-    return placement
+    return mesh_placement(mesh, config)  # the rule PipelineBase.shard_ar_diffusion_model applies
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
-    parts = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
-                break
+    """A parameter's dotted path (``blocks.self_attn.q.kernel``), as the mapping table names it."""
+    parts = weight_file_name(path).split("/")
     if parts and parts[-1] == "value":
         parts.pop()
     return ".".join(parts)
