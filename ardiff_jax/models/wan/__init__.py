@@ -29,6 +29,16 @@ from ardiff_jax.models.wan._checkpoint import (
     load_checkpoint,
     wan_names,
 )
+from ardiff_jax.models.wan._umt5 import (
+    WAN_UMT5_FILE,
+    UMT5Config,
+    UMT5Encoder,
+    WanTextEncoder,
+    clean_prompt,
+    load_umt5,
+    umt5_config,
+    umt5_names,
+)
 from ardiff_jax.models.wan._pipeline import (
     CAUSAL_WAN_POLICIES,
     CausalWanPipeline,
@@ -44,6 +54,14 @@ __all__ = [
     "checkpoint_config",
     "load_checkpoint",
     "wan_names",
+    "WAN_UMT5_FILE",
+    "UMT5Config",
+    "UMT5Encoder",
+    "WanTextEncoder",
+    "clean_prompt",
+    "load_umt5",
+    "umt5_config",
+    "umt5_names",
     "CAUSAL_WAN_POLICIES",
     "CausalWan",
     "CausalWanPipeline",

@@ -357,9 +357,10 @@ def _safetensors_tensors(files: dict[str, SafetensorsFile], only: dict[str, str]
     return out
 
 
-def _read_weights_dir(directory: Path) -> dict[str, _Tensor]:
-    """``diffusion_pytorch_model.safetensors`` or the shards its index lists."""
-    index, single = directory / _INDEX, directory / _WEIGHTS
+def _read_weights_dir(directory: Path, weights: str = _WEIGHTS, index: str = _INDEX) -> dict[str, _Tensor]:
+    """``weights`` (default ``diffusion_pytorch_model.safetensors``) or the shards its ``index`` lists,
+    cross-checked against the index."""
+    index, single = directory / index, directory / weights
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -389,7 +390,7 @@ def _read_weights_dir(directory: Path) -> dict[str, _Tensor]:
     if single.exists():
         return _safetensors_tensors({single.name: SafetensorsFile(single)})
     found = sorted(p.name for p in directory.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    raise CheckpointError(f"{directory} has neither {_WEIGHTS} nor {_INDEX}"
+    raise CheckpointError(f"{directory} has neither {single.name} nor {index.name}"
                           + (f" (found {', '.join(found)}; pickled .bin/.pt weights are not read from a directory)"
                              if found else ""))
 
