@@ -41,10 +41,11 @@ from ardiff_jax.kv import page_of_frame, visible_history
 from ardiff_jax.models._attention import MaskedAttention, block_causal_mask
 from ardiff_jax.models._common import nbytes
 from ardiff_jax.models._world import MAIN, TEXT, WorldBlock, WorldPipeline, WorldPipelineConfig, _BlockInputs, _WorldSession
-from ardiff_jax.types import DiffusionRequest
+from ardiff_jax.models.wan._vae import VAEDecodeCache, WanVAE, _decode_step_jit, cache_nbytes, init_decode_cache
+from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest
 
-__all__ = ["CausalWanPipeline", "CausalWanPipelineConfig", "CAUSAL_WAN_POLICIES", "WanModules", "warped_schedule",
-           "with_policy"]
+__all__ = ["CausalWanPipeline", "CausalWanPipelineConfig", "CAUSAL_WAN_POLICIES", "WanBlock", "WanModules",
+           "warped_schedule", "with_policy"]
 
 
 def warped_schedule(steps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0), shift: float = 5.0,
@@ -162,6 +163,32 @@ def _wan_recache(graphdef: Any, params: Any, latents: jax.Array, starts: jax.Arr
 wan_recache = jax.jit(_wan_recache, static_argnums=0)
 
 
+class WanBlock(NamedTuple):
+    """One generated block of a causal Wan.
+
+    Attributes:
+      latents: ``f32[f, C, H/8, W/8]`` the clean latent frames.
+      video: ``uint8[F, H, W, 3]`` the block decoded by the session's streaming VAE
+        (``F = 1 + 4(f-1)`` for a session's first block, ``4f`` after), or ``None`` for a
+        pipeline without a VAE.
+      first_frame: absolute index of the block's first latent frame in its session.
+      block_index: blocks this session generated before this one.
+      ar_diffusion: the chunk metadata of a typed tick (``None`` otherwise).
+    """
+
+    latents: jax.Array
+    video: jax.Array | None
+    first_frame: int
+    block_index: int
+    ar_diffusion: ARDiffusionChunkMetadata | None = None
+
+
+@jax.jit
+def _to_uint8_frames(video: jax.Array) -> jax.Array:
+    """``f32[F, 3, H, W]`` in ``[-1, 1]`` -> ``uint8[F, H, W, 3]`` (what a video file or a browser shows)."""
+    return jnp.round((jnp.clip(video, -1.0, 1.0) + 1.0) * 127.5).astype(jnp.uint8).transpose(0, 2, 3, 1)
+
+
 class _Prompt(NamedTuple):
     """Prompt embeddings checked on the host: zero-padded to ``text_len`` and their digest."""
 
@@ -174,9 +201,12 @@ class _WanSession(_WorldSession):
     #: With recache on: the clean latents of every resident frame ``f32[sink + window, C, H, W]``,
     #: frame ``i`` at the slot of its KV page (sink frames first, then the ring).
     resident: jax.Array | None = None
+    #: With a VAE: the streaming decoder's causal-conv cache (the last frames of every conv).
+    vae_cache: VAEDecodeCache | None = None
 
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
-        return (*super().device_arrays(), self.resident)
+        vae = () if self.vae_cache is None else tuple(self.vae_cache.convs)
+        return (*super().device_arrays(), self.resident, *vae)
 
 
 class CausalWanPipeline(WorldPipeline):
@@ -203,16 +233,28 @@ class CausalWanPipeline(WorldPipeline):
 
     def __init__(self, config: CausalDiTConfig | str = "wan2.1-t2v-1.3b",
                  pipeline_config: CausalWanPipelineConfig | None = None, *, modules: WanModules | None = None,
-                 device: jax.Device | None = None) -> None:
+                 vae: WanVAE | None = None, device: jax.Device | None = None) -> None:
+        config = resolve_config(config)
+        if vae is not None:
+            if not isinstance(vae, WanVAE):
+                raise TypeError(f"vae must be a WanVAE (load_vae), got {type(vae).__name__}")
+            if vae.config.z_dim != config.latent_channels:
+                raise ValueError(f"the VAE's latents have {vae.config.z_dim} channels, the transformer's "
+                                 f"{config.latent_channels}")
         super().__init__(config, pipeline_config, modules=modules, device=device)
+        self.vae = vae
+        if vae is not None:
+            self._vae_graphdef, vae_params = nnx.split(vae)
+            self._vae_params = jax.device_put(vae_params, self.device)
 
     @classmethod
     def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, policy: str | None = None,
-                        pipeline_config: CausalWanPipelineConfig | None = None, device: jax.Device | None = None,
-                        **load_options: Any) -> CausalWanPipeline:
+                        pipeline_config: CausalWanPipelineConfig | None = None, vae: Any = None,
+                        device: jax.Device | None = None, **load_options: Any) -> CausalWanPipeline:
         """A pipeline on the weights at ``path`` (any format :func:`load_checkpoint` reads).
 
-        ``policy`` (``"self-forcing"`` or ``"longlive"``) sets block, window and sink;
+        ``policy`` (``"self-forcing"`` or ``"longlive"``) sets block, window and sink; ``vae``
+        (a :class:`WanVAE` or a path :func:`load_vae` reads) decodes every block to video;
         ``load_options`` go to :func:`load_checkpoint` (``format``, ``dtype``, ``lora``, ...).
         """
         from ardiff_jax.models.wan._checkpoint import load_checkpoint
@@ -220,7 +262,11 @@ class CausalWanPipeline(WorldPipeline):
         transformer = load_checkpoint(path, config, **load_options)
         if policy is not None:
             transformer = _with_config(transformer, with_policy(transformer.config, policy))
-        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), device=device)
+        if vae is not None and not isinstance(vae, WanVAE):
+            from ardiff_jax.models.wan._vae import load_vae
+
+            vae = load_vae(vae, dtype=load_options.get("dtype"))
+        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), vae=vae, device=device)
 
     @classmethod
     def create_modules(cls, config: CausalDiTConfig, seed: int) -> WanModules:
@@ -247,6 +293,60 @@ class CausalWanPipeline(WorldPipeline):
         resident = nbytes((config.sink_frames + config.window_frames, *config.block_shape[1:]))
         return dataclasses.replace(
             spec, model_owned_state_bytes_per_session=spec.model_owned_state_bytes_per_session + resident)
+
+    def ar_diffusion_kv_cache_spec(self) -> Any:
+        spec = self.kv_spec_for(self.config, self.pipeline_config)
+        if self.vae is None:
+            return spec
+        # The streaming decoder's cache is per-session state: capacity from memory counts it.
+        return dataclasses.replace(spec, model_owned_state_bytes_per_session=(
+            spec.model_owned_state_bytes_per_session + self.vae_cache_bytes))
+
+    @property
+    def vae_cache_bytes(self) -> int:
+        """Bytes of one session's streaming-decoder cache (0 without a VAE)."""
+        if self.vae is None:
+            return 0
+        return cache_nbytes(self.vae.config, self.config.block_shape[2:], self.vae.config.dtype)
+
+    def ar_diffusion_weights_fingerprint(self) -> str:
+        """The transformer's digest, combined with the VAE's when there is one (its cache is session state)."""
+        base = super().ar_diffusion_weights_fingerprint()
+        if self.vae is None:
+            return base
+        if getattr(self, "_vae_fingerprint", None) is None:
+            from ardiff_jax.models._common import weights_fingerprint
+
+            self._vae_fingerprint = weights_fingerprint(self._vae_params)
+        return hashlib.sha256(f"{base}+vae:{self._vae_fingerprint}".encode()).hexdigest()
+
+    def import_ar_diffusion_session(self, session_id: str, state: Any) -> None:
+        """As the base, plus the VAE cache: validated against this pipeline's cache layout before anything changes."""
+        cache = None
+        if isinstance(state, dict) and state.get("vae_cache") is not None:
+            cache = self._checked_vae_cache(state["vae_cache"])
+            state = {**state, "vae_cache": None}
+        super().import_ar_diffusion_session(session_id, state)
+        if cache is not None:
+            self._sessions[session_id].vae_cache = cache
+
+    def _checked_vae_cache(self, value: Any) -> VAEDecodeCache:
+        if self.vae is None:
+            raise ValueError("session state has a VAE cache, but this CausalWanPipeline has no VAE")
+        template = jax.eval_shape(lambda: init_decode_cache(self.vae.config, self.config.block_shape[2:]))
+        if not isinstance(value, dict) or sorted(value) != ["convs", "started"] \
+                or not isinstance(value["started"], bool) or not isinstance(value["convs"], (list, tuple)) \
+                or len(value["convs"]) != len(template.convs):
+            raise ValueError(f"session state vae_cache must be {{'convs': {len(template.convs)} arrays, 'started': "
+                             "bool}")
+        convs = []
+        for index, (array, want) in enumerate(zip(value["convs"], template.convs, strict=True)):
+            if not isinstance(array, jax.Array) or array.shape != want.shape or array.dtype != want.dtype:
+                got = f"{getattr(array, 'dtype', type(array).__name__)}{list(getattr(array, 'shape', ()))}"
+                raise ValueError(f"session state vae_cache.convs[{index}] must be {want.dtype}{list(want.shape)}, "
+                                 f"got {got}")
+            convs.append(jax.device_put(array, self.device))
+        return VAEDecodeCache(tuple(convs), value["started"])
 
     def _session_shapes(self) -> dict[str, tuple[int, ...]]:
         cfg = self.config
@@ -332,9 +432,24 @@ class CausalWanPipeline(WorldPipeline):
             part = slice(index * tokens, (index + 1) * tokens)
             state.rewrite_committed_context(MAIN, start, (k[:, part], v[:, part]))
 
-    def _advance(self, state: Any, session: _WanSession) -> WorldBlock | None:
+    def _advance(self, state: Any, session: _WanSession) -> WanBlock | None:
         block = super()._advance(state, session)
-        if block is not None and self.pipeline_config.recache_on_prompt_switch:
+        if block is None:
+            return None
+        self._remember_resident(session, block)
+        video = None
+        if self.vae is not None:
+            if session.vae_cache is None:
+                session.vae_cache = jax.device_put(init_decode_cache(self.vae.config, self.config.block_shape[2:]),
+                                                   self.device)
+            # The cache is donated: the session holds only the returned one.
+            decoded, session.vae_cache = _decode_step_jit(self._vae_graphdef, self._vae_params, block.latents,
+                                                          session.vae_cache)
+            video = _to_uint8_frames(decoded)
+        return WanBlock(block.latents, video, block.first_frame, block.block_index)
+
+    def _remember_resident(self, session: _WanSession, block: WorldBlock) -> None:
+        if self.pipeline_config.recache_on_prompt_switch:
             cfg = self.config
             if session.resident is None:
                 session.resident = self._to_device(
@@ -342,13 +457,15 @@ class CausalWanPipeline(WorldPipeline):
             frames = np.arange(block.first_frame, block.first_frame + cfg.frames_per_block)
             slots = self._to_device(page_of_frame(state_layout(cfg), 0, frames, np).astype(np.int32))
             session.resident = session.resident.at[slots].set(block.latents)
-        return block
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Any:
-        """One block with zero embeddings: compiles the step program and the text projection."""
+        """One block with zero embeddings (the step program and the text projection); with a VAE a
+        second block, since a session's first decode and the later ones are different programs."""
         yield DiffusionRequest(
             "wan-warmup-0", inputs={"prompt_embeds": np.zeros((1, self.config.text_dim), np.float32)},
             extra_args={"session_id": session_id, "reset": True})
+        if self.vae is not None:
+            yield DiffusionRequest("wan-warmup-1", extra_args={"session_id": session_id})
 
 
 def state_layout(config: CausalDiTConfig) -> Any:
