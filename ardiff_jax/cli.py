@@ -35,6 +35,7 @@ import math
 import os
 import socket
 import sys
+from typing import Any
 from collections.abc import Sequence
 
 from ardiff_jax.capability import spec_summary
@@ -408,6 +409,158 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- generate ------------------------------------------------------------------------------------
+
+
+def _existing_path(text: str) -> str:
+    if not text.strip() or not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
+
+
+def _mp4_output(text: str) -> str:
+    text = _output_path(text)
+    if not text.lower().endswith(".mp4"):
+        raise argparse.ArgumentTypeError(f"expected an .mp4 path, got {text!r}")
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 24 * 3600):
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 86400], got {text!r}")
+    return value
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    generate = subparsers.add_parser(
+        "generate", help="prompt -> umT5 -> causal Wan blocks -> streaming VAE -> MP4 (Self-Forcing, LongLive, Krea)")
+    weights = generate.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--weights", type=_existing_path, default=None,
+                         help="the causal-Wan checkpoint (.pt, .safetensors, Wan or diffusers directory)")
+    weights.add_argument("--random-weights", action="store_true",
+                         help="random transformer and VAE of --preset and stand-in prompt features (timing only)")
+    generate.add_argument("--preset", default=None,
+                          help="network preset (default: read from the checkpoint; wan2.1-t2v-1.3b with --random-weights)")
+    generate.add_argument("--policy", choices=("self-forcing", "longlive"), default=None,
+                          help="block window and sink (default: the preset's, Self-Forcing's)")
+    generate.add_argument("--lora", type=_existing_path, default=None, help="a LoRA merged into the weights (LongLive)")
+    generate.add_argument("--vae", type=_existing_path, default=None, help="Wan2.1_VAE.pth or a diffusers VAE")
+    text = generate.add_mutually_exclusive_group()
+    text.add_argument("--text-encoder", type=_existing_path, default=None,
+                      help="models_t5_umt5-xxl-enc-bf16.pth or a transformers UMT5 encoder (needs --tokenizer)")
+    text.add_argument("--prompt-embeds", type=_existing_path, action="append", default=None,
+                      help="precomputed features (.npy, [L <= 512, 4096]), one per --prompt, in order")
+    generate.add_argument("--tokenizer", type=_existing_path, default=None,
+                          help="umT5's tokenizer.json (or a directory holding it)")
+    generate.add_argument("--text-device", choices=("default", "host"), default="default",
+                          help="where the text encoder runs (host: the CPU, to keep 11 GB off the accelerator)")
+    generate.add_argument("--prompt", action="append", required=True,
+                          help="a prompt, or 'SECONDS:text' entries (repeat the flag) for a prompt schedule")
+    generate.add_argument("--seconds", type=_positive_seconds, required=True, help="video length in seconds")
+    generate.add_argument("--out", type=_mp4_output, required=True, help="the .mp4 to write")
+    generate.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="weights and KV dtype (default: bf16)")
+    generate.add_argument("--seed", type=_non_negative_int, default=0, help="noise seed")
+    generate.add_argument("--no-recache", action="store_true",
+                          help="keep the history's K/V at a prompt switch (default: LongLive's recache)")
+    generate.add_argument("--available-gib", type=_memory_gib, default=None,
+                          help="memory to plan the KV against (default: measured)")
+    generate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    generate.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from ardiff_jax.models.wan._generate import PromptSchedule
+
+    try:
+        schedule = PromptSchedule.parse(args.prompt)
+    except ValueError as error:
+        return _refuse("generate", f"argument --prompt: {error}")
+    if args.random_weights:
+        if args.vae or args.text_encoder or args.prompt_embeds or args.lora:
+            return _refuse("generate", "--random-weights builds every part itself: drop --vae, --text-encoder, "
+                                       "--prompt-embeds and --lora")
+    else:
+        if args.vae is None:
+            return _refuse("generate", "argument --vae: needed to turn latents into video (Wan2.1_VAE.pth)")
+        if args.text_encoder is None and not args.prompt_embeds:
+            return _refuse("generate", "give --text-encoder with --tokenizer, or --prompt-embeds per prompt")
+        if args.text_encoder is not None and args.tokenizer is None:
+            return _refuse("generate", "argument --tokenizer: needed with --text-encoder (umT5's tokenizer.json)")
+        if args.prompt_embeds and len(args.prompt_embeds) != len(schedule.prompts):
+            return _refuse("generate", f"argument --prompt-embeds: {len(args.prompt_embeds)} files for "
+                                       f"{len(schedule.prompts)} prompts (one each, in order)")
+    from ardiff_jax.models import DIT_PRESETS
+
+    if args.preset is not None and args.preset not in DIT_PRESETS:
+        return _refuse("generate", f"argument --preset: unknown preset {args.preset!r}; choose from "
+                                   f"{', '.join(sorted(DIT_PRESETS))}")
+    try:
+        return _generate(args, schedule)
+    except (ValueError, OSError, ImportError) as error:  # bad files and shapes, named by the loaders
+        return _refuse("generate", str(error))
+
+
+def _generate(args: argparse.Namespace, schedule: Any) -> int:
+    import numpy as np
+    from flax import nnx
+
+    from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.wan import (
+        CausalWanPipeline,
+        CausalWanPipelineConfig,
+        WanTextEncoder,
+        WanVAE,
+        WanVAEConfig,
+        load_umt5,
+        load_vae,
+        with_policy,
+    )
+    from ardiff_jax.models.wan._generate import generate_video, placeholder_embeds
+    from ardiff_jax.runtime import ARDiffusionEngine
+    from ardiff_jax.types import EngineConfig
+
+    recache = len(schedule.prompts) > 1 and not args.no_recache
+    pipeline_config = CausalWanPipelineConfig(session_capacity=1, recache_on_prompt_switch=recache)
+    if args.random_weights:
+        config = dit_preset(args.preset or "wan2.1-t2v-1.3b", dtype=args.dtype, param_dtype=args.dtype)
+        if args.policy is not None:
+            config = with_policy(config, args.policy)
+        channels = config.latent_channels
+        if channels != WanVAEConfig().z_dim:
+            raise ValueError(f"--preset {config.name}: its {channels}-channel latents need a VAE this repository "
+                             "does not have yet (the Wan 2.1 VAE has 16)")
+        vae = WanVAE(WanVAEConfig(dtype=args.dtype), rngs=nnx.Rngs(0))
+        pipeline = CausalWanPipeline(config, pipeline_config, vae=vae)
+        encode = {p: placeholder_embeds(p, config.text_dim, min(32, config.text_len)) for p in schedule.prompts}
+        print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
+    else:
+        pipeline = CausalWanPipeline.from_checkpoint(
+            args.weights, args.preset, policy=args.policy, pipeline_config=pipeline_config,
+            vae=load_vae(args.vae, dtype=args.dtype), dtype=args.dtype, lora=args.lora,
+            progress=None if not args.no_progress else False)
+        if args.prompt_embeds:
+            encode = {p: np.load(path) for p, path in zip(schedule.prompts, args.prompt_embeds, strict=True)}
+        else:
+            device = "host" if args.text_device == "host" else None
+            encoder = load_umt5(args.text_encoder, device=device)
+            encode = WanTextEncoder(encoder, args.tokenizer, text_len=pipeline.config.text_len).encode
+    available = None if args.available_gib is None else int(args.available_gib)
+    engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=args.dtype, available_memory_bytes=available,
+                                                      gpu_memory_fraction=0.9))
+    try:
+        video = generate_video(engine, schedule, args.seconds, encode=encode, out=args.out, seed=args.seed,
+                               progress=not args.no_progress)
+    finally:
+        engine.close()
+    print(f"{video.num_frames} frames ({video.num_frames / video.fps:.2f} s at {video.fps} fps) in {video.blocks} "
+          f"blocks, {video.frames_per_second:.2f} frames/s: {video.path}")
+    return 0
+
+
 # -- serve ---------------------------------------------------------------------------------------
 
 
@@ -538,6 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rollout(subparsers)
     _add_train(subparsers)
     _add_demo(subparsers)
+    _add_generate(subparsers)
     _add_serve(subparsers)
     return parser
 

@@ -113,3 +113,95 @@ def test_a_malformed_vae_cache_is_refused_before_anything_changes(parts):
     assert "S" not in pipeline.session_ids
     pipeline.import_ar_diffusion_session("S", state)  # the good one still goes in
     assert "S" in pipeline.session_ids
+
+
+# -- prompt to pixels ----------------------------------------------------------------------------------
+
+
+def test_prompt_schedules_parse_and_refuse():
+    from ardiff_jax.models.wan import PromptSchedule
+
+    assert PromptSchedule.parse("a cat: walking").entries == ((0.0, "a cat: walking"),)
+    schedule = PromptSchedule.parse(["0:a cat walking", "1.5: the cat jumps"])
+    assert schedule.at(0.0) == "a cat walking" and schedule.at(1.49) == "a cat walking"
+    assert schedule.at(1.5) == "the cat jumps"
+    for bad, message in [(["1:late start"], "start at 0"), (["0:a", "0:b"], "increase"),
+                         (["0:a", "no time"], "needs its start"), (["0: "], "non-empty")]:
+        with pytest.raises(ValueError, match=message):
+            PromptSchedule.parse(bad)
+
+
+def test_generate_video_follows_the_schedule_and_streams_an_mp4(parts, tmp_path):
+    av = pytest.importorskip("av")
+    from ardiff_jax.models.wan import generate_video
+
+    engine = _engine(parts, capacity=1)
+    embeds = {"a cat walking": _embeds(7), "the cat jumps": _embeds(8)}
+    # 2 s at 16 fps = 32 frames: blocks start at frames 0, 9, 21 (times 0, 0.56, 1.31 s).
+    video = generate_video(engine, ["0:a cat walking", "1:the cat jumps"], 2.0, encode=embeds, progress=False)
+    assert video.frames.shape == (32, 32, 48, 3) and video.num_frames == 32 and video.blocks == 3
+    assert video.prompts == ("a cat walking", "a cat walking", "the cat jumps")
+    assert engine.sessions == ()  # the session is closed when the video is done
+    path = tmp_path / "clip.mp4"
+    written = generate_video(engine, "a cat walking", 1.0, encode=embeds, out=path, progress=False)
+    assert written.frames is None and written.num_frames == 16
+    with av.open(str(path)) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(frames) == 16 and frames[0].shape == (32, 48, 3)
+    # Same seed, same prompt: the file holds the frames the in-memory run returns. The codec is lossy
+    # and random weights make noise-like frames, its hardest case.
+    again = generate_video(engine, "a cat walking", 1.0, encode=embeds, progress=False)
+    assert np.corrcoef(np.stack(frames).ravel().astype(float), again.frames.ravel().astype(float))[0, 1] > 0.8
+    with pytest.raises(ValueError, match=r"prompt_embeds"):
+        generate_video(engine, "a cat walking", 1.0, encode={"a cat walking": np.zeros((3, 5))}, progress=False)
+
+
+def test_the_generate_command_writes_a_video_from_checkpoint_files(tmp_path, capsys):
+    """`ardiff-jax generate` on tiny checkpoints in the real formats: a .pt, a diffusers VAE, .npy features."""
+    av = pytest.importorskip("av")
+    torch = pytest.importorskip("torch")
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    from ardiff_jax.cli import main
+    from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.wan import wan_names
+
+    config = dit_preset("wan-tiny")
+    torch.manual_seed(0)
+    dit = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2,
+                                cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    sd = dit.state_dict()
+    from test_wan_checkpoints import wan_to_diffusers
+
+    torch.save({"generator_ema": {f"model.{n}": sd[wan_to_diffusers(n)] for n in wan_names(config)}},
+               tmp_path / "self_forcing.pt")
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    vae.save_pretrained(tmp_path / "vae")
+    np.save(tmp_path / "cat.npy", _embeds(1))
+    np.save(tmp_path / "jump.npy", _embeds(2))
+    out = tmp_path / "video.mp4"
+    argv = ["generate", "--weights", str(tmp_path / "self_forcing.pt"), "--preset", "wan-tiny", "--vae",
+            str(tmp_path / "vae"), "--prompt", "0:a cat", "--prompt", "0.5:it jumps", "--prompt-embeds",
+            str(tmp_path / "cat.npy"), "--prompt-embeds", str(tmp_path / "jump.npy"), "--seconds", "1.5",
+            "--out", str(out), "--dtype", "float32", "--available-gib", "1", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "24 frames" in capsys.readouterr().out
+    with av.open(str(out)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 24
+    # Refusals name the argument, before anything is built.
+    for bad, message in [(["--prompt-embeds", str(tmp_path / "cat.npy")], "2 prompts"),
+                         (["--vae", str(tmp_path / "missing")], "--vae"),
+                         (["--out", str(tmp_path / "video.avi")], ".mp4")]:
+        changed = list(argv)
+        if bad[0] == "--prompt-embeds":
+            cut = changed.index("--prompt-embeds")
+            del changed[cut:cut + 4]
+        else:
+            del changed[changed.index(bad[0]):changed.index(bad[0]) + 2]
+        try:
+            code = main([*changed, *bad])
+        except SystemExit as exit_:
+            code = exit_.code
+        assert code == 2
+        assert message in capsys.readouterr().err

@@ -56,6 +56,14 @@ from ardiff_jax.models.wan._vae import (
     load_vae,
     vae_names,
 )
+from ardiff_jax.models.wan._generate import (
+    VIDEO_FPS,
+    GeneratedVideo,
+    PromptSchedule,
+    generate_video,
+    placeholder_embeds,
+    write_mp4,
+)
 from ardiff_jax.models.wan._pipeline import (
     CAUSAL_WAN_POLICIES,
     CausalWanPipeline,
@@ -72,6 +80,12 @@ __all__ = [
     "checkpoint_config",
     "load_checkpoint",
     "wan_names",
+    "VIDEO_FPS",
+    "GeneratedVideo",
+    "PromptSchedule",
+    "generate_video",
+    "placeholder_embeds",
+    "write_mp4",
     "CACHE_T",
     "WAN21_LATENTS_MEAN",
     "WAN21_LATENTS_STD",
