@@ -519,7 +519,7 @@ def _generate(args: argparse.Namespace, schedule: Any) -> int:
         load_vae,
         with_policy,
     )
-    from ardiff_jax.models.wan._generate import generate_video, placeholder_embeds
+    from ardiff_jax.models.wan._generate import PlaceholderTextEncoder, generate_video
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 
@@ -534,20 +534,21 @@ def _generate(args: argparse.Namespace, schedule: Any) -> int:
             raise ValueError(f"--preset {config.name}: its {channels}-channel latents need a VAE this repository "
                              "does not have yet (the Wan 2.1 VAE has 16)")
         vae = WanVAE(WanVAEConfig(dtype=args.dtype), rngs=nnx.Rngs(0))
-        pipeline = CausalWanPipeline(config, pipeline_config, vae=vae)
-        encode = {p: placeholder_embeds(p, config.text_dim, min(32, config.text_len)) for p in schedule.prompts}
+        pipeline = CausalWanPipeline(config, pipeline_config, vae=vae,
+                                     text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))
+        encode = None
         print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
     else:
-        pipeline = CausalWanPipeline.from_checkpoint(
-            args.weights, args.preset, policy=args.policy, pipeline_config=pipeline_config,
-            vae=load_vae(args.vae, dtype=args.dtype), dtype=args.dtype, lora=args.lora,
-            progress=None if not args.no_progress else False)
+        text_encoder, encode = None, None
         if args.prompt_embeds:
             encode = {p: np.load(path) for p, path in zip(schedule.prompts, args.prompt_embeds, strict=True)}
         else:
             device = "host" if args.text_device == "host" else None
-            encoder = load_umt5(args.text_encoder, device=device)
-            encode = WanTextEncoder(encoder, args.tokenizer, text_len=pipeline.config.text_len).encode
+            text_encoder = WanTextEncoder(load_umt5(args.text_encoder, device=device), args.tokenizer)
+        pipeline = CausalWanPipeline.from_checkpoint(
+            args.weights, args.preset, policy=args.policy, pipeline_config=pipeline_config,
+            vae=load_vae(args.vae, dtype=args.dtype), text_encoder=text_encoder, dtype=args.dtype, lora=args.lora,
+            progress=None if not args.no_progress else False)
     available = None if args.available_gib is None else int(args.available_gib)
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=args.dtype, available_memory_bytes=available,
                                                       gpu_memory_fraction=0.9))

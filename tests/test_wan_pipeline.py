@@ -191,8 +191,8 @@ def test_same_embeddings_again_change_nothing_and_new_ones_switch(modules):
 
 
 @pytest.mark.parametrize("request_kwargs, message", [
-    ({"prompt": "a cat"}, "not a text prompt"),
-    ({"inputs": {}}, "needs inputs\\['prompt_embeds'\\]"),
+    ({"prompt": "a cat"}, "has no text encoder"),
+    ({"inputs": {}}, "needs a prompt or inputs\\['prompt_embeds'\\]"),
     ({"inputs": {"prompt_embeds": np.zeros((9, 16), np.float32)}}, "L <= 8"),
     ({"inputs": {"prompt_embeds": np.zeros((4, 15), np.float32)}}, "L <= 8, 16"),
     ({"inputs": {"prompt_embeds": np.full((4, 16), np.nan, np.float32)}}, "must be finite"),
@@ -331,3 +331,19 @@ def test_rewrite_committed_context_writes_resident_frames_only(modules):
     assert (after[:, pages] == 7.0).all()
     untouched = np.setdiff1d(np.arange(after.shape[1]), pages)
     assert np.array_equal(after[:, untouched], before[:, untouched])
+
+
+def test_a_text_prompt_goes_through_the_pipelines_text_encoder(modules):
+    from ardiff_jax.models.wan import PlaceholderTextEncoder, placeholder_embeds
+
+    encoder = PlaceholderTextEncoder(TINY_WAN.text_dim, length=5)
+    with_text = ARDiffusionEngine(CausalWanPipeline(TINY_WAN, modules=modules, text_encoder=encoder), ENGINE)
+    with_embeds = ARDiffusionEngine(_pipeline(modules), ENGINE)
+    for prompt in ("a cat", "a cat", "a dog"):
+        a = with_text.generate(DiffusionRequest("r", prompt=prompt, extra_args={"session_id": "S"}))
+        b = with_embeds.generate(_request("S", placeholder_embeds(prompt, TINY_WAN.text_dim, 5)))
+        assert np.array_equal(np.asarray(a.latents), np.asarray(b.latents))
+    assert encoder.calls == ["a cat", "a dog"]  # encoded once per prompt switch, not per block
+    with pytest.raises(ValueError, match="not both"):
+        with_text.generate(DiffusionRequest("r", prompt="x", extra_args={"session_id": "S"},
+                                            inputs={"prompt_embeds": placeholder_embeds("x", 16, 5)}))

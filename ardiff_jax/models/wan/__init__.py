@@ -59,6 +59,7 @@ from ardiff_jax.models.wan._vae import (
 from ardiff_jax.models.wan._generate import (
     VIDEO_FPS,
     GeneratedVideo,
+    PlaceholderTextEncoder,
     PromptSchedule,
     generate_video,
     placeholder_embeds,
@@ -82,6 +83,7 @@ __all__ = [
     "wan_names",
     "VIDEO_FPS",
     "GeneratedVideo",
+    "PlaceholderTextEncoder",
     "PromptSchedule",
     "generate_video",
     "placeholder_embeds",

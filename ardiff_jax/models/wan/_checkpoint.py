@@ -1003,7 +1003,7 @@ def load_checkpoint(
             bar.close()
     wrong = sorted(n for n in ckpt.tensors if used[n] != 1) + sorted(set(used) - set(ckpt.tensors))
     if wrong:  # the mapping must be a bijection: every tensor used exactly once
-        raise RuntimeError(f"checkpoint tensors not used exactly once: "
+        raise RuntimeError("checkpoint tensors not used exactly once: "
                            + ", ".join(f"{n} x{used[n]}" for n in wrong))
     state = jax.tree_util.tree_unflatten(treedef, leaves)
     return nnx.merge(graphdef, state)

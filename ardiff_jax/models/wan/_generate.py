@@ -24,7 +24,8 @@ import numpy as np
 
 from ardiff_jax.models.wan._pipeline import CausalWanPipeline, WanBlock
 
-__all__ = ["PromptSchedule", "GeneratedVideo", "generate_video", "write_mp4", "VIDEO_FPS", "placeholder_embeds"]
+__all__ = ["PromptSchedule", "GeneratedVideo", "generate_video", "write_mp4", "VIDEO_FPS", "placeholder_embeds",
+           "PlaceholderTextEncoder"]
 
 #: Wan's video rate (``sample_fps``): 16 frames per second.
 VIDEO_FPS = 16
@@ -116,6 +117,22 @@ def placeholder_embeds(prompt: str, text_dim: int, length: int = 32) -> np.ndarr
     return np.random.default_rng(seed).standard_normal((length, text_dim)).astype(np.float32)
 
 
+class PlaceholderTextEncoder:
+    """A stand-in for umT5 in random-weight timing runs: :func:`placeholder_embeds` of each prompt.
+
+    Has the text-encoder interface :class:`CausalWanPipeline` takes (``encode(prompt) -> f32[L, text_dim]``);
+    ``calls`` lists the prompts it encoded, in order.
+    """
+
+    def __init__(self, text_dim: int, length: int = 32) -> None:
+        self.text_dim, self.length = int(text_dim), int(length)
+        self.calls: list[str] = []
+
+    def encode(self, prompt: str) -> np.ndarray:
+        self.calls.append(prompt)
+        return placeholder_embeds(prompt, self.text_dim, self.length)
+
+
 def _blocks_for(num_frames: int, first: int, later: int) -> int:
     return 1 if num_frames <= first else 1 + math.ceil((num_frames - first) / later)
 
@@ -125,7 +142,7 @@ def generate_video(
     prompts: PromptSchedule | str | Sequence[str],
     seconds: float,
     *,
-    encode: Callable[[str], np.ndarray] | Mapping[str, np.ndarray],
+    encode: Callable[[str], np.ndarray] | Mapping[str, np.ndarray] | None = None,
     out: str | Path | None = None,
     fps: int = VIDEO_FPS,
     session_id: str = "video",
@@ -140,7 +157,8 @@ def generate_video(
       prompts: a :class:`PromptSchedule`, one prompt, or CLI-style ``"T:text"`` entries.
       seconds: video length; ``round(seconds * fps)`` frames (at least 1).
       encode: the prompt's text features ``f32[L, text_dim]``: a function (e.g.
-        ``WanTextEncoder.encode``, cached per prompt) or a mapping prompt -> features.
+        ``WanTextEncoder.encode``, cached per prompt) or a mapping prompt -> features;
+        ``None``: the prompts go to the pipeline as text, for its own ``text_encoder``.
       out: an ``.mp4`` path to stream the frames to (PyAV); ``None`` returns them.
       fps: the video rate (Wan: 16).
       session_id, seed: the engine session and its noise seed (a fresh session).
@@ -153,10 +171,15 @@ def generate_video(
     if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"seconds must be a positive number, got {seconds!r}")
     num_frames = max(1, round(seconds * fps))
-    lookup = encode.__getitem__ if isinstance(encode, Mapping) else encode
-    embeds = {prompt: np.asarray(lookup(prompt), np.float32) for prompt in schedule.prompts}  # all checked first
-    for prompt, value in embeds.items():
-        pipeline._check_embeds(value)  # a wrong shape fails here, before any block runs
+    embeds: dict[str, np.ndarray] = {}
+    if encode is None:
+        if pipeline.text_encoder is None:
+            raise ValueError("generate_video needs encode= (prompt features) for a pipeline without a text_encoder")
+    else:
+        lookup = encode.__getitem__ if isinstance(encode, Mapping) else encode
+        embeds = {prompt: np.asarray(lookup(prompt), np.float32) for prompt in schedule.prompts}  # all checked first
+        for value in embeds.values():
+            pipeline._check_embeds(value)  # a wrong shape fails here, before any block runs
     f, t = pipeline.config.frames_per_block, pipeline.vae.config.temporal_factor
     first, later = 1 + t * (f - 1), t * f
     num_blocks = _blocks_for(num_frames, first, later)
@@ -170,12 +193,13 @@ def generate_video(
             video_frame = 0 if block == 0 else first + (block - 1) * later
             prompt = schedule.at(video_frame / fps)
             used.append(prompt)
-            inputs: dict[str, Any] = {"prompt_embeds": embeds[prompt]}
+            inputs: dict[str, Any] = {"prompt_embeds": embeds[prompt]} if embeds else {}
             extra: dict[str, Any] = {"session_id": session_id}
             if block == 0:
                 inputs["seed"] = seed
                 extra["reset"] = True
-            output: WanBlock = engine.generate(_request(f"{session_id}-{block}", inputs, extra))
+            text = None if embeds else prompt
+            output: WanBlock = engine.generate(_request(f"{session_id}-{block}", text, inputs, extra))
             frames = np.asarray(output.video)[: num_frames - written]
             written += len(frames)
             if writer is not None:
@@ -199,10 +223,10 @@ def generate_video(
         frames_per_second=written / elapsed)
 
 
-def _request(request_id: str, inputs: dict[str, Any], extra: dict[str, Any]) -> Any:
+def _request(request_id: str, prompt: str | None, inputs: dict[str, Any], extra: dict[str, Any]) -> Any:
     from ardiff_jax.types import DiffusionRequest
 
-    return DiffusionRequest(request_id, inputs=inputs, extra_args=extra)
+    return DiffusionRequest(request_id, prompt=prompt, inputs=inputs, extra_args=extra)
 
 
 def _progress(enabled: bool, total: int) -> Any:

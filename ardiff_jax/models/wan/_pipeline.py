@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ardiff_jax.models._common import NOISE_PRNG_IMPL, FewStepSchedule, check_seed, resolve_config
+from ardiff_jax.models._common import NOISE_PRNG_IMPL, FewStepSchedule, check_prompt, check_seed, resolve_config
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import CausalDiT
 from ardiff_jax.kv import page_of_frame, visible_history
@@ -190,10 +190,12 @@ def _to_uint8_frames(video: jax.Array) -> jax.Array:
 
 
 class _Prompt(NamedTuple):
-    """Prompt embeddings checked on the host: zero-padded to ``text_len`` and their digest."""
+    """A checked prompt: its digest and either its embeddings (zero-padded to ``text_len``) or, for a text
+    prompt, the text the pipeline's encoder turns into them when they are needed."""
 
     digest: str
-    embeds: np.ndarray  # f32[text_len, text_dim]
+    embeds: np.ndarray | None  # f32[text_len, text_dim]
+    text: str | None = None
 
 
 @dataclasses.dataclass
@@ -218,12 +220,17 @@ class CausalWanPipeline(WorldPipeline):
       pipeline_config: :class:`CausalWanPipelineConfig`.
       modules: the weights, e.g. ``WanModules(load_checkpoint(path))``; default random weights
         from ``pipeline_config.weights_seed`` (the real geometry without a checkpoint).
+      vae: a :class:`WanVAE`: every block is also decoded to video (``WanBlock.video``) by a
+        streaming decoder whose cache is the session's state.
+      text_encoder: turns a text ``prompt`` into its features (``encode(str) -> f32[L, text_dim]``,
+        e.g. :class:`WanTextEncoder`, which caches per prompt); without one, requests carry
+        ``inputs["prompt_embeds"]``.
       device: where inputs and weights live (default: the first device).
 
-    Use :meth:`from_checkpoint` to load a published checkpoint. Request schema:
-    ``inputs["prompt_embeds"]`` (``f32[L <= text_len, text_dim]``; required first, replaces
-    the prompt when its content changes), ``inputs["seed"]``, ``inputs["num_blocks"]``
-    (stepwise). A string ``prompt`` is refused: this pipeline has no text encoder.
+    Use :meth:`from_checkpoint` to load a published checkpoint. Request schema: ``prompt``
+    (a string, with a text encoder) or ``inputs["prompt_embeds"]`` (``f32[L <= text_len,
+    text_dim]``): one of them is required first, and one that differs from the session's
+    current prompt switches it; ``inputs["seed"]``, ``inputs["num_blocks"]`` (stepwise).
     """
 
     pipeline_config_type = CausalWanPipelineConfig
@@ -233,8 +240,11 @@ class CausalWanPipeline(WorldPipeline):
 
     def __init__(self, config: CausalDiTConfig | str = "wan2.1-t2v-1.3b",
                  pipeline_config: CausalWanPipelineConfig | None = None, *, modules: WanModules | None = None,
-                 vae: WanVAE | None = None, device: jax.Device | None = None) -> None:
+                 vae: WanVAE | None = None, text_encoder: Any = None, device: jax.Device | None = None) -> None:
         config = resolve_config(config)
+        if text_encoder is not None and not callable(getattr(text_encoder, "encode", None)):
+            raise TypeError(f"text_encoder must have encode(prompt) -> f32[L, text_dim], got "
+                            f"{type(text_encoder).__name__}")
         if vae is not None:
             if not isinstance(vae, WanVAE):
                 raise TypeError(f"vae must be a WanVAE (load_vae), got {type(vae).__name__}")
@@ -243,6 +253,7 @@ class CausalWanPipeline(WorldPipeline):
                                  f"{config.latent_channels}")
         super().__init__(config, pipeline_config, modules=modules, device=device)
         self.vae = vae
+        self.text_encoder = text_encoder
         if vae is not None:
             self._vae_graphdef, vae_params = nnx.split(vae)
             self._vae_params = jax.device_put(vae_params, self.device)
@@ -250,7 +261,8 @@ class CausalWanPipeline(WorldPipeline):
     @classmethod
     def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, policy: str | None = None,
                         pipeline_config: CausalWanPipelineConfig | None = None, vae: Any = None,
-                        device: jax.Device | None = None, **load_options: Any) -> CausalWanPipeline:
+                        text_encoder: Any = None, device: jax.Device | None = None,
+                        **load_options: Any) -> CausalWanPipeline:
         """A pipeline on the weights at ``path`` (any format :func:`load_checkpoint` reads).
 
         ``policy`` (``"self-forcing"`` or ``"longlive"``) sets block, window and sink; ``vae``
@@ -266,7 +278,8 @@ class CausalWanPipeline(WorldPipeline):
             from ardiff_jax.models.wan._vae import load_vae
 
             vae = load_vae(vae, dtype=load_options.get("dtype"))
-        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), vae=vae, device=device)
+        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), vae=vae,
+                   text_encoder=text_encoder, device=device)
 
     @classmethod
     def create_modules(cls, config: CausalDiTConfig, seed: int) -> WanModules:
@@ -374,19 +387,27 @@ class CausalWanPipeline(WorldPipeline):
 
     def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[Any, _BlockInputs]:
         self._num_blocks(request)
-        if request.prompt is not None:
-            raise ValueError("CausalWanPipeline is conditioned on inputs['prompt_embeds'] (the text encoder's "
-                             f"[L <= {self.config.text_len}, {self.config.text_dim}] features), not a text prompt")
         for key in ("action", "controls"):
             if request.inputs.get(key) is not None:
                 raise ValueError(f"CausalWanPipeline takes no inputs[{key!r}]: it is a text-to-video model")
         if request.inputs.get("seed") is not None:
             check_seed(request.inputs["seed"])
         embeds = request.inputs.get("prompt_embeds")
+        if request.prompt is not None:
+            if self.text_encoder is None:
+                raise ValueError("CausalWanPipeline has no text encoder: condition it on inputs['prompt_embeds'] "
+                                 f"(the text encoder's [L <= {self.config.text_len}, {self.config.text_dim}] "
+                                 "features), or build it with text_encoder=")
+            if embeds is not None:
+                raise ValueError("give a prompt or inputs['prompt_embeds'], not both")
+            text = check_prompt("CausalWanPipeline prompt", request.prompt)
+            return _Prompt("text:" + hashlib.sha256(text.encode("utf-8")).hexdigest(), None, text), _BlockInputs(
+                None, None)
         if embeds is None:
             if session_id not in self._sessions:
                 raise ValueError(f"CausalWanPipeline session {session_id!r} has no prompt yet: its first request "
-                                 "needs inputs['prompt_embeds'] (the session may have been evicted or reset)")
+                                 "needs a prompt or inputs['prompt_embeds'] (the session may have been evicted or "
+                                 "reset)")
             return None, _BlockInputs(None, None)
         return self._check_embeds(embeds), _BlockInputs(None, None)
 
@@ -404,7 +425,9 @@ class CausalWanPipeline(WorldPipeline):
             if prompt is None:  # the runtime keeps a session's text K/V with its pages (offload included)
                 raise RuntimeError(f"session {state.session_id!r} lost its text cross-attention K/V; send "
                                    "inputs['prompt_embeds'] again")
-            k, v = wan_text_kv(self._graphdef, self._params, self._to_device(prompt.embeds))
+            embeds = prompt.embeds if prompt.embeds is not None else self._check_embeds(
+                self.text_encoder.encode(prompt.text)).embeds  # the encoder caches per prompt
+            k, v = wan_text_kv(self._graphdef, self._params, self._to_device(embeds))
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
             if switched and self.pipeline_config.recache_on_prompt_switch:
                 self._recache(state, session, (k, v))
