@@ -435,29 +435,90 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    generate = subparsers.add_parser(
-        "generate", help="prompt -> umT5 -> causal Wan blocks -> streaming VAE -> MP4 (Self-Forcing, LongLive, Krea)")
-    weights = generate.add_mutually_exclusive_group(required=True)
+def _add_wan_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """The arguments that build a causal Wan with its VAE (generate, serve --model wan)."""
+    weights = parser.add_mutually_exclusive_group(required=required)
     weights.add_argument("--weights", type=_existing_path, default=None,
                          help="the causal-Wan checkpoint (.pt, .safetensors, Wan or diffusers directory)")
     weights.add_argument("--random-weights", action="store_true",
                          help="random transformer and VAE of --preset and stand-in prompt features (timing only)")
-    generate.add_argument("--preset", default=None,
-                          help="network preset (default: read from the checkpoint; wan2.1-t2v-1.3b with --random-weights)")
-    generate.add_argument("--policy", choices=("self-forcing", "longlive"), default=None,
-                          help="block window and sink (default: the preset's, Self-Forcing's)")
-    generate.add_argument("--lora", type=_existing_path, default=None, help="a LoRA merged into the weights (LongLive)")
-    generate.add_argument("--vae", type=_existing_path, default=None, help="Wan2.1_VAE.pth or a diffusers VAE")
+    parser.add_argument("--policy", choices=("self-forcing", "longlive"), default=None,
+                        help="block window and sink (default: the preset's, Self-Forcing's)")
+    parser.add_argument("--lora", type=_existing_path, default=None, help="a LoRA merged into the weights (LongLive)")
+    parser.add_argument("--vae", type=_existing_path, default=None, help="Wan2.1_VAE.pth or a diffusers VAE")
+    parser.add_argument("--tokenizer", type=_existing_path, default=None,
+                        help="umT5's tokenizer.json (or a directory holding it)")
+    parser.add_argument("--text-device", choices=("default", "host"), default="default",
+                        help="where the text encoder runs (host: the CPU, to keep 11 GB off the accelerator)")
+
+
+def _check_wan_arguments(command: str, args: argparse.Namespace, *, embeds_allowed: bool) -> str | None:
+    """The first problem with the causal-Wan arguments, or None (host only, nothing built)."""
+    embeds = getattr(args, "prompt_embeds", None)
+    if args.random_weights:
+        if args.vae or args.text_encoder or embeds or args.lora:
+            return "--random-weights builds every part itself: drop --vae, --text-encoder, --prompt-embeds and --lora"
+        return None
+    if args.weights is None:
+        return "give --weights (a causal-Wan checkpoint) or --random-weights"
+    if args.vae is None:
+        return "argument --vae: needed to turn latents into video (Wan2.1_VAE.pth)"
+    if args.text_encoder is None and not (embeds_allowed and embeds):
+        return ("give --text-encoder with --tokenizer" + (", or --prompt-embeds per prompt" if embeds_allowed else ""))
+    if args.text_encoder is not None and args.tokenizer is None:
+        return "argument --tokenizer: needed with --text-encoder (umT5's tokenizer.json)"
+    return None
+
+
+def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
+    """The CausalWanPipeline the arguments describe, with its VAE and (unless --prompt-embeds) text encoder."""
+    from flax import nnx
+
+    from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.wan import (
+        CausalWanPipeline,
+        PlaceholderTextEncoder,
+        WanTextEncoder,
+        WanVAE,
+        WanVAEConfig,
+        load_umt5,
+        load_vae,
+        with_policy,
+    )
+
+    if args.random_weights:
+        config = dit_preset(args.preset or "wan2.1-t2v-1.3b", dtype=args.dtype, param_dtype=args.dtype)
+        if args.policy is not None:
+            config = with_policy(config, args.policy)
+        channels = config.latent_channels
+        if channels != WanVAEConfig().z_dim:
+            raise ValueError(f"--preset {config.name}: its {channels}-channel latents need a VAE this repository "
+                             "does not have yet (the Wan 2.1 VAE has 16)")
+        vae = WanVAE(WanVAEConfig(dtype=args.dtype), rngs=nnx.Rngs(0))
+        print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
+        return CausalWanPipeline(config, pipeline_config, vae=vae,
+                                 text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))
+    text_encoder = None
+    if args.text_encoder is not None:
+        device = "host" if args.text_device == "host" else None
+        text_encoder = WanTextEncoder(load_umt5(args.text_encoder, device=device), args.tokenizer)
+    return CausalWanPipeline.from_checkpoint(
+        args.weights, args.preset, policy=args.policy, pipeline_config=pipeline_config,
+        vae=load_vae(args.vae, dtype=args.dtype), text_encoder=text_encoder, dtype=args.dtype, lora=args.lora,
+        progress=None if not getattr(args, "no_progress", False) else False)
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    generate = subparsers.add_parser(
+        "generate", help="prompt -> umT5 -> causal Wan blocks -> streaming VAE -> MP4 (Self-Forcing, LongLive, Krea)")
+    _add_wan_arguments(generate, required=True)
     text = generate.add_mutually_exclusive_group()
     text.add_argument("--text-encoder", type=_existing_path, default=None,
                       help="models_t5_umt5-xxl-enc-bf16.pth or a transformers UMT5 encoder (needs --tokenizer)")
     text.add_argument("--prompt-embeds", type=_existing_path, action="append", default=None,
                       help="precomputed features (.npy, [L <= 512, 4096]), one per --prompt, in order")
-    generate.add_argument("--tokenizer", type=_existing_path, default=None,
-                          help="umT5's tokenizer.json (or a directory holding it)")
-    generate.add_argument("--text-device", choices=("default", "host"), default="default",
-                          help="where the text encoder runs (host: the CPU, to keep 11 GB off the accelerator)")
+    generate.add_argument("--preset", default=None,
+                          help="network preset (default: read from the checkpoint; wan2.1-t2v-1.3b with --random-weights)")
     generate.add_argument("--prompt", action="append", required=True,
                           help="a prompt, or 'SECONDS:text' entries (repeat the flag) for a prompt schedule")
     generate.add_argument("--seconds", type=_positive_seconds, required=True, help="video length in seconds")
@@ -479,20 +540,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         schedule = PromptSchedule.parse(args.prompt)
     except ValueError as error:
         return _refuse("generate", f"argument --prompt: {error}")
-    if args.random_weights:
-        if args.vae or args.text_encoder or args.prompt_embeds or args.lora:
-            return _refuse("generate", "--random-weights builds every part itself: drop --vae, --text-encoder, "
-                                       "--prompt-embeds and --lora")
-    else:
-        if args.vae is None:
-            return _refuse("generate", "argument --vae: needed to turn latents into video (Wan2.1_VAE.pth)")
-        if args.text_encoder is None and not args.prompt_embeds:
-            return _refuse("generate", "give --text-encoder with --tokenizer, or --prompt-embeds per prompt")
-        if args.text_encoder is not None and args.tokenizer is None:
-            return _refuse("generate", "argument --tokenizer: needed with --text-encoder (umT5's tokenizer.json)")
-        if args.prompt_embeds and len(args.prompt_embeds) != len(schedule.prompts):
-            return _refuse("generate", f"argument --prompt-embeds: {len(args.prompt_embeds)} files for "
-                                       f"{len(schedule.prompts)} prompts (one each, in order)")
+    problem = _check_wan_arguments("generate", args, embeds_allowed=True)
+    if problem is not None:
+        return _refuse("generate", problem)
+    if args.prompt_embeds and len(args.prompt_embeds) != len(schedule.prompts):
+        return _refuse("generate", f"argument --prompt-embeds: {len(args.prompt_embeds)} files for "
+                                   f"{len(schedule.prompts)} prompts (one each, in order)")
     from ardiff_jax.models import DIT_PRESETS
 
     if args.preset is not None and args.preset not in DIT_PRESETS:
@@ -506,49 +559,17 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, schedule: Any) -> int:
     import numpy as np
-    from flax import nnx
 
-    from ardiff_jax.models import dit_preset
-    from ardiff_jax.models.wan import (
-        CausalWanPipeline,
-        CausalWanPipelineConfig,
-        WanTextEncoder,
-        WanVAE,
-        WanVAEConfig,
-        load_umt5,
-        load_vae,
-        with_policy,
-    )
-    from ardiff_jax.models.wan._generate import PlaceholderTextEncoder, generate_video
+    from ardiff_jax.models.wan import CausalWanPipelineConfig
+    from ardiff_jax.models.wan._generate import generate_video
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 
     recache = len(schedule.prompts) > 1 and not args.no_recache
-    pipeline_config = CausalWanPipelineConfig(session_capacity=1, recache_on_prompt_switch=recache)
-    if args.random_weights:
-        config = dit_preset(args.preset or "wan2.1-t2v-1.3b", dtype=args.dtype, param_dtype=args.dtype)
-        if args.policy is not None:
-            config = with_policy(config, args.policy)
-        channels = config.latent_channels
-        if channels != WanVAEConfig().z_dim:
-            raise ValueError(f"--preset {config.name}: its {channels}-channel latents need a VAE this repository "
-                             "does not have yet (the Wan 2.1 VAE has 16)")
-        vae = WanVAE(WanVAEConfig(dtype=args.dtype), rngs=nnx.Rngs(0))
-        pipeline = CausalWanPipeline(config, pipeline_config, vae=vae,
-                                     text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))
-        encode = None
-        print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
-    else:
-        text_encoder, encode = None, None
-        if args.prompt_embeds:
-            encode = {p: np.load(path) for p, path in zip(schedule.prompts, args.prompt_embeds, strict=True)}
-        else:
-            device = "host" if args.text_device == "host" else None
-            text_encoder = WanTextEncoder(load_umt5(args.text_encoder, device=device), args.tokenizer)
-        pipeline = CausalWanPipeline.from_checkpoint(
-            args.weights, args.preset, policy=args.policy, pipeline_config=pipeline_config,
-            vae=load_vae(args.vae, dtype=args.dtype), text_encoder=text_encoder, dtype=args.dtype, lora=args.lora,
-            progress=None if not args.no_progress else False)
+    pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=1, recache_on_prompt_switch=recache))
+    encode = None
+    if args.prompt_embeds:
+        encode = {p: np.load(path) for p, path in zip(schedule.prompts, args.prompt_embeds, strict=True)}
     available = None if args.available_gib is None else int(args.available_gib)
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=args.dtype, available_memory_bytes=available,
                                                       gpu_memory_fraction=0.9))
@@ -586,7 +607,17 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="shipped weights: the trained SpriteWorld model")
     model.add_argument("--pipeline", choices=("world",), default=None,
                        help="a random-weights WorldPipeline (with --preset)")
-    serve.add_argument("--preset", default="tiny", help="CausalDiT preset of --pipeline world (default: tiny)")
+    model.add_argument("--model", choices=("wan",), default=None,
+                       help="text-to-video with a causal Wan (--weights, --vae, --text-encoder, --tokenizer; or "
+                            "--random-weights)")
+    serve.add_argument("--preset", default=None,
+                       help="CausalDiT preset of --pipeline world (default: tiny) or --model wan (default: read from "
+                            "the checkpoint)")
+    _add_wan_arguments(serve, required=False)
+    serve.add_argument("--text-encoder", type=_existing_path, default=None,
+                       help="--model wan: models_t5_umt5-xxl-enc-bf16.pth or a transformers UMT5 encoder")
+    serve.add_argument("--dtype", type=_kv_dtype, default="bfloat16",
+                       help="--model wan: weights and KV dtype (default: bf16)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     serve.add_argument("--capacity", type=_positive_int, default=4,
@@ -602,8 +633,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds a connection has to send session.start (default: 10)")
     serve.add_argument("--stall-timeout", type=_seconds, default=60.0,
                        help="seconds without progress or ping before a session is reported stalled (default: 60)")
-    serve.add_argument("--fps", type=lambda text: _int_argument(text, 1, 241, "an integer in [1, 240]"), default=10,
-                       help="default frame rate written into the media (default: 10)")
+    serve.add_argument("--fps", type=lambda text: _int_argument(text, 1, 241, "an integer in [1, 240]"),
+                       default=None, help="default frame rate written into the media (default: the model's, 16 for "
+                                          "Wan, else 10)")
     serve.set_defaults(run=_run_serve)
 
 
@@ -623,7 +655,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 
-    if args.pipeline is not None and args.preset not in DIT_PRESETS:
+    if args.model is None and (args.weights or args.random_weights or args.vae or args.text_encoder):
+        return _refuse("serve", "--weights, --random-weights, --vae and --text-encoder are for --model wan")
+    if args.model == "wan":
+        problem = _check_wan_arguments("serve", args, embeds_allowed=False)
+        if problem is not None:
+            return _refuse("serve", problem)
+    elif args.preset is None:
+        args.preset = "tiny"
+    if args.preset is not None and args.preset not in DIT_PRESETS:
         return _refuse("serve", f"argument --preset: unknown preset {args.preset!r}; choose from "
                                 f"{', '.join(sorted(DIT_PRESETS))}")
     # Bind before building anything: a busy port is a one-line error, not a traceback after
@@ -635,13 +675,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     with listener:
         if args.pretrained is not None:
             pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
+        elif args.model == "wan":
+            from ardiff_jax.models.wan import CausalWanPipelineConfig
+
+            try:
+                pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=args.capacity))
+            except (ValueError, OSError, ImportError) as error:
+                return _refuse("serve", str(error))
         else:
             pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
         try:
             world = ServedWorld.for_pipeline(pipeline, fps=args.fps)
         except TypeError as error:
             return _refuse("serve", str(error))
-        config = EngineConfig(dtype="float32", available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
+        config = EngineConfig(dtype=args.dtype if args.model == "wan" else "float32",
+                              available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
                               host_offload_bytes=args.host_offload_bytes)
         try:
             engine = ARDiffusionEngine(pipeline, config)

@@ -575,7 +575,7 @@ class _Server:
         started_ids, active_ids, completed_ids = conn.chunk_events(metadata.applied_event_ids)
         plan = conn.plan
         assert plan is not None
-        keep = self.world.frames_per_chunk
+        keep = self.world.chunk_frames(metadata.chunk_index)
         if plan.num_frames is not None:
             keep = min(keep, plan.num_frames - conn.frames_generated)
         conn.frames_generated += keep

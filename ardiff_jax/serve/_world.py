@@ -25,6 +25,14 @@ Two worlds are served:
   refused (the world has no absolute camera pose). An action persists until an event
   replaces it (velocity semantics: the control plane keeps each track's last value).
 
+``"wan"`` (:class:`~ardiff_jax.models.wan.CausalWanPipeline` with a VAE and a text encoder)
+  Text-to-video with a published causal Wan: ``session.start`` needs a prompt and
+  ``event.prompt`` switches it at the next block boundary (the pipeline encodes it inside the
+  engine call, never on the event loop). Frames are the VAE's decoded video: a session's
+  first chunk has ``1 + 4(f-1)`` frames (9 for 3-latent blocks), every later one ``4f`` (12);
+  the decoder's cache lives and dies with the session. Native rate 16 fps. No camera or
+  action controls.
+
 ``"latent"`` (:class:`~ardiff_jax.models.WorldPipeline`, e.g. ``WorldPipeline("tiny")``, random weights)
   Text-conditioned: ``session.start`` needs a prompt and ``event.prompt`` updates it. No
   action controls. The pipeline outputs latents ``f32[f, C, H, W]``, not pixels; for viewing,
@@ -60,7 +68,7 @@ ACTION_SCHEMA = "discrete"
 PROMPT_FIELD = "prompt"
 #: Largest integer upscale of the native frame size a session may ask for (``width``/``height``).
 MAX_SCALE = 32
-WORLD_KINDS = ("sprite", "latent")
+WORLD_KINDS = ("sprite", "latent", "wan")
 
 
 def camera_action(translation: tuple[float, float, float]) -> str:
@@ -114,6 +122,8 @@ class ServedWorld:
       frames_per_chunk: frames per AR block (one chunk on the wire).
       fps: default playback rate written into the media.
       latent_channels: channels of the latent output (``"latent"`` worlds).
+      first_chunk_frames: frames of a session's first chunk when it differs (``"wan"``: the
+        VAE turns the first latent frame into one video frame); 0: ``frames_per_chunk``.
     """
 
     name: str
@@ -123,6 +133,7 @@ class ServedWorld:
     frames_per_chunk: int
     fps: int = 10
     latent_channels: int = 3
+    first_chunk_frames: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORLD_KINDS:
@@ -131,16 +142,33 @@ class ServedWorld:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ServedWorld {field} must be a positive integer, got {value!r}")
+        if isinstance(self.first_chunk_frames, bool) or not isinstance(self.first_chunk_frames, int) \
+                or self.first_chunk_frames < 0:
+            raise ValueError(f"ServedWorld first_chunk_frames must be a non-negative integer, got "
+                             f"{self.first_chunk_frames!r}")
         if self.fps > MAX_FPS:
             raise ValueError(f"ServedWorld fps must be at most {MAX_FPS}, got {self.fps!r}")
 
     @classmethod
-    def for_pipeline(cls, pipeline: Any, *, name: str | None = None, fps: int = 10) -> ServedWorld:
-        """The served world of a :class:`~ardiff_jax.models.SpriteWorldPipeline` or
-        :class:`~ardiff_jax.models.WorldPipeline`; TypeError for any other pipeline."""
+    def for_pipeline(cls, pipeline: Any, *, name: str | None = None, fps: int | None = None) -> ServedWorld:
+        """The served world of a :class:`~ardiff_jax.models.SpriteWorldPipeline`, a
+        :class:`~ardiff_jax.models.WorldPipeline` or a :class:`~ardiff_jax.models.wan.CausalWanPipeline`
+        (with a VAE and a text encoder); TypeError for any other pipeline. ``fps`` defaults to
+        the model's rate (16 for Wan, 10 otherwise)."""
         from ardiff_jax.models import SpriteWorldPipeline, WorldPipeline
+        from ardiff_jax.models.wan import VIDEO_FPS, CausalWanPipeline
 
         config = getattr(pipeline, "config", None)
+        if isinstance(pipeline, CausalWanPipeline):
+            if pipeline.vae is None or pipeline.text_encoder is None:
+                raise TypeError("a served CausalWanPipeline needs vae= (players see video) and text_encoder= "
+                                "(players send text prompts)")
+            spatial, temporal = pipeline.vae.config.spatial_factor, pipeline.vae.config.temporal_factor
+            f = config.frames_per_block
+            return cls(name=name or config.name, kind="wan", frame_height=config.latent_height * spatial,
+                       frame_width=config.latent_width * spatial, frames_per_chunk=temporal * f,
+                       first_chunk_frames=1 + temporal * (f - 1), fps=VIDEO_FPS if fps is None else fps)
+        fps = 10 if fps is None else fps
         if isinstance(pipeline, SpriteWorldPipeline):
             return cls(name=name or config.name, kind="sprite", frame_height=config.latent_height,
                        frame_width=config.latent_width, frames_per_chunk=config.frames_per_block, fps=fps)
@@ -148,12 +176,17 @@ class ServedWorld:
             return cls(name=name or config.name, kind="latent", frame_height=config.latent_height,
                        frame_width=config.latent_width, frames_per_chunk=config.frames_per_block, fps=fps,
                        latent_channels=config.latent_channels)
-        raise TypeError(f"ServedWorld serves a SpriteWorldPipeline or a WorldPipeline, got {type(pipeline).__name__}")
+        raise TypeError(f"ServedWorld serves a SpriteWorldPipeline, a WorldPipeline or a CausalWanPipeline, got "
+                        f"{type(pipeline).__name__}")
 
     # -- what the world accepts -------------------------------------------------------------------
     @property
     def text_conditioned(self) -> bool:
-        return self.kind == "latent"
+        return self.kind in ("latent", "wan")
+
+    def chunk_frames(self, chunk_index: int) -> int:
+        """Frames chunk ``chunk_index`` (0-based, per session) carries."""
+        return self.first_chunk_frames if chunk_index == 0 and self.first_chunk_frames else self.frames_per_chunk
 
     @property
     def controls(self) -> tuple[str, ...]:
@@ -224,7 +257,7 @@ class ServedWorld:
             raise reject(f"{self.name} is not text-conditioned: prompt updates are not supported")
         if prompt is not None and not prompt.strip():
             raise reject("event.prompt must not be blank")
-        if self.kind == "latent" and (interaction.camera is not None or interaction.action is not None):
+        if self.kind in ("latent", "wan") and (interaction.camera is not None or interaction.action is not None):
             raise reject(f"{self.name} has no camera or action controls; it accepts prompt updates only")
         controls: tuple[ARDiffusionControlInput, ...] = ()
         if interaction.camera is not None and interaction.action is not None:
@@ -271,6 +304,8 @@ class ServedWorld:
         """``u8[f, H, W, 3]``: the viewable frames of one chunk's output (blocking: may wait for the device)."""
         if self.kind == "sprite":
             frames = np.asarray(output.frames)
+        elif self.kind == "wan":
+            frames = np.asarray(output.video)
         else:
             latents = np.asarray(output.latents, np.float32)  # f32[f, C, H, W]
             channels = latents[:, :3] if latents.shape[1] >= 3 else np.repeat(latents[:, :1], 3, axis=1)
