@@ -290,3 +290,38 @@ def test_bench_serve_quick(tmp_path):
     assert set(record["targets"]) and all(isinstance(v, bool) for v in record["targets"].values())
     saved = json.loads((tmp_path / "serve_sprite_world.json").read_text())
     assert saved["benchmark"] == "bench_serve" and set(saved["checks"]) == set(record["checks"])
+
+
+def test_bench_wan_smoke(tmp_path):
+    from benchmarks import bench_wan
+
+    record = bench_wan.run(smoke=True, blocks=2, out_dir=tmp_path)
+    config = record["config"]
+    assert config["preset"] == "wan-smoke" and config["weights"] == "random" and config["policy"] == "self-forcing"
+    assert config["frames_per_block"] == 3 and config["sink_frames"] == 0 and config["dtype"] == "bfloat16"
+    assert config["timesteps"] == pytest.approx([1000.0, 937.5, 833.333, 625.0], abs=1e-3)
+    block = record["block"]
+    # One engine block = 4 denoise forwards + 1 commit forward of the same world_step.
+    assert block["forwards_recorded"] == 5 and block["denoise_steps"] == 4 and block["rounds"] == 2
+    for name in ("engine_block", "denoise", "commit"):
+        _stats_ok(block["stats"][name].as_dict())
+    for key in ("engine_block_ms", "denoise_ms", "commit_ms", "model_ms"):
+        assert _positive(block[key]), key
+    assert block["model_ms"] == pytest.approx(block["denoise_ms"] + block["commit_ms"])
+    assert block["overhead_ms"] == pytest.approx(block["engine_block_ms"] - block["model_ms"])
+    assert block["overhead_fraction_of_model"] == pytest.approx(block["overhead_ms"] / block["model_ms"])
+    assert isinstance(block["overhead_target_met"], bool)
+    assert block["xla_compiles_during_split"] == 0  # the recorded arguments hit the compiled program
+    self_time = block["runtime_self_time"]
+    assert len(self_time["blocks"]) == 2 and all(b["forwards"] == 5 for b in self_time["blocks"])
+    assert all(_positive(b["forwards_ms"]) and b["block_ms"] >= b["forwards_ms"] for b in self_time["blocks"])
+    tp = block["throughput"]
+    assert tp["video_frames_per_s"] == pytest.approx(4 * tp["latent_frames_per_s"])
+    assert tp["latent_frames_per_s"] == pytest.approx(3 / (block["engine_block_ms"] / 1e3))
+    assert record["latents_finite"] is True and record["latents_shape"] == [3, 4, 4, 6]
+    saved = json.loads((tmp_path / "bench_wan_smoke.json").read_text())
+    assert saved["benchmark"] == "bench_wan" and "median_ms" in saved["block"]["stats"]["denoise"]
+    # The engine's world_step is the original again once the recording is over.
+    from ardiff_jax.models import _world
+
+    assert not isinstance(_world.world_step, (bench_wan.ForwardRecorder, bench_wan.ForwardTimer))

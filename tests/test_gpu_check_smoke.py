@@ -2,9 +2,10 @@
 
 Structure only, never timings (as ``tests/test_benchmarks_smoke.py``): the shell wrapper runs
 ``--smoke`` in a subprocess into a temporary path; cuDNN must be recorded as skipped with the
-reason, every section present, the reference figures labelled, the world rollout finite and
-free of recompiles. The time guard is checked in-process with a zero budget: every section is
-skipped with its reason and the JSON is still written.
+reason, every section present, the reference figures labelled, the causal-Wan rollout finite
+and free of recompiles, its denoise / commit / overhead split present. The time guard is
+checked in-process with a zero budget: every section is skipped with its reason and the JSON
+is still written.
 """
 
 from __future__ import annotations
@@ -67,10 +68,13 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     assert agreement["xla_max_abs_diff"] < 0.05 * max(1.0, agreement["max_abs_reference"])
 
     world = record["world"]
-    assert world["preset"] == "tiny" and world["backends_planned"] == ["xla"]
+    assert world["preset"] == "wan-smoke" and world["pipeline"] == "CausalWanPipeline"
+    assert world["policy"] == "self-forcing" and world["sink_frames"] == 0 and world["frames_per_block"] == 3
+    assert world["backends_planned"] == ["xla"]
     assert "platform is 'cpu'" in world["backend_choice_reason"]
     assert world["reference_fps"]["LongLive-1.3B"]["video_frames_per_s"] == 20.7
     assert world["reference_fps"]["Self-Forcing (chunk-wise, Wan2.1-1.3B)"]["video_frames_per_s"] == 17.0
+    assert world["goal"]["video_frames_per_s"] == 20.0
     assert "label" in world["reference_fps"] and "4" in world["video_frames_note"]
     result = world["results"]["xla"]
     assert result["blocks_timed"] == 2 and result["latents_finite"] is True
@@ -79,6 +83,19 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     assert result["video_frames_per_s"] == pytest.approx(4 * result["latent_frames_per_s"])
     assert result["video_frames_per_s_over_reference"]["LongLive-1.3B"] == pytest.approx(
         result["video_frames_per_s"] / 20.7)
+    assert result["goal_met"] is (result["video_frames_per_s"] >= 20.0)
+    # The bench_wan split on the same engine: 4 denoise forwards + 1 commit forward recorded,
+    # overhead = engine block - (denoise + commit), no recompilation.
+    split = result["split"]
+    assert split["forwards_recorded"] == 5 and split["denoise_steps"] == 4 and split["rounds"] == 2
+    for key in ("engine_block_ms", "denoise_ms", "commit_ms", "model_ms"):
+        assert _positive(split[key]), key
+    assert split["model_ms"] == pytest.approx(split["denoise_ms"] + split["commit_ms"])
+    assert split["overhead_ms"] == pytest.approx(split["engine_block_ms"] - split["model_ms"])
+    assert isinstance(split["overhead_target_met"], bool) and split["overhead_target_fraction"] == 0.05
+    assert split["xla_compiles_during_split"] == 0
+    assert set(split["stats"]) == {"engine_block", "denoise", "commit"}
+    assert [b["forwards"] for b in split["runtime_self_time"]["blocks"]] == [5, 5]
 
 
 def test_time_guard_skips_sections_and_still_writes(tmp_path):
