@@ -205,3 +205,19 @@ def test_the_generate_command_writes_a_video_from_checkpoint_files(tmp_path, cap
             code = exit_.code
         assert code == 2
         assert message in capsys.readouterr().err
+
+
+def test_generate_on_random_weights_needs_no_files(tmp_path, capsys):
+    av = pytest.importorskip("av")
+    from ardiff_jax.cli import main
+
+    out = tmp_path / "random.mp4"
+    assert main(["generate", "--random-weights", "--preset", "wan-tiny", "--prompt", "a test pattern", "--seconds",
+                 "1", "--out", str(out), "--dtype", "float32", "--available-gib", "1", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "16 frames" in captured.out and "measures speed" in captured.err
+    with av.open(str(out)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 16
+    assert main(["generate", "--random-weights", "--preset", "wan2.2-ti2v-5b", "--prompt", "x", "--seconds", "1",
+                 "--out", str(out), "--no-progress"]) == 2
+    assert "Wan 2.2 VAE" in capsys.readouterr().err
