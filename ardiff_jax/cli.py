@@ -539,7 +539,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from ardiff_jax.models.wan._generate import PromptSchedule
+    from ardiff_jax.models.wan import PromptSchedule
 
     try:
         schedule = PromptSchedule.parse(args.prompt)
@@ -566,7 +566,7 @@ def _generate(args: argparse.Namespace, schedule: Any) -> int:
     import numpy as np
 
     from ardiff_jax.models.wan import CausalWanPipelineConfig
-    from ardiff_jax.models.wan._generate import generate_video
+    from ardiff_jax.models.wan import generate_video
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 

@@ -241,9 +241,11 @@ class _Mp4Writer:
     """Frames ``uint8[f, H, W, 3]`` appended to an H.264 MP4 (MPEG-4 Part 2 where PyAV's FFmpeg lacks libx264)."""
 
     def __init__(self, path: Path, fps: int) -> None:
-        from ardiff_jax.serve._encode import _import_av
-
-        self._av = _import_av()
+        try:
+            import av
+        except ImportError as error:
+            raise ImportError("writing an MP4 needs PyAV: pip install 'ardiff_jax[serve]'") from error
+        self._av = av
         self.path = path
         self.fps = fps
         self._container = None
