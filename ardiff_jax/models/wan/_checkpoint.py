@@ -713,12 +713,7 @@ def _resolve_config(ckpt: _Checkpoint, config: CausalDiTConfig | str | None, dty
                 raise CheckpointError(f"config {config.name!r} disagrees with {js.path}: {field} = "
                                       f"{getattr(config, field)} but {js.spelled[field]} = {js.values[field]}")
     if dtype is not None:
-        try:
-            name = jnp.dtype(dtype).name
-        except TypeError:
-            raise ValueError(f"dtype {dtype!r} is not a dtype") from None
-        if not jnp.issubdtype(jnp.dtype(name), jnp.floating):
-            raise ValueError(f"dtype must be a floating dtype, got {name}")
+        name = float_dtype_name(dtype)
         config = config.replace(dtype=name, param_dtype=name)
     return config
 
@@ -841,6 +836,17 @@ def _check_tensors(ckpt: _Checkpoint, expected: dict[str, tuple[int, ...]]) -> N
                  if not jnp.issubdtype(t.dtype, jnp.floating)]
     if not_float:
         raise CheckpointError(f"{ckpt.path} has non-floating-point tensors: {_names(not_float)}")
+
+
+def float_dtype_name(dtype: Any) -> str:
+    """``dtype``'s name when it is a floating dtype (the ``dtype=`` of the loaders), else ValueError."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
+    if not jnp.issubdtype(jnp.dtype(name), jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {name}")
+    return name
 
 
 def _placement(mesh: Any, config: CausalDiTConfig) -> Callable[[Any], Any] | None:

@@ -78,6 +78,7 @@ from ardiff_jax.models.wan._checkpoint import (
     _torch,
     _torch_load,
     _torch_tensors,
+    float_dtype_name,
 )
 from ardiff_jax.models.wan._safetensors import SafetensorsFile
 
@@ -657,12 +658,7 @@ def _resolve_config(opened: _Opened, config: UMT5Config | None, dtype: Any) -> U
                 raise CheckpointError(f"the config disagrees with {opened.json_path}: {field} = "
                                       f"{getattr(config, field)} but {_JSON_FIELDS[field]} = {js[field]}")
     if dtype is not None:
-        try:
-            name = jnp.dtype(dtype).name
-        except TypeError:
-            raise ValueError(f"dtype {dtype!r} is not a dtype") from None
-        if not jnp.issubdtype(jnp.dtype(name), jnp.floating):
-            raise ValueError(f"dtype must be a floating dtype, got {name}")
+        name = float_dtype_name(dtype)
         config = config.replace(dtype=name, param_dtype=name)
     return config
 
