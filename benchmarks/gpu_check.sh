@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu_check.py): KV commit vs its write floor, the attention backends at a
 # full Wan-1.3B window vs the H200 floors, and the causal Wan2.1-T2V-1.3B (Self-Forcing policy, random
-# weights, 480x832) rollout through the engine with its denoise / commit / overhead split; one JSON.
+# weights, 480x832) rollout through the engine with the Wan VAE: denoise / commit / VAE decode / overhead,
+# the umT5-XXL text encode when the time guard allows, end-to-end frames/s; one JSON.
 # Usage: bash benchmarks/gpu_check.sh [--smoke] [--out PATH] [--budget-s S] [--world-backend auto|xla|cudnn]
 # The script's own time guard ends it before the 290 s timeout below; the JSON is rewritten after
 # every section, so even a killed run leaves what it measured.

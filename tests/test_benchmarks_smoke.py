@@ -293,6 +293,7 @@ def test_bench_serve_quick(tmp_path):
 
 
 def test_bench_wan_smoke(tmp_path):
+    from ardiff_jax.models.wan import UMT5Config, cache_nbytes
     from benchmarks import bench_wan
 
     record = bench_wan.run(smoke=True, blocks=2, out_dir=tmp_path)
@@ -300,28 +301,74 @@ def test_bench_wan_smoke(tmp_path):
     assert config["preset"] == "wan-smoke" and config["weights"] == "random" and config["policy"] == "self-forcing"
     assert config["frames_per_block"] == 3 and config["sink_frames"] == 0 and config["dtype"] == "bfloat16"
     assert config["timesteps"] == pytest.approx([1000.0, 937.5, 833.333, 625.0], abs=1e-3)
+    assert config["vae"] is True and config["text_encoder"] == "smoke"
     block = record["block"]
-    # One engine block = 4 denoise forwards + 1 commit forward of the same world_step.
+    # One engine block = 4 denoise forwards + 1 commit forward of the same world_step + 1 VAE decode.
     assert block["forwards_recorded"] == 5 and block["denoise_steps"] == 4 and block["rounds"] == 2
-    for name in ("engine_block", "denoise", "commit"):
+    assert block["vae_decodes_recorded"] == 1 and block["vae_latents_per_decode"] == 3
+    assert block["vae_cache_started"] is True  # a steady-state block, not the session's first
+    assert set(block["stats"]) == {"engine_block", "denoise", "commit", "vae_decode", "text_encode"}
+    for name in block["stats"]:
         _stats_ok(block["stats"][name].as_dict())
-    for key in ("engine_block_ms", "denoise_ms", "commit_ms", "model_ms"):
+    for key in ("engine_block_ms", "denoise_ms", "commit_ms", "vae_decode_ms", "transformer_ms", "model_ms"):
         assert _positive(block[key]), key
-    assert block["model_ms"] == pytest.approx(block["denoise_ms"] + block["commit_ms"])
+    assert block["transformer_ms"] == pytest.approx(block["denoise_ms"] + block["commit_ms"])
+    assert block["model_ms"] == pytest.approx(block["transformer_ms"] + block["vae_decode_ms"])
     assert block["overhead_ms"] == pytest.approx(block["engine_block_ms"] - block["model_ms"])
     assert block["overhead_fraction_of_model"] == pytest.approx(block["overhead_ms"] / block["model_ms"])
     assert isinstance(block["overhead_target_met"], bool)
-    assert block["xla_compiles_during_split"] == 0  # the recorded arguments hit the compiled program
+    assert block["xla_compiles_during_split"] == 0  # the recorded arguments hit the compiled programs
     self_time = block["runtime_self_time"]
-    assert len(self_time["blocks"]) == 2 and all(b["forwards"] == 5 for b in self_time["blocks"])
-    assert all(_positive(b["forwards_ms"]) and b["block_ms"] >= b["forwards_ms"] for b in self_time["blocks"])
+    assert len(self_time["blocks"]) == 2
+    assert all(b["forwards"] == 5 and b["vae_decodes"] == 1 for b in self_time["blocks"])
+    assert all(_positive(b["forwards_ms"]) and _positive(b["vae_decode_ms"])
+               and b["block_ms"] >= b["forwards_ms"] + b["vae_decode_ms"] for b in self_time["blocks"])
     tp = block["throughput"]
     assert tp["video_frames_per_s"] == pytest.approx(4 * tp["latent_frames_per_s"])
     assert tp["latent_frames_per_s"] == pytest.approx(3 / (block["engine_block_ms"] / 1e3))
+    # The video: 1 + 4 x 2 = 9 frames for the session's first block, 4 x 3 = 12 after, 8x the latent.
+    assert block["video_frames_per_block"] == 12 and block["video_shape"] == [12, 32, 48, 3]
+    assert record["first_video_shape"] == [9, 32, 48, 3]
     assert record["latents_finite"] is True and record["latents_shape"] == [3, 4, 4, 6]
+    # End to end: 12 frames per engine block (transformer + VAE + runtime), the text encode apart.
+    e2e = record["e2e"]
+    assert e2e["video_frames_per_s"] == pytest.approx(12 / (block["engine_block_ms"] / 1e3))
+    assert e2e["model_only_video_frames_per_s"] == pytest.approx(12 / (block["model_ms"] / 1e3))
+    assert e2e["transformer_only_video_frames_per_s"] == pytest.approx(12 / (block["transformer_ms"] / 1e3))
+    assert e2e["goal"]["video_frames_per_s"] == 17.0 and e2e["goal_applies"] is False
+    assert e2e["goal_met"] is (e2e["video_frames_per_s"] >= 17.0)
+    assert e2e["reference_fps"]["LongLive-1.3B"]["video_frames_per_s"] == 20.7
+    self_forcing = e2e["reference_fps"]["Self-Forcing (chunk-wise, Wan2.1-1.3B)"]
+    assert self_forcing["video_frames_per_s"] == 17.0 and self_forcing["measured_by_users_video_frames_per_s"] == 13.1
+    text = record["text_encode"]
+    assert e2e["text_encode_ms_per_prompt"] == text["median_ms"] and _positive(text["median_ms"])
+    assert [a["blocks_per_prompt"] for a in e2e["amortised_with_text_encode"]] == [1, 7, 28]
+    for entry in e2e["amortised_with_text_encode"]:
+        n = entry["blocks_per_prompt"]
+        assert entry["video_frames_per_s"] == pytest.approx(
+            12 * n / ((n * block["engine_block_ms"] + text["median_ms"]) / 1e3))
+        assert entry["video_frames_per_s"] < e2e["video_frames_per_s"]
+    # The text encode: one prompt at Wan's full 512 tokens through the (tiny) umT5, features to the host.
+    assert text["kind"] == "smoke" and text["text_len"] == 512 and text["features_finite"] is True
+    assert text["features_shape"][1] == 16 and text["stats"].n == 2
+    assert _positive(text["flops_per_prompt"]) and text["xxl_estimate_ms"] is None
+    assert text["xxl_flops_per_prompt"] == pytest.approx(4.85e12, rel=0.01)
+    assert bench_wan.umt5_flops(UMT5Config()) == text["xxl_flops_per_prompt"]
+    # The VAE cache: per session at this latent (what capacity planning counts) and at 832x480.
+    vae = record["vae"]
+    assert vae["cache_bytes_per_session"] == record["pipeline_vae_cache_bytes"] > 0
+    assert vae["cache_bytes_per_session"] == cache_nbytes(bench_wan.vae_config(smoke=True), (4, 6))
+    assert vae["cache_bytes_per_session_832x480"] == cache_nbytes(bench_wan.vae_config(smoke=True), (60, 104))
+    assert _positive(vae["decode_flops_per_block"])
+    assert vae["decode_flops_per_block_832x480"] > vae["decode_flops_per_block"]
+    # The full-size VAE's cache per session at 832x480 in bf16: 1801 MiB (shapes only).
+    assert cache_nbytes(bench_wan.vae_config(), bench_wan.FULL_LATENT) / 2**20 == pytest.approx(1801.08, abs=0.01)
     saved = json.loads((tmp_path / "bench_wan_smoke.json").read_text())
     assert saved["benchmark"] == "bench_wan" and "median_ms" in saved["block"]["stats"]["denoise"]
-    # The engine's world_step is the original again once the recording is over.
+    assert "median_ms" in saved["block"]["stats"]["vae_decode"] and saved["e2e"]["goal"]["hardware"] == "1x H200"
+    # The engine's world_step and decode program are the originals again once the recording is over.
     from ardiff_jax.models import _world
+    from ardiff_jax.models.wan import _pipeline
 
     assert not isinstance(_world.world_step, (bench_wan.ForwardRecorder, bench_wan.ForwardTimer))
+    assert not isinstance(_pipeline._decode_step_jit, (bench_wan.ForwardRecorder, bench_wan.ForwardTimer))
