@@ -193,12 +193,15 @@ def generate_video(
             video_frame = 0 if block == 0 else first + (block - 1) * later
             prompt = schedule.at(video_frame / fps)
             used.append(prompt)
-            inputs: dict[str, Any] = {"prompt_embeds": embeds[prompt]} if embeds else {}
+            # The prompt goes out only when it changes: the session keeps its current one, and the
+            # pipeline would otherwise check and hash the features again on every block.
+            changed = block == 0 or prompt != used[-2]
+            inputs: dict[str, Any] = {"prompt_embeds": embeds[prompt]} if embeds and changed else {}
             extra: dict[str, Any] = {"session_id": session_id}
             if block == 0:
                 inputs["seed"] = seed
                 extra["reset"] = True
-            text = None if embeds else prompt
+            text = prompt if not embeds and changed else None
             output: WanBlock = engine.generate(_request(f"{session_id}-{block}", text, inputs, extra))
             frames = np.asarray(output.video)[: num_frames - written]
             written += len(frames)

@@ -367,6 +367,11 @@ class CausalWanPipeline(WorldPipeline):
 
     # -- request parsing (host only) ------------------------------------------------------------
     def _check_embeds(self, embeds: Any) -> _Prompt:
+        padded = self._padded_embeds(embeds)
+        return _Prompt(hashlib.sha256(padded.tobytes()).hexdigest(), padded)
+
+    def _padded_embeds(self, embeds: Any) -> np.ndarray:
+        """Text features checked on the host and zero-padded to ``f32[text_len, text_dim]``."""
         cfg = self.config
         name = "inputs['prompt_embeds']"
         try:
@@ -383,7 +388,7 @@ class CausalWanPipeline(WorldPipeline):
         # position without a mask, so the padding is part of the conditioning.
         padded = np.zeros((cfg.text_len, cfg.text_dim), np.float32)
         padded[: array.shape[0]] = array
-        return _Prompt(hashlib.sha256(padded.tobytes()).hexdigest(), padded)
+        return padded
 
     def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[Any, _BlockInputs]:
         self._num_blocks(request)
@@ -425,8 +430,8 @@ class CausalWanPipeline(WorldPipeline):
             if prompt is None:  # the runtime keeps a session's text K/V with its pages (offload included)
                 raise RuntimeError(f"session {state.session_id!r} lost its text cross-attention K/V; send "
                                    "inputs['prompt_embeds'] again")
-            embeds = prompt.embeds if prompt.embeds is not None else self._check_embeds(
-                self.text_encoder.encode(prompt.text)).embeds  # the encoder caches per prompt
+            embeds = prompt.embeds if prompt.embeds is not None else self._padded_embeds(
+                self.text_encoder.encode(prompt.text))  # the encoder caches per prompt
             k, v = wan_text_kv(self._graphdef, self._params, self._to_device(embeds))
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
             if switched and self.pipeline_config.recache_on_prompt_switch:
@@ -503,11 +508,5 @@ def state_layout(config: CausalDiTConfig) -> Any:
 
 def _with_config(transformer: CausalDiT, config: CausalDiTConfig) -> CausalDiT:
     """The same weights under a config that differs only in its causal policy (block, window, sink)."""
-    graphdef, state = nnx.split(transformer)
-    abstract = nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0)))
-    new_graphdef, new_state = nnx.split(abstract)
-    if jax.tree.structure(new_state) != jax.tree.structure(state):
-        raise ValueError("the policy changed the parameter layout")  # pragma: no cover - policies touch no weights
-    del graphdef
-    return nnx.merge(new_graphdef, state)
-
+    graphdef = nnx.split(nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0))))[0]
+    return nnx.merge(graphdef, nnx.split(transformer)[1])
