@@ -130,15 +130,18 @@ class RecordingReducer:
 
     def __init__(self) -> None:
         self.prepared: list[tuple[list[ARDiffusionControlInput], list[int]]] = []
+        self.chunk_indices: list[int] = []
         self.commits: list[ARDiffusionPreparedControls] = []
         self.resets = 0
         self.fail_commits = 0
 
-    def prepare(self, committed_controls, events) -> ARDiffusionPreparedControls:
-        committed = list(committed_controls.values()) if isinstance(committed_controls, Mapping) \
-            else list(committed_controls)
-        events = list(events)
+    # Keyword-only, the reference's call shape: a positional call from the session raises TypeError.
+    def prepare(self, *, current_controls: dict[str, ARDiffusionControlInput],
+                events: tuple[ARDiffusionSessionEvent, ...], chunk_index: int) -> ARDiffusionPreparedControls:
+        assert type(current_controls) is dict and type(events) is tuple and type(chunk_index) is int
+        committed = list(current_controls.values())
         self.prepared.append((committed, [ev.event_id for ev in events]))
+        self.chunk_indices.append(chunk_index)
         by_track = {control.track: control for control in committed}
         for ev in events:
             for control in ev.controls:
@@ -165,10 +168,6 @@ def new_session(consumer=None, lifecycle=None, *, session_id="s1", max_pending_e
     session = ARDiffusionSession(session_id, tick_consumer=consumer, lifecycle=lifecycle,
                                  max_pending_events=max_pending_events, **kwargs)
     return session, consumer, lifecycle
-
-
-async def maybe_await(value):
-    return await value if inspect.isawaitable(value) else value
 
 
 async def within(awaitable):
@@ -429,8 +428,14 @@ def test_chunk_metadata_mismatch_commits_nothing_and_fails_the_session():
         session, consumer, lifecycle = new_session()
         await session.accept_event(event(1, "p"))
         consumer.bad_metadata = True
-        with pytest.raises(ARDiffusionChunkMetadataError):
+        with pytest.raises(ARDiffusionChunkMetadataError) as raised:
             await session.next_chunk()
+        expected = ARDiffusionChunkMetadata.from_tick(consumer.ticks[-1])
+        reported = dataclasses.replace(expected, request_id=expected.request_id + "-other")
+        message = str(raised.value)
+        assert "does not match" in message
+        assert repr(reported) in message and repr(expected) in message
+        assert message.index(repr(reported)) < message.index("does not match") < message.rindex(repr(expected))
         assert session.status is ARDiffusionSessionStatus.FAILED
         assert session.chunk_index == 0 and session.pending_event_count == 1
         assert lifecycle.calls == [("close", "s1")]
@@ -466,6 +471,30 @@ def test_reducer_prepares_the_controls_and_commits_after_the_tick():
         assert sorted((c.track, dict(c.data)) for c in committed) == [("camera", {"yaw": 1.0}), ("zoom", {"level": 6})]
         tick = consumer.ticks[-1]
         assert [(c.track, dict(c.data)) for c in tick.controls] == [("camera", {"yaw": 3.0}), ("zoom", {"level": 6})]
+        assert reducer.chunk_indices == [0, 1]
+
+    run(scenario())
+
+
+def test_reducer_prepare_is_called_with_the_reference_keywords_and_cannot_change_committed_controls():
+    class MutatingReducer(RecordingReducer):
+        def prepare(self, *, current_controls, events, chunk_index):
+            prepared = super().prepare(current_controls=current_controls, events=events, chunk_index=chunk_index)
+            current_controls.clear()  # a reducer scribbling on its argument must not reach the session
+            current_controls["camera"] = camera(99.0)
+            return prepared
+
+    async def scenario():
+        reducer = MutatingReducer()
+        session, consumer, _ = new_session(control_reducer=reducer)
+        await session.accept_event(event(1, "p", camera(1.0)))
+        await session.next_chunk()
+        await session.accept_event(event(2, "q"))
+        await session.next_chunk()
+        assert reducer.chunk_indices == [0, 1]
+        committed, ids = reducer.prepared[-1]
+        assert ids == [2] and [(c.track, dict(c.data)) for c in committed] == [("camera", {"yaw": 1.0})]
+        assert [(c.track, dict(c.data)) for c in consumer.ticks[-1].controls] == [("camera", {"yaw": 1.0})]
 
     run(scenario())
 
@@ -539,7 +568,7 @@ def test_manager_reset_close_and_disconnect():
     async def scenario():
         manager, consumer, lifecycle = new_manager()
         session = await manager.create_session("s1")
-        assert session.session_id == "s1" and await maybe_await(manager.get_session("s1")) is session
+        assert session.session_id == "s1" and await within(manager.get_session("s1")) is session
         with pytest.raises(ARDiffusionSessionStateError, match="already exists"):
             await manager.create_session("s1")
         await session.accept_event(event(1, "p", camera(1.0)))
@@ -558,7 +587,7 @@ def test_manager_reset_close_and_disconnect():
         assert session.status is ARDiffusionSessionStatus.CLOSED
         assert lifecycle.calls[-1] == ("close", "s1")
         with pytest.raises(ARDiffusionSessionStateError, match="does not exist"):
-            await maybe_await(manager.get_session("s1"))
+            await within(manager.get_session("s1"))
 
         generated = await manager.create_session()
         assert re.fullmatch(r"[0-9a-f]{32}", generated.session_id), generated.session_id
@@ -566,11 +595,16 @@ def test_manager_reset_close_and_disconnect():
         assert generated.status is ARDiffusionSessionStatus.CLOSED
         assert lifecycle.calls[-1] == ("close", generated.session_id)
         with pytest.raises(ARDiffusionSessionStateError, match="does not exist"):
-            await maybe_await(manager.get_session(generated.session_id))
+            await within(manager.get_session(generated.session_id))
         # A closed id may be created again.
         assert (await manager.create_session("s1")).status is ARDiffusionSessionStatus.ACTIVE
 
     run(scenario())
+
+
+def test_every_manager_method_is_a_coroutine_as_in_the_reference():
+    for name in ("create_session", "get_session", "reset_session", "close_session", "disconnect"):
+        assert inspect.iscoroutinefunction(getattr(ARDiffusionSessionManager, name)), name
 
 
 @pytest.mark.parametrize("close_method", ["close_session", "disconnect"])
@@ -583,7 +617,7 @@ def test_failed_close_keeps_a_cleanup_failed_tombstone_until_a_retry_succeeds(cl
         with pytest.raises(CleanupFailed):
             await getattr(manager, close_method)("s1")
         assert session.status is ARDiffusionSessionStatus.CLEANUP_FAILED
-        assert await maybe_await(manager.get_session("s1")) is session
+        assert await within(manager.get_session("s1")) is session
         with pytest.raises(ARDiffusionSessionStateError, match="already exists"):
             await manager.create_session("s1")
         with pytest.raises(ARDiffusionSessionStateError, match="is cleanup_failed"):
@@ -595,7 +629,7 @@ def test_failed_close_keeps_a_cleanup_failed_tombstone_until_a_retry_succeeds(cl
         assert session.status is ARDiffusionSessionStatus.CLOSED
         assert lifecycle.calls == [("close", "s1"), ("close", "s1")]
         with pytest.raises(ARDiffusionSessionStateError, match="does not exist"):
-            await maybe_await(manager.get_session("s1"))
+            await within(manager.get_session("s1"))
         assert (await manager.create_session("s1")).status is ARDiffusionSessionStatus.ACTIVE
 
     run(scenario())

@@ -156,7 +156,7 @@ class Reducer:
         self.fail_prepare, self.fail_reset = fail_prepare, fail_reset
         self.resets = 0
 
-    def prepare(self, committed_controls, events):
+    def prepare(self, *, current_controls, events, chunk_index):
         if self.fail_prepare:
             raise RuntimeError("prepare failed")
         return ARDiffusionPreparedControls(controls=())

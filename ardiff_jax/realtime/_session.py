@@ -174,15 +174,17 @@ class ARDiffusionSessionLifecycle(Protocol):
 class ARDiffusionControlReducer(Protocol):
     """Optional model adapter for stateful controls (e.g. held keys integrated over frames).
 
-    ``prepare(committed_controls, events)`` receives the committed controls (a read-only
-    mapping track -> control) and the chunk's pending events sorted by id, and returns the
-    chunk's controls without changing anything durable. ``commit(prepared)`` makes that
-    chunk's state durable; it runs only after the tick succeeded and may fail (the session
-    then fails). ``reset()`` forgets everything.
+    The reference's call shape, keyword-only, so a reducer written for it runs unchanged:
+    ``prepare(*, current_controls, events, chunk_index)`` receives the committed controls (a
+    fresh dict track -> control per call: changing it changes nothing in the session), the
+    chunk's pending events sorted by id (a tuple) and the index of the chunk being prepared,
+    and returns the chunk's controls without changing anything durable. ``commit(prepared)``
+    makes that chunk's state durable; it runs only after the tick succeeded and may fail (the
+    session then fails). ``reset()`` forgets everything.
     """
 
-    def prepare(self, committed_controls: Mapping[str, ARDiffusionControlInput],
-                events: Sequence[ARDiffusionSessionEvent]) -> ARDiffusionPreparedControls: ...
+    def prepare(self, *, current_controls: dict[str, ARDiffusionControlInput],
+                events: tuple[ARDiffusionSessionEvent, ...], chunk_index: int) -> ARDiffusionPreparedControls: ...
 
     def commit(self, prepared: ARDiffusionPreparedControls) -> None: ...
 
@@ -356,7 +358,8 @@ class ARDiffusionSession(Generic[TickOutputT]):
             for event in events:
                 controls.update((control.track, control) for control in event.controls)
         else:
-            prepared = self._reducer.prepare(types.MappingProxyType(dict(self._controls)), events)
+            prepared = self._reducer.prepare(current_controls=dict(self._controls), events=events,
+                                             chunk_index=self._chunk_index)
             if not isinstance(prepared, ARDiffusionPreparedControls):
                 raise TypeError(f"control reducer prepare() must return ARDiffusionPreparedControls, got {prepared!r}")
             controls = {control.track: control for control in prepared.controls}
@@ -416,8 +419,8 @@ class ARDiffusionSession(Generic[TickOutputT]):
                 expected = ARDiffusionChunkMetadata.from_tick(tick)
                 if metadata != expected:
                     raise ARDiffusionChunkMetadataError(
-                        f"AR-Diffusion session {self._session_id!r}: the tick consumer reported {metadata!r} "
-                        f"for tick {expected!r}")
+                        f"AR-Diffusion session {self._session_id!r}: the tick consumer's reported chunk metadata "
+                        f"{metadata!r} does not match the tick's expected metadata {expected!r}")
                 self._commit(snapshot)
             except BaseException as tick_error:
                 await self._fail(tick_error)
@@ -486,10 +489,10 @@ class ARDiffusionSession(Generic[TickOutputT]):
 class ARDiffusionSessionManager(Generic[TickOutputT]):
     """Creates and owns the sessions that share one tick consumer and one lifecycle.
 
-    ``create_session``, ``reset_session``, ``close_session`` and ``disconnect`` are
-    coroutines; ``get_session`` is a plain method (a lookup never waits). A session whose
-    close failed stays registered as a CLEANUP_FAILED tombstone until a retried close
-    succeeds, so its id cannot be taken again meanwhile.
+    Every method is a coroutine, as in the reference (``await manager.get_session(id)``), so
+    a caller written for it runs unchanged. A session whose close failed stays registered as a
+    CLEANUP_FAILED tombstone (``get_session`` returns it) until a retried close succeeds, so
+    its id cannot be taken again meanwhile.
     """
 
     def __init__(self, *, tick_consumer: ARDiffusionTickConsumer[TickOutputT],
@@ -527,19 +530,22 @@ class ARDiffusionSessionManager(Generic[TickOutputT]):
         self._sessions[session_id] = session
         return session
 
-    def get_session(self, session_id: str) -> ARDiffusionSession[TickOutputT]:
-        """The registered session; StateError "does not exist" otherwise."""
+    def _registered(self, session_id: str) -> ARDiffusionSession[TickOutputT]:
         try:
             return self._sessions[session_id]
         except (KeyError, TypeError):
             raise ARDiffusionSessionStateError(f"AR-Diffusion session {session_id!r} does not exist") from None
 
+    async def get_session(self, session_id: str) -> ARDiffusionSession[TickOutputT]:
+        """The registered session (a CLEANUP_FAILED tombstone included); StateError "does not exist" otherwise."""
+        return self._registered(session_id)
+
     async def reset_session(self, session_id: str) -> None:
-        await self.get_session(session_id).reset()
+        await self._registered(session_id).reset()
 
     async def close_session(self, session_id: str) -> None:
         """Close the session and forget it; if the close fails it stays as a CLEANUP_FAILED tombstone."""
-        session = self.get_session(session_id)
+        session = self._registered(session_id)
         await session.close()
         if self._sessions.get(session_id) is session:
             del self._sessions[session_id]
