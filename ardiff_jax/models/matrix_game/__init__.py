@@ -1,0 +1,27 @@
+"""Matrix-Game 2.0 (SkyworkAI): an interactive world model on the causal Wan transformer and the paged runtime.
+
+* the network is :class:`~ardiff_jax.models.CausalDiT` with a Matrix-Game preset
+  (``"matrix-game-2-universal"``, ``"matrix-game-2-gta-drive"``, ``"matrix-game-2-templerun"``):
+  36 input channels (noisy latent, mask, image-condition latent), CLIP image tokens as the
+  only cross-attention context, and keyboard/mouse action modules in blocks 0-14;
+* :func:`ardiff_jax.models.wan.load_checkpoint` reads the original release (a ``model.``-prefixed
+  ``.safetensors``) and FastVideo's diffusers conversion;
+* :func:`action_windows` regroups the raw per-video-frame action rows into the windows each
+  latent frame reads.
+
+``docs/models.md`` ("Matrix-Game 2.0") describes the formats, the choices and what is tested.
+"""
+
+from ardiff_jax.models.matrix_game._actions import (
+    action_windows,
+    check_action_rows,
+    rows_for_block,
+)
+from ardiff_jax.models.matrix_game._pipeline import (
+    MatrixGamePipeline,
+    MatrixGamePipelineConfig,
+    matrix_game_step,
+)
+
+__all__ = ["MatrixGamePipeline", "MatrixGamePipelineConfig", "action_windows", "check_action_rows",
+           "matrix_game_step", "rows_for_block"]
