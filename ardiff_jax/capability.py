@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ardiff_jax._checks import is_integer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ardiff_jax.runtime import ARDiffusionKVState
+    from ardiff_jax.runtime import ARDiffusionKVBatch, ARDiffusionKVState
     from ardiff_jax.types import DiffusionRequest, StepResult
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "SupportsARDiffusionSessionExport",
     "SupportsARDiffusionWeightsFingerprint",
     "SupportsARDiffusionMesh",
+    "SupportsARDiffusionBatch",
 ]
 
 
@@ -382,6 +383,31 @@ class SupportsARDiffusionMesh(Protocol):
     """
 
     def shard_ar_diffusion_model(self, mesh: Any) -> None: ...
+
+
+@runtime_checkable
+class SupportsARDiffusionBatch(Protocol):
+    """Optional: the pipeline runs the next block of several sessions as one batched forward.
+
+    ``engine.generate_batch(requests)`` binds an :class:`~ardiff_jax.runtime.ARDiffusionKVBatch`
+    (one paged view over the batch's slots, every session's state bound too) around exactly
+    one ``forward_batch(requests)`` call, which returns one output per request, in order,
+    equal (to float32 tolerance) to what ``forward`` returns for each request run alone.
+    Requests hold distinct sessions, are validated like ``forward``'s
+    (``validate_ar_diffusion_request``) and are admitted before the call. Without this
+    protocol the engine runs the requests one by one.
+
+    Contract for ``forward_batch``: **all or nothing on the pipeline's side.** It changes no
+    session's model state until every device call of the batch returned; if it raises, every
+    session's model state is as before the call. The runtime then restores every session's
+    KV bookkeeping to its value before the batch (pages written by the batch sit where the
+    restored cursors do not read: a commit writes only pages its forward could not see) and
+    reruns the requests one by one, so only a failing session is released.
+    """
+
+    def bind_ar_diffusion_batch(self, batch: ARDiffusionKVBatch) -> AbstractContextManager[None]: ...
+
+    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[Any]: ...
 
 
 def spec_summary(spec: ARDiffusionKVCacheSpec) -> Mapping[str, Any]:

@@ -34,7 +34,8 @@ dims (sizes from the :class:`KVLayout` or from the call):
   per frame (one page), ``H`` KV heads, ``Hq`` query heads (a multiple of ``H``), ``D``
   head size, ``K`` sink frames, ``W`` window (ring) frames, ``f`` current frames of one
   forward or commit, ``E`` extra (action/state) tokens, ``S`` query tokens, ``n`` pages in
-  a table, ``N`` keys, ``V`` visible history frames (at most ``K + W``). ``[]`` is a
+  a table, ``N`` keys, ``V`` visible history frames (at most ``K + W``), ``B`` rows (sessions)
+  of a batched tick. ``[]`` is a
   scalar; ``[...]`` is any shape, the same on both sides; ``f*T``, ``(K+W)*T`` are
   products of those sizes. A scalar such as ``layer: i32[]`` may also be a Python int.
   The attention functions also accept a leading batch axis of size 1 on ``q``, ``k``,
@@ -67,11 +68,13 @@ from ardiff_jax.kv._layout import (
 )
 from ardiff_jax.kv._ops import (
     commit_block,
+    commit_blocks,
     gather_pages,
     read_pages,
     read_run,
     restore_pages,
     write_block,
+    write_blocks,
     write_pages,
 )
 from ardiff_jax.kv._sharding import (
@@ -125,6 +128,7 @@ __all__ = [
     "allocate_pools",
     "block_pages",
     "commit_block",
+    "commit_blocks",
     "default_storage_dtype",
     "from_storage",
     "gather_pages",
@@ -141,5 +145,6 @@ __all__ = [
     "visible_history",
     "visible_table",
     "write_block",
+    "write_blocks",
     "write_pages",
 ]

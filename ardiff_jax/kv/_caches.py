@@ -45,6 +45,13 @@ class PagedKVCaches:
         ``None`` for pools on one device. With a mesh, :meth:`attend` runs the backend per
         shard (:func:`~ardiff_jax.kv.sharded_attention`): no pool is gathered.
 
+    A *batched* view (:meth:`ardiff_jax.runtime.ARDiffusionKVBatch.get_kv_caches`, one
+    forward for many sessions) carries one cursor row per session, ``i32[B, 3]``, over the
+    same pools. It is attended under ``jax.vmap`` with ``in_axes=caches.vmap_axes()``: the
+    pools are shared, each row reads its own session's run with its own fill level, and a
+    padded row's cursor (committed 0) makes every page invisible, so it reads nothing.
+    Calling :meth:`attend` on a batched view outside ``vmap`` is a TypeError.
+
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
       cursor: i32[3]
@@ -80,6 +87,15 @@ class PagedKVCaches:
     def num_current_frames(self) -> int:
         return self.seq_len // self.layout.tokens_per_frame
 
+    @property
+    def batch_size(self) -> int | None:
+        """Rows of a batched view (cursor ``i32[B, 3]``); ``None`` for a one-branch view."""
+        return int(self.cursor.shape[0]) if getattr(self.cursor, "ndim", 1) == 2 else None
+
+    def vmap_axes(self) -> PagedKVCaches:
+        """``in_axes`` of this view for ``jax.vmap`` over a batch: pools shared, one cursor row per element."""
+        return dataclasses.replace(self, pools=None, cursor=0)
+
     def _check_call(self, layer: Any, q: jax.Array, k: jax.Array, v: jax.Array, extra_k: jax.Array | None,
                     extra_v: jax.Array | None) -> Any:
         """Everything a backend may rely on (see ``AttentionBackend``); returns the normalised layer."""
@@ -88,6 +104,10 @@ class PagedKVCaches:
                 "PagedKVCaches refers to KV pools that were replaced by a later commit_paged_context (or deleted); "
                 "call state.get_kv_caches(...) again for a fresh view"
             )
+        if getattr(self.cursor, "ndim", 1) != 1:
+            raise TypeError(
+                f"this PagedKVCaches is a batched view (cursor shape {tuple(self.cursor.shape)}): attend under "
+                "jax.vmap(..., in_axes=caches.vmap_axes()), one session per element")
         layer = checked_layer(self.layout, layer)
         check_attention_inputs(self.layout, q, k, v, extra_k, extra_v)
         length = k.shape[-3]

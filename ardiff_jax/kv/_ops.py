@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer, from_storage, to_storage
 
-__all__ = ["write_block", "commit_block", "gather_pages", "read_run", "read_pages", "write_pages", "restore_pages"]
+__all__ = ["write_block", "commit_block", "write_blocks", "commit_blocks", "gather_pages", "read_run", "read_pages", "write_pages", "restore_pages"]
 
 
 def write_block(
@@ -67,6 +67,51 @@ def write_block(
 #: ``write_block`` jitted with the pools donated: the only writer of the runtime's pools.
 #: DONATES ``pools``: the caller must drop its references and use the returned pools.
 commit_block = jax.jit(write_block, static_argnums=0, donate_argnums=1)
+
+
+def write_blocks(
+    layout: KVLayout,
+    pools: KVPools,
+    pages: jax.Array,  # destination page per (row, frame); an id outside [0, P) drops that frame
+    k: jax.Array,
+    v: jax.Array,
+) -> KVPools:
+    """Write the blocks of ``B`` sessions (one row each) in one program: a batched tick's commit.
+
+    The same per-frame in-place update as :func:`write_block`, chained over every row, so
+    the rows of a batch cost what their bytes cost and no block-sized temporary is made.
+    A padded row (a batch bucket larger than the batch) carries the null page ``P`` for
+    every frame and writes nothing; distinct sessions own distinct runs, so real rows never
+    target the same page.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      pages: i32[B, f]
+      k, v: float[B, L, f*T, H, D]
+      returns: KVPools; k, v: storage[L, P, T, H, D]
+    """
+    num_rows, num_frames = pages.shape
+    block_shape = (num_rows, layout.num_layers, num_frames, layout.tokens_per_frame, layout.num_kv_heads,
+                   layout.head_size)
+    page_shape = (layout.num_layers, 1) + block_shape[3:]
+
+    def write(pool: jax.Array, blocks: jax.Array) -> jax.Array:
+        blocks = to_storage(layout, blocks.reshape(block_shape))
+        for row in range(num_rows):
+            for i in range(num_frames):
+                page = pages[row, i]
+                start = (0, jnp.clip(page, 0, layout.num_pages - 1), 0, 0, 0)
+                keep = jax.lax.dynamic_slice(pool, start, page_shape)
+                frame = jnp.where((page >= 0) & (page < layout.num_pages), blocks[row, :, i:i + 1], keep)
+                pool = jax.lax.dynamic_update_slice(pool, frame, start)
+        return pool
+
+    return KVPools(k=write(pools.k, k), v=write(pools.v, v))
+
+
+#: ``write_blocks`` jitted with the pools donated: a batched tick's one commit.
+#: DONATES ``pools``: the caller must drop its references and use the returned pools.
+commit_blocks = jax.jit(write_blocks, static_argnums=0, donate_argnums=1)
 
 
 def gather_pages(

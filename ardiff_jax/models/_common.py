@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
@@ -38,12 +38,12 @@ from ardiff_jax.types import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ardiff_jax.runtime import ARDiffusionKVState
+    from ardiff_jax.runtime import ARDiffusionKVBatch, ARDiffusionKVState
 
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
            "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "PipelineConfigBase", "PipelineSession",
            "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise", "with_tick_metadata",
-           "weights_fingerprint", "mesh_placement"]
+           "weights_fingerprint", "mesh_placement", "stack_rows", "unstack_rows"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
 #: compiles several times faster than threefry on XLA:CPU. Its streams are deterministic
@@ -164,6 +164,39 @@ text_cross_kv = jax.jit(_text_cross_kv, static_argnums=0)
 image_cross_kv = jax.jit(_image_cross_kv, static_argnums=0)
 #: ``(key, i32[], shape) -> f32[shape]``: the initial noise of a block (stream 0 of its key).
 block_noise = jax.jit(_block_noise, static_argnums=2)
+
+
+# -- batched ticks: per-session rows in and out of one program -------------------------------------
+
+@jax.jit
+def _stack(rows: tuple[Any, ...]) -> Any:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
+
+
+@jax.jit
+def _unstack(tree: Any) -> list[Any]:
+    size = jax.tree.leaves(tree)[0].shape[0]
+    return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(size)]
+
+
+def stack_rows(rows: Sequence[Any], bucket_size: int) -> Any:
+    """Stack ``B`` equally shaped pytrees into one with a leading ``bucket_size`` axis (one program per bucket).
+
+    Rows past ``B`` repeat the first row: a padded row computes on real, finite inputs and
+    its results are dropped (its cursor reads nothing, its commit writes nothing). The
+    stack is one jitted call keyed on the bucket, so batches of different sizes in one
+    bucket share it.
+    """
+    rows = tuple(rows)
+    if not rows or len(rows) > bucket_size:
+        raise ValueError(f"stack_rows needs 1..{bucket_size} rows, got {len(rows)}")
+    return _stack(rows + (rows[0],) * (bucket_size - len(rows)))
+
+
+def unstack_rows(tree: Any, size: int) -> list[Any]:
+    """The first ``size`` rows of a stacked pytree, one pytree each (one program per bucket)."""
+    return _unstack(tree)[:size]
+
 
 
 # -- host-side request checks ------------------------------------------------------------------
@@ -433,10 +466,30 @@ class BoundStateMixin:
     """
 
     _ar_state: ARDiffusionKVState | None = None
+    _ar_batch: ARDiffusionKVBatch | None = None
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_batch(self, batch: ARDiffusionKVBatch) -> Iterator[None]:
+        """Bind a batched tick's KV (``SupportsARDiffusionBatch``) for one ``forward_batch``; never retained."""
+        if self._ar_state is not None or self._ar_batch is not None:
+            raise RuntimeError(f"{type(self).__name__} already has a bound AR-Diffusion state or batch; bindings do "
+                               "not nest")
+        self._ar_batch = batch
+        try:
+            yield
+        finally:
+            self._ar_batch = None
+
+    def _bound_batch(self) -> ARDiffusionKVBatch:
+        batch = self._ar_batch
+        if batch is None:
+            raise RuntimeError(f"{type(self).__name__}.forward_batch must run inside bind_ar_diffusion_batch (drive "
+                               "the pipeline through ARDiffusionEngine.generate_batch)")
+        return batch
 
     @contextlib.contextmanager
     def bind_ar_diffusion_state(self, session_id: str, state: ARDiffusionKVState) -> Iterator[None]:
-        if self._ar_state is not None:
+        if self._ar_state is not None or self._ar_batch is not None:
             raise RuntimeError(
                 f"{type(self).__name__} already has a bound AR-Diffusion state (session "
                 f"{self._ar_state.session_id!r}); bindings do not nest")
@@ -646,12 +699,33 @@ class PipelineBase(BoundStateMixin, abc.ABC):
 
     def _new_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
         """Create and register the model state of a new session (seed: ``inputs["seed"]`` or the id)."""
+        session = self._create_session(session_id, request, prompt)
+        self._sessions[session_id] = session
+        return session
+
+    def _create_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
+        """The model state of a new session, not registered yet."""
         if prompt is None:  # _check_prompt_and_seed refuses this for a session without state
             raise RuntimeError(f"{type(self).__name__} session {session_id!r} needs a prompt to start")
         seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
-        session = self.session_type(key=new_session_key(seed, self.device), prompt=prompt)
-        self._sessions[session_id] = session
-        return session
+        return self.session_type(key=new_session_key(seed, self.device), prompt=prompt)
+
+    def _staged_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
+        """A private copy of a session's model state for a batched tick (a new one if it has none).
+
+        ``forward_batch`` is all or nothing (``SupportsARDiffusionBatch``): it changes these
+        copies (every change is an attribute assignment, so a shallow copy suffices) and
+        installs them with :meth:`_publish_staged` only after every device call returned; a
+        batch that raises leaves ``self._sessions`` as it was.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            return self._create_session(session_id, request, prompt)
+        return dataclasses.replace(session)
+
+    def _publish_staged(self, sessions: Mapping[str, Any]) -> None:
+        """Install the staged sessions of a batched tick that completed."""
+        self._sessions.update(sessions)
 
     def _text_kv(self, prompt: str) -> tuple[jax.Array, jax.Array]:
         """The per-layer text cross-attention K/V of ``prompt``: ``([L, N, H, D], [L, N, H, D])``."""

@@ -30,7 +30,7 @@ default) snaps every 4x4 cell to the nearest of the seven looks a SpriteWorld ce
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -287,6 +287,10 @@ class SpriteWorldPipeline(WorldPipeline):
     def forward(self, request: DiffusionRequest) -> SpriteBlock:
         """Generate one block of the bound session (tick mode)."""
         return self._decoded(super().forward(request))
+
+    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[SpriteBlock]:
+        """One block for each request's session, batched (``SupportsARDiffusionBatch``); equal to :meth:`forward` each."""
+        return [self._decoded(block) for block in super().forward_batch(requests)]
 
     def step(self, request: DiffusionRequest) -> StepResult:
         """One denoise step of a streaming request; the emitted block carries decoded frames."""

@@ -45,7 +45,7 @@ runner touches any session; ``forward`` and ``step`` parse with the same code.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -69,13 +69,16 @@ from ardiff_jax.models._common import (
     dit_kv_spec,
     nbytes,
     renoise,
+    stack_rows,
+    unstack_rows,
     step_noise_key,
     with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest, StepResult
 
-__all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step", "clean_estimate", "PREDICTIONS"]
+__all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step", "world_step_batch", "clean_estimate",
+           "PREDICTIONS"]
 
 MAIN = "main"
 TEXT = "text"
@@ -193,6 +196,47 @@ def _world_step(
 world_step = jax.jit(_world_step, static_argnums=0, static_argnames="prediction")
 
 
+def _world_step_batch(
+    graphdef: Any,
+    params: Any,
+    attention: Any,  # a batched PagedKVCaches: cursor i32[B, 3]
+    x_t: jax.Array,  # f32[B, f, C, H, W]
+    t: jax.Array,  # f32[]
+    sigma: jax.Array,  # f32[]
+    sigma_next: jax.Array,  # f32[]
+    session_keys: jax.Array,  # key[B]
+    block_index: jax.Array,  # i32[B]
+    step_index: jax.Array,  # i32[]
+    frame_start: jax.Array,  # i32[B]
+    text_kv: tuple[jax.Array, jax.Array],  # [B, L, N, H, D] each
+    registers: jax.Array | None,  # f32[B, E, register_dim]
+    controls: jax.Array | None = None,  # f32[B, f, control_dim]
+    previous: jax.Array | None = None,  # f32[B, C, H, W]
+    prediction: str = "flow",
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    modules = nnx.merge(graphdef, params)
+
+    def one_session(attention: Any, x_t: jax.Array, frame_start: jax.Array, text_kv: Any, registers: Any,
+                    controls: Any, previous: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        out = modules.transformer(x_t, t, frame_start, text_kv, None, registers, controls, attention=attention)
+        return clean_estimate(out.video, x_t, sigma, previous, prediction), out.k, out.v
+
+    x0, k, v = jax.vmap(one_session, in_axes=(attention.vmap_axes(), 0, 0, 0, 0, 0, 0))(
+        attention, x_t, frame_start, text_kv, registers, controls, previous)
+    # Noise row by row: the "rbg" streams are not invariant under vmap (a vmapped draw differs from
+    # the unbatched one), while lax.map draws each row exactly as world_step does.
+    noise = jax.lax.map(lambda row: jax.random.normal(step_noise_key(row[0], row[1], step_index), x_t.shape[1:],
+                                                      jnp.float32), (session_keys, block_index))
+    return renoise(x0, sigma_next, noise), x0, k, v
+
+
+#: :func:`world_step` for a batch of sessions in one program: ``attention`` is a batched
+#: paged view (``ARDiffusionKVBatch.get_kv_caches``), every other per-session argument has a
+#: leading batch axis ``B``; returns ``(x_next, x0)`` as ``f32[B, f, C, H, W]`` and ``k, v`` as
+#: ``[B, L, f*T, H, D]``. Row ``i`` equals ``world_step`` on session ``i`` to float32 tolerance.
+world_step_batch = jax.jit(_world_step_batch, static_argnums=0, static_argnames="prediction")
+
+
 @dataclasses.dataclass
 class _InFlightBlock:
     x_t: jax.Array  # f32[f, C, H, W]
@@ -228,11 +272,18 @@ class WorldPipeline(PipelineBase):
       device: where inputs and weights live (default: the first device, where the runtime
         puts its pools).
 
-    Implements ``SupportsARDiffusionPipeline``, ``SupportsARDiffusionWarmup`` and
-    ``SupportsStepExecution``. Drive it through :class:`~ardiff_jax.ARDiffusionEngine`.
+    Implements ``SupportsARDiffusionPipeline``, ``SupportsARDiffusionWarmup``,
+    ``SupportsStepExecution`` and ``SupportsARDiffusionBatch`` (tick mode: several sessions'
+    blocks as one vmapped program per denoise step). Drive it through
+    :class:`~ardiff_jax.ARDiffusionEngine`.
     """
 
     supports_step_execution = True
+    #: Whether :meth:`forward_batch` computes what :meth:`forward` computes. A subclass that
+    #: changes a block's computation (``forward``, ``_advance``, ``_new_session``) without a
+    #: ``forward_batch`` of its own is not batchable: ``forward_batch`` is removed from it
+    #: (``__init_subclass__``), so the engine runs its batches one request at a time.
+    supports_batched_forward = True
     #: What the transformer's video output is: ``"flow"`` (``v``, Wan's convention) or ``"x0"``.
     prediction = "flow"
     pipeline_config_type = WorldPipelineConfig
@@ -243,6 +294,15 @@ class WorldPipeline(PipelineBase):
     def __init__(self, config: CausalDiTConfig | str = "tiny", pipeline_config: WorldPipelineConfig | None = None,
                  *, modules: DiTModules | None = None, device: jax.Device | None = None) -> None:
         super().__init__(config, pipeline_config, modules=modules, device=device)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        changed = [name for name in ("forward", "_advance", "_new_session") if name in vars(cls)]
+        if changed and "forward_batch" not in vars(cls):
+            # A protocol method set to None is not implemented: isinstance(pipeline,
+            # SupportsARDiffusionBatch) is False, and the engine runs its batches one by one.
+            cls.supports_batched_forward = False
+            cls.forward_batch = None  # type: ignore[assignment]
 
     # -- capability ---------------------------------------------------------------------------
     @staticmethod
@@ -397,6 +457,68 @@ class WorldPipeline(PipelineBase):
         while (block := self._advance(state, session)) is None:
             pass
         return with_tick_metadata(block, request)
+
+    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[WorldBlock]:
+        """Generate one block for each request's session as one batched program per denoise step.
+
+        Row ``i`` is request ``i`` on ``batch.states[i]``. Per-session preparation (parsing,
+        prompt and cross caches, a new session's prefill) runs per session as in
+        :meth:`forward`; the denoise steps and the clean commit run once for the whole batch
+        (:data:`world_step_batch`), and every block is committed with one donated write. Model
+        state is staged and installed only after the last device call (all or nothing).
+        """
+        batch = self._bound_batch()
+        states = batch.states
+        if len(requests) != len(states):
+            raise ValueError(f"forward_batch got {len(requests)} requests for a batch of {len(states)} sessions")
+        staged: dict[str, _WorldSession] = {}
+        for request, state in zip(requests, states, strict=True):
+            session_id = state.session_id
+            current = self._sessions.get(session_id)
+            if current is not None and current.inflight is not None:
+                raise RuntimeError(f"{type(self).__name__} session {session_id!r} has an in-flight stepwise block; "
+                                   "tick requests cannot interleave with it")
+            prompt, block_inputs = self._parse_new_block(session_id, request)
+            session = self._staged_session(session_id, request, prompt)
+            self._sync_prompt(state, session, prompt)
+            self._start_block(state, session, block_inputs)
+            staged[session_id] = session
+        blocks = self._advance_batch(batch, [staged[state.session_id] for state in states])
+        self._publish_staged(staged)
+        return [with_tick_metadata(block, request) for block, request in zip(blocks, requests, strict=True)]
+
+    def _advance_batch(self, batch: Any, sessions: list[_WorldSession]) -> list[WorldBlock]:
+        """Every denoise step and the clean commit of the sessions' in-flight blocks, batched."""
+        cfg = self.config
+        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+        rows = [(session.key, session.inflight.x_t, np.int32(session.inflight.block_index),
+                 np.int32(session.inflight.frame_start), tuple(state.get_cross_attention_kv(MAIN, TEXT)),
+                 session.inflight.registers, session.inflight.controls, self._previous_frame(session))
+                for state, session in zip(batch.states, sessions, strict=True)]
+        keys, x, block_index, frame_start, text_kv, registers, controls, previous = stack_rows(rows, batch.bucket_size)
+
+        def forward(x: jax.Array, step: int, commit: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+            caches = batch.get_kv_caches(MAIN, seq_len=seq_len, commit_current=commit)
+            t, sigma, sigma_next = self.schedule.step_args(step)
+            return world_step_batch(self._graphdef, self._params, caches, x, t, sigma, sigma_next, keys, block_index,
+                                    np.int32(step), frame_start, text_kv, registers, controls, previous,
+                                    prediction=self.prediction)
+
+        for step in range(self.schedule.num_steps):
+            x_next, x0, _, _ = forward(x, step, commit=False)
+            x = x_next
+        x0 = self._finish_block(x0)
+        _, _, k, v = forward(x0, self.schedule.num_steps, commit=True)
+        batch.commit_paged_context(MAIN, kv=(k, v))
+        blocks = []
+        for session, latents in zip(sessions, unstack_rows(x0, batch.size), strict=True):
+            inflight = session.inflight
+            session.inflight = None
+            session.last_block = latents
+            session.block_index += 1
+            blocks.append(WorldBlock(latents=latents, first_frame=inflight.frame_start,
+                                     block_index=inflight.block_index))
+        return blocks
 
     def step(self, request: DiffusionRequest) -> StepResult:
         """One denoise step of the streaming request (session id = request id)."""

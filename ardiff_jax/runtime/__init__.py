@@ -12,11 +12,14 @@ Power-user names live here; :mod:`ardiff_jax` re-exports what most users start w
 * KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`,
   :class:`ARDiffusionRequestAdapter`; memory plan: :class:`MemoryPlan`, :func:`plan_memory`;
 * execution: :class:`ARDiffusionModelRunner`, :class:`ARDiffusionEngine`, :class:`SessionEvent`;
+  batched ticks: :class:`ARDiffusionKVBatch` (one paged view over a batch's slots),
+  :class:`ARDiffusionBatchError`, :func:`batch_buckets`, :func:`bucket_for`;
 * replicas: :class:`ARDiffusionRouter` (sessions sticky to one engine, new ones to the least
   loaded), and with the ``[ray]`` extra :func:`ray_replicas` / :class:`RayEngineProxy`
   (each replica a Ray actor owning its engine; ``RayReplica`` is built on first use).
 """
 
+from ardiff_jax.runtime._batch import ARDiffusionBatchError, ARDiffusionKVBatch, batch_buckets, bucket_for
 from ardiff_jax.runtime._engine import ARDiffusionEngine
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import (
@@ -69,7 +72,11 @@ __all__ = [
     "SCRATCH_BLOCKS_ENV",
     "SESSION_FORMAT_VERSION",
     "WARMUP_SESSION_ID",
+    "ARDiffusionBatchError",
     "ARDiffusionEngine",
+    "ARDiffusionKVBatch",
+    "batch_buckets",
+    "bucket_for",
     "ARDiffusionKVCache",
     "ARDiffusionKVState",
     "ARDiffusionModelRunner",

@@ -8,6 +8,7 @@ cleanup. Everything else is delegation.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,39 @@ class ARDiffusionEngine:
     def generate(self, request: DiffusionRequest) -> Any:
         """Run one request (one AR block in tick mode) on its session."""
         return self._runner.execute_model(request)
+
+    def generate_batch(self, requests: Sequence[DiffusionRequest]) -> list[Any]:
+        """Run the next request of several distinct sessions, as one batched forward where the pipeline can.
+
+        Returns one output per request, in request order, equal (to float32 tolerance) to
+        what :meth:`generate` returns for each request run alone, one after the other.
+
+        Refused before anything runs or changes (ValueError / TypeError): a session id that
+        appears twice; more requests than :attr:`session_capacity`; a request ``generate``
+        would refuse (its checks and the pipeline's validator run for every request first).
+
+        The sessions of a batch are never evicted by the batch itself: each one is made
+        resident (created, or restored from the host tier) and older sessions outside the
+        batch are evicted as ``generate`` would. A pipeline implementing
+        :class:`~ardiff_jax.capability.SupportsARDiffusionBatch` runs the batch as one jitted
+        forward per denoise step, padded to a bucket size (``engine.runner.batch_buckets``:
+        2, 4, 8, ... up to the capacity; compiled by warmup, so no batch composition
+        recompiles); a batch of one, a pipeline without the protocol, or pools on a mesh run
+        the requests one by one.
+
+        Failures: a request that fails releases its own session only (as ``generate``:
+        KV dropped, close hook); the other requests complete, and
+        :class:`~ardiff_jax.runtime.ARDiffusionBatchError` is raised once all ran, with
+        ``.outputs`` (``None`` for the failed) and ``.errors`` (``{session_id: exception}``).
+        A batched forward that raises is rerun one request at a time, so only the bad
+        session fails. Thread-safe like ``generate`` (one engine call at a time).
+        """
+        return self._runner.execute_model_batch(requests)
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        """The padded batch sizes :meth:`generate_batch` compiles (see :func:`~ardiff_jax.runtime.batch_buckets`)."""
+        return self._runner.batch_buckets
 
     def step(self, scheduler_output: StepSchedulerOutput) -> StepResult | None:
         """One stepwise tick (requires ``EngineConfig(step_execution=True)``)."""

@@ -27,6 +27,7 @@ from ardiff_jax.kv import (
     check_attention_backend,
     check_mesh,
     commit_block,
+    commit_blocks,
     default_storage_dtype,
     read_pages,
     select_attention_backend,
@@ -439,6 +440,13 @@ class ARDiffusionKVCache:
             self._pools = _commit_block_sharded(self._layout, self._sharding, self._pools, pages, k, v)
             return
         self._pools = commit_block(self._layout, self._pools, pages, k, v)
+
+    def _write_blocks(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
+        """One donated write of a batched tick's blocks (``pages i32[B, f]``, null rows dropped); pools on one device."""
+        self.check_pools()
+        if self._sharding is not None:
+            raise RuntimeError("AR-Diffusion batched commits need pools on one device")
+        self._pools = commit_blocks(self._layout, self._pools, pages, k, v)
 
     def _replace_pools(self, pools: KVPools) -> None:
         """Take back the pools a donated device program returned (device-side rollouts)."""

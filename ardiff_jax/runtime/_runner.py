@@ -12,7 +12,9 @@ Behaviour follows the reference runner (``docs/reference_behaviour.md``, "Runner
   errors are raised, failure/stepwise/warmup cleanup errors are logged and suppressed.
 
 The runner serialises its entry points with a lock, so a serving layer may call it from
-several threads; one request executes at a time (``max_num_seqs == 1``). Listeners are
+several threads; one call executes at a time (``max_num_seqs == 1``). A call may be a
+*batch* (``execute_model_batch``): the next block of several distinct sessions as one
+batched forward, for a pipeline that implements ``SupportsARDiffusionBatch``. Listeners are
 called after the lock is released, so a slow or re-entrant listener cannot stall or
 deadlock the runner.
 
@@ -31,7 +33,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +41,7 @@ import jax
 from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
 from ardiff_jax.capability import (
     ARDiffusionKVCacheSpec,
+    SupportsARDiffusionBatch,
     SupportsARDiffusionPipeline,
     SupportsARDiffusionMesh,
     SupportsARDiffusionRequestValidation,
@@ -48,6 +51,7 @@ from ardiff_jax.capability import (
     SupportsStepExecution,
     spec_summary,
 )
+from ardiff_jax.runtime._batch import ARDiffusionBatchError, ARDiffusionKVBatch, batch_buckets, bucket_for
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
@@ -196,6 +200,10 @@ class ARDiffusionModelRunner:
                 raise
         self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
         self._exporter = pipeline if isinstance(pipeline, SupportsARDiffusionSessionExport) else None
+        # Batched forwards need the pipeline's protocol and pools on one device (a mesh runs batches one by one).
+        self._batcher = (pipeline if isinstance(pipeline, SupportsARDiffusionBatch) and config.mesh is None
+                         else None)
+        self._batch_buckets = batch_buckets(self._kv_cache.session_capacity)
         self._host = HostSessionTier(config.host_offload_bytes if self._exporter is not None else 0)
         if config.host_offload_bytes and self._exporter is None:
             logger.warning("AR-Diffusion host offload is configured (%d bytes) but %s does not implement "
@@ -229,6 +237,16 @@ class ARDiffusionModelRunner:
     @property
     def session_capacity(self) -> int:
         return self._kv_cache.session_capacity
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        """Padded batch sizes of batched forwards (:func:`~ardiff_jax.runtime.batch_buckets` of the capacity)."""
+        return self._batch_buckets
+
+    @property
+    def supports_batched_forward(self) -> bool:
+        """Whether ``execute_model_batch`` runs one batched forward (else it runs the requests one by one)."""
+        return self._batcher is not None
 
     @property
     def session_table(self) -> SessionTable[ARDiffusionKVState]:
@@ -366,8 +384,190 @@ class ARDiffusionModelRunner:
                 self._release_session(session_id, reset_model=False, reason="close")
             return output
 
-    def execute_model_batch(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("ARDiffusionModelRunner does not support request-batch execution")
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> list[Any]:
+        """Run the next request of several distinct sessions; returns their outputs in request order.
+
+        Before anything runs (nothing changes when one of these raises):
+
+        * every request is checked as :meth:`execute_model` checks it (type, session id,
+          flags, the pipeline's ``validate_ar_diffusion_request``);
+        * a session id appearing twice is a ValueError;
+        * more requests than ``session_capacity`` is a ValueError, and so is a batch that
+          cannot be resident together beside the sessions a serving layer pinned.
+
+        Then ``reset`` requests release their session (reset hook), every session is made
+        resident (created, or restored from the host tier) without evicting another session
+        of the batch (they are pinned while the batch runs), and:
+
+        * with a ``SupportsARDiffusionBatch`` pipeline (and pools on one device) the
+          requests run as **one** ``forward_batch`` call over a batch padded to the smallest
+          of :attr:`batch_buckets` that holds it; a batch of one runs ``forward``;
+        * otherwise they run one by one, in order, exactly as :meth:`execute_model` runs each.
+
+        If the batched forward raises, it cannot say which session was bad: every session's
+        KV bookkeeping is restored and the requests rerun one by one. A request that fails
+        (batched or not) releases its own session only (fail-closed, as ``execute_model``);
+        the others complete, and :class:`~ardiff_jax.runtime.ARDiffusionBatchError` is raised
+        at the end with every output (``None`` for the failed) and the errors by session.
+        ``close_session`` requests release their session after success.
+        """
+        if isinstance(requests, DiffusionRequest) or not isinstance(requests, Sequence):
+            raise TypeError(f"execute_model_batch expects a sequence of DiffusionRequests, got "
+                            f"{type(requests).__name__}")
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, DiffusionRequest):
+                raise TypeError(f"execute_model_batch expects DiffusionRequests, got {type(request).__name__}")
+            check_not_traced("engine.generate_batch / execute_model_batch", *_request_values(request))
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("execute_model_batch")
+            parsed = [self._request_session(request) for request in requests]
+            session_ids = [entry[0] for entry in parsed]
+            self._check_batch_admission(session_ids)
+            if not requests:
+                return []
+            for session_id, request in zip(session_ids, requests, strict=True):
+                self._validate_request(session_id, request)
+            for session_id, (_, reset, _, _) in zip(session_ids, parsed, strict=True):
+                if reset:
+                    self._release_session(session_id, reset_model=True, reason="reset")
+            start = time.perf_counter()
+            states = self._admit_batch(session_ids)
+            outputs, errors = self._run_batch(session_ids, requests, states)
+            elapsed = time.perf_counter() - start
+            for session_id, (_, _, close_after, _) in zip(session_ids, parsed, strict=True):
+                if session_id not in errors:
+                    self._perf_e2e_times.append(elapsed)
+                    if close_after:
+                        self._release_session(session_id, reset_model=False, reason="close")
+            if errors:
+                raise ARDiffusionBatchError(outputs, errors) from next(iter(errors.values()))
+            return outputs
+
+    def _check_batch_admission(self, session_ids: list[str]) -> None:
+        """Refuse, before anything changes, a batch with a repeated session or one that cannot be resident at once."""
+        seen: set[str] = set()
+        repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
+        if repeated:
+            raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
+        capacity = self.session_capacity
+        if len(session_ids) > capacity:
+            raise ValueError(f"a batch of {len(session_ids)} sessions exceeds the session capacity {capacity}: the "
+                             f"sessions of one batch must all be resident; split it into batches of at most {capacity}")
+        pinned = [sid for sid in self._table.lru_order if self._table.is_pinned(sid) and sid not in seen]
+        if len(session_ids) + len(pinned) > capacity:
+            raise ValueError(f"a batch of {len(session_ids)} sessions cannot be resident beside the pinned sessions "
+                             f"{pinned} (capacity {capacity})")
+
+    def _admit_batch(self, session_ids: list[str]) -> list[ARDiffusionKVState]:
+        """Make every session of the batch resident (create or restore); none evicts another of the batch.
+
+        The batch's resident sessions are pinned first and each admitted one right after its
+        admission, so an admission's LRU eviction only picks sessions outside the batch.
+        """
+        table = self._table
+        pinned: list[str] = []
+        try:
+            for session_id in session_ids:
+                if session_id in table:
+                    table.pin(session_id)
+                    pinned.append(session_id)
+            states = []
+            for session_id in session_ids:
+                states.append(self._get_or_create_session(session_id))
+                if session_id not in pinned:
+                    table.pin(session_id)
+                    pinned.append(session_id)
+        finally:
+            for session_id in pinned:
+                if session_id in table:
+                    table.unpin(session_id)
+        return states
+
+    def _run_batch(self, session_ids: list[str], requests: list[DiffusionRequest],
+                   states: list[ARDiffusionKVState]) -> tuple[list[Any], dict[str, BaseException]]:
+        """``(outputs, errors)``: one batched forward, or one by one when it cannot run or raised."""
+        if self._batcher is None or len(requests) == 1:
+            return self._run_one_by_one(session_ids, requests)
+        before = [(state._value, dict(state._pending)) for state in states]
+        batch = ARDiffusionKVBatch(self._kv_cache, states, bucket_for(len(states), self._batch_buckets))
+        try:
+            with self._bound_batch(session_ids, states, batch):
+                outputs = self._batcher.forward_batch(list(requests))
+            if not isinstance(outputs, Sequence) or len(outputs) != len(requests):
+                raise TypeError(f"forward_batch must return one output per request ({len(requests)}), got "
+                                f"{type(outputs).__name__}")
+            outputs = list(outputs)
+            self._synchronize(outputs)
+        except Exception as error:
+            logger.warning("AR-Diffusion batched forward of sessions %s failed (%r); rerunning them one by one",
+                           session_ids, error)
+            if self._kv_cache.pools.is_deleted():  # nothing to rerun on: every session's KV is gone
+                self._fail_closed(session_ids[0], error)  # releases every resident session ("pools_lost")
+                return [None] * len(requests), dict.fromkeys(session_ids, error)
+            for state, (value, pending) in zip(states, before, strict=True):
+                if not state.closed:  # resident still: pipeline code cannot release a session
+                    state._pending = pending
+                    state._publish(value)
+            return self._run_one_by_one(session_ids, requests)
+        except BaseException as error:  # KeyboardInterrupt and the like: fail every session of the batch closed
+            for session_id in session_ids:
+                self._fail_closed(session_id, error)
+            raise
+        return outputs, {}
+
+    def _run_one_by_one(self, session_ids: list[str], requests: list[DiffusionRequest]
+                        ) -> tuple[list[Any], dict[str, BaseException]]:
+        outputs: list[Any] = []
+        errors: dict[str, BaseException] = {}
+        for session_id, request in zip(session_ids, requests, strict=True):
+            try:
+                outputs.append(self._execute_admitted(session_id, request))
+            except Exception as error:
+                outputs.append(None)
+                errors[session_id] = error
+        return outputs, errors
+
+    def _execute_admitted(self, session_id: str, request: DiffusionRequest) -> Any:
+        """Bind, forward, wait, inside the fail-closed scope (the request is validated and reset already)."""
+        state = self._get_or_create_session(session_id)
+        try:
+            with self._bound(session_id, state, stepwise=False):
+                output = self._pipeline.forward(request)
+            self._synchronize(output)
+        except BaseException as error:
+            self._fail_closed(session_id, error)
+            raise
+        return output
+
+    @contextlib.contextmanager
+    def _bound_batch(self, session_ids: list[str], states: list[ARDiffusionKVState],
+                     batch: ARDiffusionKVBatch) -> Iterator[None]:
+        """Bind the batch (and every state in it) for exactly one ``forward_batch``, then check what was left."""
+        for state in states:
+            state._bound = True
+        batch._bound = True
+        previous, self._executing = self._executing, _BatchCall(tuple(session_ids))
+        try:
+            with self._batcher.bind_ar_diffusion_batch(batch):
+                yield
+        finally:
+            for state in states:
+                state._bound = False
+            batch._bound = False
+            self._executing = previous
+        for held, name in [(batch, "ARDiffusionKVBatch")] + [(state, f"ARDiffusionKVState of session "
+                                                                       f"{state.session_id!r}") for state in states]:
+            where = _find_retained(self._pipeline, held)
+            if where is not None:
+                raise RuntimeError(f"pipeline {type(self._pipeline).__name__} retained the bound {name} in {where} "
+                                   "past its invocation; clear it when the bind context exits")
+        self._kv_cache.check_pools()
+        forgotten = [state.session_id for state in states if _committing(state)]
+        if forgotten:
+            raise RuntimeError(f"forward_batch left committing contexts of sessions {forgotten} uncommitted; the "
+                               "blocks were not committed")
 
     # -- stepwise path ---------------------------------------------------------------------------
     def execute_stepwise(self, scheduler_output: StepSchedulerOutput) -> StepResult | None:
@@ -890,9 +1090,48 @@ class ARDiffusionModelRunner:
                                       suppress_errors=True)
             self._perf_e2e_times.clear()
         logger.info("AR-Diffusion warmup ran %d request(s)", executed)
+        self._warmup_batches()
         if self._kv_cache.num_free_slots != free_before:  # pragma: no cover - defensive
             logger.warning("AR-Diffusion warmup left %d slot(s) in use",
                            free_before - self._kv_cache.num_free_slots)
+
+
+    def _warmup_batches(self) -> None:
+        """Compile every batch bucket: one batch of warmup sessions per bucket, each session's first warmup request.
+
+        After it, batches of any composition (sizes, fill levels, fresh and restored
+        sessions) reuse the compiled programs. Failures are logged, as any warmup's.
+        """
+        if self._batcher is None or not self._batch_buckets:
+            return
+        for bucket in self._batch_buckets:
+            session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(bucket)]
+            try:
+                requests = []
+                for session_id in session_ids:
+                    request = next(iter(self._pipeline.ar_diffusion_warmup_requests(session_id)), None)
+                    if not isinstance(request, DiffusionRequest) or self._request_session(request)[0] != session_id:
+                        logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session "
+                                       "%r", request, session_id)
+                        return
+                    requests.append(request)
+                self.execute_model_batch(requests)
+            except Exception as error:
+                logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
+            finally:
+                with self._locked():
+                    for session_id in session_ids:
+                        self._release_session(session_id, reset_model=False, reason="warmup_complete",
+                                              suppress_errors=True)
+                self._perf_e2e_times.clear()
+        logger.info("AR-Diffusion warmup compiled batch buckets %s", self._batch_buckets)
+
+
+class _BatchCall(NamedTuple):
+    session_ids: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"the batched forward of sessions {list(self.session_ids)}"
 
 
 class _ForwardCall(NamedTuple):

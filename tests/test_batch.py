@@ -1,0 +1,277 @@
+"""Batched ticks: one forward serves many sessions (``engine.generate_batch``).
+
+Every batched result is compared with the same requests run one by one on a second engine
+(same weights): sessions at mixed fill levels, ring wrap, resets, new sessions, and
+sessions evicted to the host tier and restored into a batch. Also: the kernels under the
+batch (one write for many rows, padded rows that read and write nothing), no compilation
+after warmup across batch compositions, a fault injected into one session of a batch, and
+the refusals (a repeated session, a batch over capacity) that change nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
+from ardiff_jax.capability import SupportsARDiffusionBatch
+from ardiff_jax.envs import SpriteWorld
+from ardiff_jax.kv import (
+    KVLayout,
+    KVPools,
+    PagedKVCaches,
+    make_cursor,
+    paged_attention,
+    ref_paged_attention,
+    write_block,
+    write_blocks,
+)
+from ardiff_jax.models import DiTModules, SpriteWorldPipeline, SpriteWorldPipelineConfig, dit_preset
+from ardiff_jax.runtime import ARDiffusionBatchError, batch_buckets, bucket_for
+from helpers import count_compiles
+
+CONFIG = dict(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0)
+OBSERVATIONS = [SpriteWorld(seed, size=32).reset() for seed in range(6)]
+
+
+@pytest.fixture(scope="module")
+def modules():
+    return DiTModules.create(dit_preset("sprite_world"), 1)
+
+
+def _engine(modules, capacity=3, pipeline_cls=SpriteWorldPipeline, warmup=False, **fields):
+    pipeline = pipeline_cls("sprite_world", SpriteWorldPipelineConfig(session_capacity=capacity), modules=modules)
+    return pipeline, ARDiffusionEngine(pipeline, EngineConfig(**CONFIG, warmup=warmup, **fields))
+
+
+def _request(sid, action, *, new=False, reset=False, close=False):
+    inputs = {"actions": np.array([action % 5])}
+    if new:
+        inputs["observation"] = OBSERVATIONS[ord(sid[-1]) % len(OBSERVATIONS)]
+    return DiffusionRequest(f"{sid}-{action}", extra_args={"session_id": sid, "reset": reset, "close_session": close},
+                            inputs=inputs)
+
+
+def _assert_same(batched, sequential):
+    assert len(batched) == len(sequential)
+    for got, want in zip(batched, sequential, strict=True):
+        np.testing.assert_allclose(np.asarray(got.latents), np.asarray(want.latents), rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(got.frames, want.frames)
+        assert (got.first_frame, got.block_index) == (want.first_frame, want.block_index)
+
+
+def _cursors(engine):
+    table = engine.runner.session_table
+    return {sid: table.get(sid).describe()["branches"] for sid in engine.sessions}
+
+
+# -- the kernels under a batch ---------------------------------------------------------------------
+
+LAYOUT = KVLayout(num_layers=2, num_pages=12, tokens_per_frame=2, num_kv_heads=2, head_size=4, sink_frames=1,
+                  window_frames=3, frames_per_block=1, scratch_pages=2)
+
+
+def _pools(seed=0):
+    rng = np.random.default_rng(seed)
+    return KVPools(k=jnp.asarray(rng.normal(size=LAYOUT.pool_shape), jnp.float32),
+                   v=jnp.asarray(rng.normal(size=LAYOUT.pool_shape), jnp.float32))
+
+
+def test_buckets_are_powers_of_two_up_to_capacity():
+    assert batch_buckets(1) == ()
+    assert batch_buckets(2) == (2,)
+    assert batch_buckets(8) == (2, 4, 8)
+    assert batch_buckets(12) == (2, 4, 8, 12)
+    assert [bucket_for(n, batch_buckets(12)) for n in (2, 3, 5, 9, 12)] == [2, 4, 8, 12, 12]
+    with pytest.raises(ValueError, match="exceeds the largest batch bucket"):
+        bucket_for(13, batch_buckets(12))
+
+
+def test_write_blocks_equals_one_write_per_row_and_padded_rows_write_nothing():
+    pools = _pools()
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.normal(size=(3, 2, 2, 2, 4)), jnp.float32)  # [B, L, f*T, H, D]
+    v = jnp.asarray(rng.normal(size=(3, 2, 2, 2, 4)), jnp.float32)
+    pages = np.array([[5], [9], [LAYOUT.null_page]], np.int32)  # the third row is padding
+    batched = write_blocks(LAYOUT, pools, pages, k, v)
+    expected = pools
+    for row in range(2):
+        expected = write_block(LAYOUT, expected, pages[row], k[row], v[row])
+    np.testing.assert_array_equal(np.asarray(batched.k), np.asarray(expected.k))
+    np.testing.assert_array_equal(np.asarray(batched.v), np.asarray(expected.v))
+
+
+def test_batched_view_attends_each_row_to_its_own_run_and_padding_reads_nothing():
+    pools = _pools(2)
+    rng = np.random.default_rng(3)
+    # Row 0: fresh; row 1: partly filled; row 2: wrapped ring; row 3: padding (reads nothing).
+    cursors = np.stack([make_cursor(0, 0, 0), make_cursor(4, 2, 0), make_cursor(8, 7, 0), make_cursor(0, 0, 0)])
+    q = jnp.asarray(rng.normal(size=(4, 2, 4, 4)), jnp.float32)  # [B, S, Hq, D]
+    k = jnp.asarray(rng.normal(size=(4, 2, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(4, 2, 2, 4)), jnp.float32)
+    caches = PagedKVCaches(pools=pools, cursor=cursors, layout=LAYOUT, seq_len=2)
+    assert caches.batch_size == 4
+    out = jax.jit(jax.vmap(lambda c, q, k, v: c.attend(1, q, k, v), in_axes=(caches.vmap_axes(), 0, 0, 0)))(
+        caches, q, k, v)
+    for row in range(4):
+        want = ref_paged_attention(LAYOUT, pools, jnp.asarray(cursors[row]), 1, q[row], k[row], v[row])
+        np.testing.assert_allclose(np.asarray(out[row]), np.asarray(want), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out[row]),
+                                   np.asarray(paged_attention(LAYOUT, pools, cursors[row], 1, q[row], k[row], v[row])),
+                                   rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="batched view"):
+        caches.attend(1, q[0], k[0], v[0])
+
+
+# -- generate_batch == generate, one by one ----------------------------------------------------------
+
+#: (session, new, reset) rows per tick: mixed fill levels, new sessions joining, ring wrap (window 3),
+#: a reset, more sessions than the capacity of 3 (eviction to the host tier and restore into a batch).
+SCHEDULE = [
+    [("s0", True, False)],
+    [("s0", False, False), ("s1", True, False)],
+    [("s1", False, False), ("s2", True, False), ("s0", False, False)],
+    [("s2", False, False), ("s0", False, False), ("s1", False, False)],
+    [("s3", True, False), ("s0", False, False)],  # s3 evicts s2 (least recent outside the batch) to the host
+    [("s2", False, False), ("s1", False, False), ("s3", False, False)],  # s2 restored into the batch
+    [("s0", True, True), ("s2", False, False)],  # s0 (offloaded) reset by the engine, restarted with reset=True
+    [("s0", False, False), ("s2", False, False), ("s3", False, False)],
+    [("s3", False, False), ("s0", False, False), ("s2", False, False)],
+]
+
+
+def test_batches_equal_the_same_requests_one_by_one(modules):
+    _, sequential = _engine(modules, host_offload_bytes=2**26)
+    pipeline, batched = _engine(modules, host_offload_bytes=2**26)
+    assert batched.runner.supports_batched_forward and isinstance(pipeline, SupportsARDiffusionBatch)
+    offloaded_at_some_point = set()
+    for tick, rows in enumerate(SCHEDULE):
+        for sid, _, reset in rows:
+            if reset:  # the sprite world takes a new observation only on a fresh session
+                sequential.reset_session(sid)
+                batched.reset_session(sid)
+        requests = [_request(sid, tick + i, new=new, reset=reset) for i, (sid, new, reset) in enumerate(rows)]
+        want = [sequential.generate(request) for request in requests]
+        got = batched.generate_batch(requests)
+        _assert_same(got, want)
+        assert set(batched.sessions) >= {sid for sid, _, _ in rows}
+        offloaded_at_some_point |= set(batched.offloaded_sessions)
+    assert {"s2", "s0"} <= offloaded_at_some_point  # restored into later batches
+    # Every session's KV went through the ring several times and still matches.
+    assert max(c["main"]["committed_frames"] for c in _cursors(batched).values()) > 5
+    sequential.close()
+    batched.close()
+
+
+class _NotBatchable(SpriteWorldPipeline):
+    """Changes forward without a forward_batch of its own: the engine must run its batches one by one."""
+
+    def forward(self, request):
+        return super().forward(request)
+
+
+def test_a_pipeline_without_the_protocol_runs_batches_one_by_one(modules):
+    assert _NotBatchable.forward_batch is None and not _NotBatchable.supports_batched_forward
+    pipeline, engine = _engine(modules, pipeline_cls=_NotBatchable)
+    _, sequential = _engine(modules)
+    assert not isinstance(pipeline, SupportsARDiffusionBatch) and not engine.runner.supports_batched_forward
+    for tick in range(3):
+        requests = [_request(sid, tick, new=tick == 0) for sid in ("s1", "s2")]
+        _assert_same(engine.generate_batch(requests), [sequential.generate(r) for r in requests])
+    engine.close()
+    sequential.close()
+
+
+def test_no_compilation_after_warmup_across_batch_compositions(modules):
+    pipeline, engine = _engine(modules, capacity=4, warmup=True)
+    assert engine.batch_buckets == (2, 4)
+    assert not engine.sessions and not pipeline.session_ids  # warmup sessions released
+    ticks = [
+        [("a", True)],
+        [("a", False), ("b", True)],
+        [("b", False), ("c", True), ("a", False)],
+        [("d", True), ("c", False), ("b", False), ("a", False)],
+        [("a", False), ("d", False)],
+        [("e", True), ("b", False), ("c", False)],  # a new session evicts one outside the batch
+        [("c", False), ("e", False), ("b", False), ("f", True)],
+    ]
+    with count_compiles() as compiles:
+        for tick, rows in enumerate(ticks):
+            engine.generate_batch([_request(sid, tick, new=new, reset=new) for sid, new in rows])
+    assert compiles == []
+    engine.close()
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+
+class _Faulty(SpriteWorldPipeline):
+    """Fails a block of a chosen session *after* its commit, batched or not."""
+
+    bad: frozenset[str] = frozenset()
+
+    def forward_batch(self, requests):
+        return super().forward_batch(requests)
+
+    def _advance_batch(self, batch, sessions):
+        blocks = super()._advance_batch(batch, sessions)  # committed every row already
+        if self.bad & set(batch.session_ids):
+            raise RuntimeError("injected fault in the batch")
+        return blocks
+
+    def _advance(self, state, session):
+        block = super()._advance(state, session)
+        if state.session_id in self.bad:
+            raise RuntimeError(f"injected fault in session {state.session_id}")
+        return block
+
+
+def test_a_fault_in_one_session_releases_it_only_and_the_others_equal_unbatched(modules):
+    pipeline, engine = _engine(modules, pipeline_cls=_Faulty)
+    reference, sequential = _engine(modules, pipeline_cls=_Faulty)
+    events = []
+    engine.runner.add_session_listener(events.append)
+    ids = ("s1", "s2", "s3")
+    for tick in range(2):
+        requests = [_request(sid, tick, new=tick == 0) for sid in ids]
+        _assert_same(engine.generate_batch(requests), [sequential.generate(r) for r in requests])
+    pipeline.bad = reference.bad = frozenset({"s2"})
+    requests = [_request(sid, 2) for sid in ids]
+    with pytest.raises(ARDiffusionBatchError) as raised:
+        engine.generate_batch(requests)
+    error = raised.value
+    assert set(error.errors) == {"s2"} and "injected fault in session s2" in str(error.errors["s2"])
+    assert error.outputs[1] is None
+    want = [sequential.generate(requests[0]), None, sequential.generate(requests[2])]
+    with pytest.raises(RuntimeError, match="injected fault in session s2"):
+        sequential.generate(requests[1])
+    _assert_same([error.outputs[0], error.outputs[2]], [want[0], want[2]])
+    assert set(engine.sessions) == {"s1", "s3"} and "s2" not in pipeline.session_ids
+    assert any(e.kind == "released" and e.session_id == "s2" and e.reason == "forward_exception" for e in events)
+    assert _cursors(engine) == _cursors(sequential)
+    # The survivors go on exactly as their unbatched twins; the failed session starts over.
+    pipeline.bad = reference.bad = frozenset()
+    for tick in (3, 4):
+        requests = [_request("s1", tick), _request("s2", tick, new=tick == 3), _request("s3", tick)]
+        _assert_same(engine.generate_batch(requests), [sequential.generate(r) for r in requests])
+    engine.close()
+    sequential.close()
+
+
+def test_refused_batches_change_nothing(modules):
+    pipeline, engine = _engine(modules, capacity=3)
+    engine.generate_batch([_request(sid, 0, new=True) for sid in ("s1", "s2", "s3")])
+    before = (engine.sessions, _cursors(engine), pipeline.session_ids)
+    with pytest.raises(ValueError, match="repeated"):
+        engine.generate_batch([_request("s1", 1), _request("s2", 1), _request("s1", 2)])
+    with pytest.raises(ValueError, match="exceeds the session capacity 3"):
+        engine.generate_batch([_request(sid, 1, new=True) for sid in ("s4", "s5", "s6", "s7")])
+    with pytest.raises(ValueError, match="observation"):  # the pipeline's validator, for every request first
+        engine.generate_batch([_request("s1", 1), _request("s4", 1)])  # s4 is new and has no observation
+    with pytest.raises(TypeError):
+        engine.generate_batch(_request("s1", 1))
+    assert (engine.sessions, _cursors(engine), pipeline.session_ids) == before
+    assert engine.generate_batch([]) == []
+    engine.close()
