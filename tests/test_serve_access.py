@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -227,7 +227,7 @@ class LiveServer:
         self.sessions = SessionSpy(self.server.manager)
         self.stack = contextlib.ExitStack()
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self) -> Self:
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
