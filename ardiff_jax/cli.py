@@ -639,18 +639,60 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--stall-timeout", type=_seconds, default=60.0,
                        help="seconds without progress or ping before a session is reported stalled (default: 60)")
     serve.add_argument("--fps", type=lambda text: _int_argument(text, 1, 241, "an integer in [1, 240]"),
-                       default=None, help="default frame rate written into the media (default: the model's, 16 for "
-                                          "Wan, else 10)")
+                       default=None, help="default frame rate a session plays at, paced and written into the media "
+                                          "(default: the model's, 16 for Wan, else 10)")
+    serve.add_argument("--lookahead-chunks", type=lambda text: _int_argument(text, 0, 65, "an integer in [0, 64]"),
+                       default=1, help="chunks a session may have generated beyond the one playing (default: 1)")
+    serve.add_argument("--no-pacing", action="store_true",
+                       help="generate as fast as the engine goes instead of just in time for playback")
+    # Who may connect (ardiff_jax.serve.ServerAccess).
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="clients must present KEY (Authorization: Bearer KEY, or ?token=KEY); also guards /metrics. "
+                          "Visible in the process list: prefer --api-key-file")
+    key.add_argument("--api-key-file", type=_api_key_file, default=None, metavar="PATH", dest="api_key_from_file",
+                     help="read the key from PATH (surrounding whitespace removed; an empty file is refused)")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="let web pages of ORIGIN (scheme://host[:port]) connect besides the server's own origin; "
+                            "repeatable; '*' allows any page (default: same origin only)")
+    serve.add_argument("--public-metrics", action="store_true",
+                       help="serve /metrics without the key (default: /metrics needs it when a key is set)")
+    serve.add_argument("--max-connections-per-client", type=_positive_int, default=8, metavar="N",
+                       help="open WebSockets per client address (default: 8)")
     serve.set_defaults(run=_run_serve)
+
+
+def _api_key_file(text: str) -> str:
+    try:
+        from ardiff_jax.serve import read_api_key_file
+    except ImportError as error:
+        raise argparse.ArgumentTypeError(f"{error}; install the serve extra: pip install 'ardiff_jax[serve]'") from None
+    try:
+        return read_api_key_file(text)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from ardiff_jax.serve import ServedWorld, ServerSettings, create_app
+        from ardiff_jax.serve import (
+            ServedWorld,
+            ServerAccess,
+            ServerSettings,
+            create_app,
+        )
     except ImportError as error:
         return _refuse("serve", f"{error}; install the serve extra: pip install 'ardiff_jax[serve]'")
+    try:
+        access = ServerAccess(api_key=args.api_key if args.api_key is not None else args.api_key_from_file,
+                              allowed_origins=tuple(args.allow_origin), public_metrics=args.public_metrics,
+                              max_connections_per_client=args.max_connections_per_client)
+    except (TypeError, ValueError) as error:
+        return _refuse("serve", str(error))
     from ardiff_jax.models import (
         DIT_PRESETS,
         WorldPipeline,
@@ -702,8 +744,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             return _refuse("serve", f"the model does not fit --available-bytes {args.available_bytes}: {error}")
         try:
             settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
-                                      stall_timeout_s=args.stall_timeout)
-            app = create_app(engine, world=world, settings=settings)
+                                      stall_timeout_s=args.stall_timeout, lookahead_chunks=args.lookahead_chunks,
+                                      paced=not args.no_pacing)
+            app = create_app(engine, world=world, settings=settings, access=access)
             host, port = listener.getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(f"serving {world.name} (capacity {app.state.server.capacity}) on ws://{shown}:{port}"

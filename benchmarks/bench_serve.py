@@ -25,6 +25,21 @@ clients are ``websockets`` asyncio clients on the main thread's event loop.
   connect, play a few chunks and vanish (TCP abort, no close frame), over and over; RSS (from
   ``/proc/self/status``) is sampled through it; afterwards no session is left.
 
+The streams, the baseline and the soak measure throughput, so their server runs unpaced
+(``ServerSettings(paced=False)``: chunks as fast as the engine makes them).
+
+* **Paced play** (N = 1, 2, 4, 8 players on a paced server at the world's 10 frames/s, default
+  lookahead of one chunk): each player is a simulated viewer that plays what it receives at the
+  announced rate (playback starts when a chunk is there, waits when it runs dry) and sends an
+  action every few chunks. Reported per N: generated vs displayed frames at the stop (the
+  engine's calls for the session returned by then against the frames the viewer has put on
+  screen by then; target: at most one chunk of lookahead generated but never shown),
+  action-to-display latency (sending an interaction
+  to receiving the first chunk generated with it, p50 / p99; target p50 within two chunk
+  intervals; also to the viewer presenting that chunk), the real-time factor per session
+  (frames received per second over the announced rate, min and mean over the sessions) and the
+  server's underruns; the player count from which the real-time factor drops below 1.
+
 Run: ``python -m benchmarks.bench_serve [--quick] [--out DIR]``.
 """
 
@@ -35,6 +50,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import socket
@@ -59,6 +75,9 @@ from benchmarks.common import (
 __all__ = ["CLIENT_COUNTS", "FORMATS", "main", "run"]
 
 CLIENT_COUNTS = (1, 2, 4)
+PACED_CLIENT_COUNTS = (1, 2, 4, 8)
+#: A session plays in real time when its real-time factor is at least this (the measurement's own jitter).
+REAL_TIME = 0.97
 FORMATS = ("jpeg", "m4s")
 PATH = "/v1/realtime/video"
 ACTIONS = ("left", "right", "up", "down")
@@ -353,6 +372,118 @@ def soak(engine: Any, server: Server, seconds: float, capacity: int) -> dict[str
                        and idle["healthz reports no session"]}}
 
 
+async def _paced_client(url: str, seed: int, seconds: float, interact_every: int) -> dict[str, Any]:
+    """One player on a paced server for ``seconds`` after its first chunk: a viewer playing at the announced rate.
+
+    The viewer plays chunk ``k`` from ``max(arrival_k, end of chunk k-1)`` for ``frames_k / fps``
+    seconds (it waits when it runs dry, it never skips): what a browser page with a jitter
+    buffer does. An action goes out every ``interact_every`` chunks.
+    """
+    from websockets.asyncio.client import connect
+
+    record: dict[str, Any] = {"chunks": [], "sent": {}, "errors": []}
+    async with connect(url, max_size=2**24, open_timeout=30) as ws:
+        await ws.send(json.dumps({"type": "session.start", "format": "jpeg", "seed": seed}))
+        started = json.loads(await ws.recv())
+        assert started["type"] == "video.start", started
+        record["request_id"], record["fps"] = started["request_id"], started["config"]["fps"]
+        record["lookahead_chunks"] = started["config"]["lookahead_chunks"]
+        first = stop_at = None
+        stopped = False
+        while True:
+            message = json.loads(await ws.recv())
+            kind = message["type"]
+            if kind == "video.chunk_metadata":
+                await ws.recv()
+                now = time.perf_counter()
+                record["chunks"].append({"t": now, "frames": message["num_frames"],
+                                         "started": message["started_event_ids"],
+                                         "real_time_factor": message["real_time_factor"],
+                                         "underruns": message["underruns"]})
+                if first is None:
+                    first, stop_at = now, now + seconds
+                received = len(record["chunks"])
+                if not stopped and received % interact_every == 0:
+                    event_id = f"{seed}-{received}"
+                    event = {"multi_modal_data": {"action": {"value": ACTIONS[received // interact_every % 4]}}}
+                    record["sent"][event_id] = time.perf_counter()
+                    await ws.send(json.dumps({"type": "session.interaction",
+                                              "interaction": {"event_id": event_id, "event": event}}))
+                if not stopped and now >= stop_at:
+                    record["stop_s"] = now
+                    await ws.send(json.dumps({"type": "session.stop"}))
+                    stopped = True
+            elif kind == "session.done":
+                break
+            elif kind == "error":
+                record["errors"].append(message)
+    return record
+
+
+def _viewer(chunks: Sequence[dict[str, Any]], fps: float, until: float) -> tuple[list[float], int]:
+    """Each chunk's start on screen and the frames shown by ``until`` (see :func:`_paced_client`)."""
+    starts, shown, end = [], 0, -float("inf")
+    for chunk in chunks:
+        begin = max(chunk["t"], end)
+        end = begin + chunk["frames"] / fps
+        starts.append(begin)
+        if until >= begin:  # a frame counts as shown from the moment it is on screen
+            shown += min(chunk["frames"], math.floor((until - begin) * fps + 1e-9) + 1)
+    return starts, shown
+
+
+def play_paced(url: str, clients: int, seconds: float) -> list[dict[str, Any]]:
+    async def together() -> list[dict[str, Any]]:
+        return await asyncio.gather(*(_paced_client(url, 300 + i, seconds, 5) for i in range(clients)))
+
+    return asyncio.run(together())
+
+
+def paced_run(engine: Any, clock: EngineClock, server: Server, clients_pool: Any, clients: int, seconds: float,
+              frames_per_chunk: int) -> dict[str, Any]:
+    clock.calls.clear()
+    records = clients_pool.submit(play_paced, server.url, clients, seconds).result(timeout=600)
+    idle = _wait_idle(engine, server)
+    unseen, to_receive, to_display, factors, underruns = [], [], [], [], []
+    for r in records:
+        fps, chunks = r["fps"], [c for c in r["chunks"] if c["t"] <= r["stop_s"]]
+        starts, shown = _viewer(chunks, fps, r["stop_s"])
+        # Generated by the stop (a chunk under way when the player stops is never shown, by definition).
+        generated = sum(1 for returned, _ in clock.calls.get(r["request_id"], []) if returned <= r["stop_s"])
+        generated *= frames_per_chunk
+        unseen.append(generated - shown)
+        for event_id, sent in r["sent"].items():
+            for chunk, start in zip(r["chunks"], starts + [float("nan")] * len(r["chunks"])):
+                if event_id in chunk["started"]:
+                    to_receive.append(chunk["t"] - sent)
+                    to_display.append(start - sent)
+                    break
+        # Frames received per second over the announced rate, after the first two chunks (the lookahead fill).
+        times = [c["t"] for c in chunks[2:]]
+        frames = sum(c["frames"] for c in chunks[3:])
+        factors.append(frames / (times[-1] - times[0]) / fps if len(times) > 1 and times[-1] > times[0] else 0.0)
+        underruns.append(chunks[-1]["underruns"] if chunks else 0)
+    fps = records[0]["fps"]
+    chunk_s = frames_per_chunk / fps
+    lookahead = records[0]["lookahead_chunks"]
+    return {
+        "clients": clients, "seconds": seconds, "fps": fps, "lookahead_chunks": lookahead,
+        "frames_per_chunk": frames_per_chunk,
+        "generated_not_shown_frames": {"max": int(max(unseen)), "mean": float(np.mean(unseen))},
+        "action_to_receive_ms": {"p50": 1e3 * _pct(to_receive, 50), "p99": 1e3 * _pct(to_receive, 99),
+                                 "n": len(to_receive)},
+        "action_to_display_ms": {"p50": 1e3 * _pct(to_display, 50), "p99": 1e3 * _pct(to_display, 99)},
+        "chunk_interval_ms": 1e3 * chunk_s,
+        "real_time_factor": {"min": float(min(factors)), "mean": float(np.mean(factors))},
+        "server_real_time_factor_last": [r["chunks"][-1]["real_time_factor"] for r in records if r["chunks"]],
+        "underruns": {"total": int(sum(underruns)), "per_session_max": int(max(underruns))},
+        "checks": {"no error message": not any(r["errors"] for r in records),
+                   "every action applied": len(to_receive) == sum(len(r["sent"]) for r in records),
+                   "no session left (engine.sessions, /healthz)": idle["engine.sessions empty"]
+                   and idle["healthz reports no session"]},
+    }
+
+
 def _plot(record: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -386,19 +517,24 @@ def run(*, quick: bool = False, chunks: int | None = None, soak_seconds: float |
         out_dir: Path = RESULTS_DIR, write: bool = True) -> dict[str, Any]:
     from ardiff_jax import ARDiffusionEngine, EngineConfig
     from ardiff_jax.models import pretrained
-    from ardiff_jax.serve import ServedWorld, create_app
+    from ardiff_jax.serve import ServedWorld, ServerAccess, ServerSettings, create_app
 
     chunks = chunks or (4 if quick else 100)
     if soak_seconds is None:
         soak_seconds = float(os.environ.get(SOAK_ENV) or (1.5 if quick else 15.0))
     client_counts = (1, 2) if quick else CLIENT_COUNTS
-    pipeline = pretrained("sprite_world", session_capacity=4)
+    paced_seconds = 2.0 if quick else 8.0
+    paced_counts = (1, 2) if quick else PACED_CLIENT_COUNTS
+    pipeline = pretrained("sprite_world", session_capacity=max(PACED_CLIENT_COUNTS))
     config = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
     with ARDiffusionEngine(pipeline, config) as engine:
         world = ServedWorld.for_pipeline(pipeline)
         clock = EngineClock(engine)
-        app = create_app(engine, world=world)
-        streams, baseline = [], []
+        # Every client is on 127.0.0.1 and a vanished one counts until its cleanup ends: no per-address limit here.
+        access = ServerAccess(max_connections_per_client=1024)
+        app = create_app(engine, world=world, settings=ServerSettings(paced=False), access=access)
+        paced_app = create_app(engine, world=world, access=access)
+        streams, baseline, paced = [], [], []
         # The stream clients run in a second process: in this one they would take the GIL from the
         # server's event loop. Both read CLOCK_MONOTONIC (perf_counter), so their times compare.
         spawn = multiprocessing.get_context("spawn")
@@ -411,7 +547,11 @@ def run(*, quick: bool = False, chunks: int | None = None, soak_seconds: float |
                     streams.append(stream_run(engine, clock, server, clients_pool, fmt, clients, chunks,
                                               world.frames_per_chunk))
                 baseline.append(engine_baseline(engine, world, clients, chunks))
-            soak_record = soak(engine, server, soak_seconds, engine.session_capacity)
+            soak_record = soak(engine, server, soak_seconds, 4)
+        with Server(paced_app) as server, concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as clients_pool:
+            for clients in paced_counts:
+                paced.append(paced_run(engine, clock, server, clients_pool, clients, paced_seconds,
+                                       world.frames_per_chunk))
         clock.restore()
         capacity = engine.session_capacity
     base_by_n = {b["clients"]: b["frames_per_s"] for b in baseline}
@@ -423,19 +563,32 @@ def run(*, quick: bool = False, chunks: int | None = None, soak_seconds: float |
     targets.update({f"server overhead p50 < {SERVER_OVERHEAD_TARGET_MS} ms (jpeg, N={r['clients']})":
                     r["server_overhead_ms"]["p50"] < SERVER_OVERHEAD_TARGET_MS
                     for r in streams if r["format"] == "jpeg"})
+    for p in paced:
+        n = p["clients"]
+        targets[f"paced N={n}: generated but never shown <= one lookahead chunk"] = (
+            p["generated_not_shown_frames"]["max"] <= p["lookahead_chunks"] * p["frames_per_chunk"])
+        if n <= 4:
+            targets[f"paced N={n}: action-to-receive p50 <= two chunk intervals"] = (
+                p["action_to_receive_ms"]["p50"] <= 2 * p["chunk_interval_ms"])
+    below = [p["clients"] for p in paced if p["real_time_factor"]["min"] < REAL_TIME]
+    paced_summary = {"first player count below real time": below[0] if below else None,
+                     "real_time_threshold": REAL_TIME}
     record = {
         "benchmark": "bench_serve",
         "machine": machine_info(),
         "config": {"model": "sprite_world", "preset": "sprite_world", "dtype": "float32", "capacity": capacity,
                    "frames_per_chunk": world.frames_per_chunk, "chunks_per_client": chunks,
                    "clients": list(client_counts), "formats": list(FORMATS), "soak_seconds": soak_seconds,
-                   "quick": quick},
+                   "paced_clients": list(paced_counts), "paced_seconds": paced_seconds, "quick": quick},
         "streams": streams,
         "baseline": baseline,
         "ratios": ratios,
         "soak": soak_record,
+        "paced": paced,
+        "paced_summary": paced_summary,
         "checks": {f"{r['format']} N={r['clients']}: {k}": v for r in streams for k, v in r["checks"].items()}
-        | {f"soak: {k}": v for k, v in soak_record["checks"].items()},
+        | {f"soak: {k}": v for k, v in soak_record["checks"].items()}
+        | {f"paced N={p['clients']}: {k}": v for p in paced for k, v in p["checks"].items()},
         "targets": targets,
     }
     if write:
@@ -461,10 +614,32 @@ def summary_table(record: dict[str, Any]) -> str:
                  f"{soak_['refused_capacity']} capacity refusals, {soak_['chunks']} chunks; RSS "
                  f"{soak_['rss_first_quarter_mib']:.0f} -> {soak_['rss_last_quarter_mib']:.0f} MiB "
                  f"(first / last quarter medians), second half {soak_['rss_second_half_mib_per_min']:+.1f} MiB/min")
+    paced = paced_table(record)
     failed = [k for k, ok in record["checks"].items() if not ok]
     checks = "- checks: **all ok**" if not failed else "- checks failed: " + "; ".join(failed)
     targets = "\n".join(f"- {k}: **{'holds' if ok else 'missed'}**" for k, ok in record["targets"].items())
-    return f"{table}\n\n{soak_line}\n\n{checks}\n{targets}"
+    parts = [table, soak_line] + ([paced] if paced else []) + [f"{checks}\n{targets}"]
+    return "\n\n".join(parts)
+
+
+def paced_table(record: dict[str, Any]) -> str:
+    """The paced-play figures (records written before pacing existed have none: an empty string)."""
+    paced = record.get("paced")
+    if not paced:
+        return ""
+    rows = [(p["clients"], f"{p['fps']}", f"{p['generated_not_shown_frames']['max']} / {p['frames_per_chunk']}",
+             f"{p['action_to_receive_ms']['p50']:.0f} / {p['action_to_receive_ms']['p99']:.0f}",
+             f"{p['action_to_display_ms']['p50']:.0f} / {p['action_to_display_ms']['p99']:.0f}",
+             f"{p['chunk_interval_ms']:.0f}",
+             f"{p['real_time_factor']['min']:.2f} / {p['real_time_factor']['mean']:.2f}",
+             p["underruns"]["total"]) for p in paced]
+    table = format_table(("players (paced)", "fps", "generated never shown, frames max / per chunk",
+                          "action->receive ms p50 / p99", "action->display ms p50 / p99", "chunk interval ms",
+                          "real-time factor min / mean", "underruns"), rows)
+    first = record["paced_summary"]["first player count below real time"]
+    line = (f"real-time factor below {record['paced_summary']['real_time_threshold']} from "
+            f"{first} players" if first else "every player count measured played in real time")
+    return f"{table}\n\n{line}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Markdown tables of the latest results in ``benchmarks/results/`` (used for README.md).
 
 Run: ``python -m benchmarks.report [results_dir]`` (reads ``kv_*.json``, ``peers_*.json``,
-``host.json``, ``e2e_*.json`` and ``offload_*.json``, whichever exist).
+``host.json``, ``e2e_*.json``, ``offload_*.json`` and ``serve_*.json``, whichever exist).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS_DIR, format_table, machine_line
 
-__all__ = ["e2e_table", "host_table", "kv_table", "main", "offload_table", "peers_table", "render"]
+__all__ = ["e2e_table", "host_table", "kv_table", "main", "offload_table", "peers_table", "render", "serve_table"]
 
 
 def _ms(stats: dict[str, Any]) -> str:
@@ -120,14 +120,21 @@ def offload_table(record: dict[str, Any]) -> str:
     return f"{title}\n\n{table}\n\n{ratios}\n\n{derived}\n\n{ticks_table}\n\n{checks}\n{_targets(record['targets'])}"
 
 
+def serve_table(record: dict[str, Any]) -> str:
+    """bench_serve: streams vs the engine alone, the soak, paced play (when recorded), checks and targets."""
+    from benchmarks.bench_serve import summary_table
+
+    return summary_table(record)
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     """Every result file's tables, as markdown."""
     out = []
     paths = (sorted(results.glob("kv_*.json")) + sorted(results.glob("peers_*.json"))
              + sorted(results.glob("host.json")) + sorted(results.glob("e2e_*.json"))
-             + sorted(results.glob("offload_*.json")))
+             + sorted(results.glob("offload_*.json")) + sorted(results.glob("serve_*.json")))
     tables = {"bench_kv": kv_table, "bench_peers": peers_table, "bench_host": host_table, "bench_e2e": e2e_table,
-              "bench_offload": offload_table}
+              "bench_offload": offload_table, "bench_serve": serve_table}
     for path in paths:
         record = json.loads(path.read_text())
         config = record["config"]

@@ -37,6 +37,7 @@ from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import Select
 
 from ardiff_jax import ARDiffusionEngine, EngineConfig
 from ardiff_jax.envs import ACTION_NAMES
@@ -182,9 +183,18 @@ def test_the_page_streams_the_trained_world_and_a_held_arrow_key_moves_the_agent
         columns.append(agent_column(canvas_frame(browser)))
         time.sleep(0.2)
     assert len(set(columns)) == 1 and columns[0] > column_before, columns
-    assert stats(browser)["errors"] == []
-    assert "frames/s" in browser.find_element(By.ID, "stat-fps").text
-    assert float(browser.find_element(By.ID, "stat-fps").text.split()[-1]) > 0
+    now = stats(browser)
+    assert now["errors"] == []
+    assert float(browser.find_element(By.ID, "stat-fps").text.split()[1]) > 0  # "frames/s 9.9 of 10"
+
+    # Paced: the page draws what the server generates, behind by at most the lookahead (one chunk), the chunk
+    # playing, the jitter buffer and a chunk in flight (one-frame chunks here); nothing was skipped.
+    generated = len(recorder.ticks)
+    assert now["framesDropped"] == 0
+    assert 0 <= generated - now["framesShown"] <= 4, (generated, now["framesShown"])
+    # The key press's action-to-display latency was measured and is shown.
+    assert len(now["actionLatenciesMs"]) >= 1 and all(ms > 0 for ms in now["actionLatenciesMs"])
+    assert "ms" in browser.find_element(By.ID, "stat-action-latency").text
 
     if os.environ.get("ARDIFF_SCREENSHOT"):
         browser.save_screenshot(os.environ["ARDIFF_SCREENSHOT"])
@@ -193,3 +203,115 @@ def test_the_page_streams_the_trained_world_and_a_held_arrow_key_moves_the_agent
     browser.find_element(By.ID, "stop").click()
     wait_for(lambda: stats(browser)["state"] in ("done", "closed"), 10, "session.done after Stop")
     assert stats(browser)["errors"] == []
+
+
+def test_m4s_plays_in_chromium_at_the_announced_rate(served_url, browser):
+    """Debian's chromium plays the m4s stream (H.264 in fragmented MP4 through Media Source Extensions) at the
+    session's rate, counted as the canvas counts its draws (the former page showed 70-99 frames/s at 10)."""
+    url, _ = served_url
+    browser.get(url)
+    Select(browser.find_element(By.ID, "format")).select_by_value("m4s")
+    browser.find_element(By.ID, "seed").send_keys(str(SEED))
+    browser.find_element(By.ID, "start").click()
+    wait_for(lambda: stats(browser)["framesShown"] >= 20 or stats(browser)["errors"], 30, "m4s frames presented")
+    first = stats(browser)
+    assert first["errors"] == [], f"chromium could not play m4s: {first['errors']}"
+    time.sleep(2.5)
+    later = stats(browser)
+    fps = later["config"]["fps"]
+    assert 0.3 * fps <= later["displayFps"] <= 1.5 * fps, (later["displayFps"], fps)
+    assert later["framesShown"] <= later["frames"]
+    browser.find_element(By.ID, "stop").click()
+    wait_for(lambda: stats(browser)["state"] in ("done", "closed"), 10, "session.done after Stop")
+
+
+# -- who may connect (ServerAccess) ------------------------------------------------------------------------
+
+ACCESS_KEY = "browser-Key_42"
+FOREIGN_PAGE = """<!doctype html><meta charset="utf-8"><title>foreign</title><script>
+window.result = {opened: false, error: false, closed: false};
+const socket = new WebSocket("ws://127.0.0.1:%(port)d/v1/realtime/video?token=%(key)s");
+socket.onopen = () => { window.result.opened = true; };
+socket.onerror = () => { window.result.error = true; };
+socket.onclose = () => { window.result.closed = true; };
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    """The sprite world served with an API key, and a second HTTP server (another loopback port, so another
+    origin) serving a page that tries to drive it with the right key."""
+    import http.server
+
+    import uvicorn
+
+    from ardiff_jax.serve import ServerAccess
+
+    pipeline = pretrained("sprite_world")
+    with ARDiffusionEngine(pipeline, CONFIG) as engine:
+        app = create_app(engine, world=ServedWorld.for_pipeline(pipeline), access=ServerAccess(api_key=ACCESS_KEY))
+        created: list[str] = []
+        create_session = app.state.server.manager.create_session
+
+        async def counted(session_id=None):
+            created.append(session_id)
+            return await create_session(session_id)
+
+        app.state.server.manager.create_session = counted
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        page = (FOREIGN_PAGE % {"port": port, "key": ACCESS_KEY}).encode()
+
+        class Foreign(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args):
+                pass
+
+        foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+        foreign_thread = threading.Thread(target=foreign.serve_forever, daemon=True)
+        thread.start()
+        foreign_thread.start()
+        try:
+            wait_for(lambda: server.started, what="uvicorn to start")
+            yield f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{foreign.server_address[1]}/", created
+        finally:
+            foreign.shutdown()
+            foreign.server_close()
+            server.should_exit = True
+            thread.join(timeout=30)
+        assert engine.sessions == (), "closing the page must release the session's KV"
+
+
+def test_a_page_of_another_origin_is_refused_and_the_index_page_with_the_token_plays(keyed_server, browser):
+    url, foreign_url, created = keyed_server
+    # A page a visitor opens elsewhere cannot drive the server, even knowing the key: the browser's Origin says so.
+    browser.get(foreign_url)
+    wait_for(lambda: browser.execute_script("return window.result.closed"), 20, "the foreign page's WebSocket to close")
+    result = browser.execute_script("return window.result")
+    assert result == {"opened": False, "error": True, "closed": True}
+    assert created == []
+
+    # The server's own page, opened with ?token=KEY, passes the key on and plays.
+    browser.get(f"{url}?token={ACCESS_KEY}")
+    browser.find_element(By.ID, "seed").send_keys(str(SEED))
+    browser.find_element(By.ID, "start").click()
+    wait_for(lambda: stats(browser)["chunks"] >= 2 or stats(browser)["errors"], 30, "2 chunks with the token")
+    assert stats(browser)["errors"] == [] and stats(browser)["framesShown"] >= 1
+    assert len(created) == 1
+    browser.find_element(By.ID, "stop").click()
+    wait_for(lambda: stats(browser)["state"] in ("done", "closed"), 10, "session.done after Stop")
+
+    # The same page without the token is refused before any session.
+    browser.get(url)
+    browser.find_element(By.ID, "start").click()
+    wait_for(lambda: stats(browser)["state"] == "closed", 20, "the page's refused connection")
+    assert stats(browser)["chunks"] == 0 and len(created) == 1

@@ -273,7 +273,7 @@ def test_sprite_jpeg_session_streams_until_stop_then_done_releases_the_engine(sp
         reply = start(ws, format="jpeg", seed=5)
         config = reply["config"]
         assert reply["format"] == "jpeg" and config["actions"] == ["no-op", "up", "down", "left", "right"]
-        assert config["controls"] == ["camera", "action"] and config["camera_modes"] == ["velocity"]
+        assert config["controls"] == ["camera", "action"] and config["camera_modes"] == ["velocity", "target"]
         assert config["seed"] == 5 and config["num_frames"] is None
         received = [next_chunk(ws) for _ in range(4)]
         for index, (meta, payload) in enumerate(received):
@@ -288,9 +288,28 @@ def test_sprite_jpeg_session_streams_until_stop_then_done_releases_the_engine(sp
         done = until(ws, "session.done", chunks)
         assert done["stopped"] is True and done["chunks"] == 4 + len(chunks)
         assert [m["transport_chunk_index"] for m, _ in chunks] == list(range(4, 4 + len(chunks)))
+        wait_for(lambda: sprite_engine.sessions == ())
+
+
+def test_a_session_restarts_on_the_same_socket_after_session_done(sprite_engine):
+    with serve(sprite_engine, start_timeout_s=0.5) as client, client.websocket_connect(PATH) as ws:
+        first = start(ws, format="jpeg", seed=1, num_frames=2)["request_id"]
+        done = until(ws, "session.done", chunks := [])
+        assert done["stopped"] is False and done["request_id"] == first and done["chunks"] == len(chunks) == 2
+        wait_for(lambda: sprite_engine.sessions == ())
+        # The socket stays open: a second session on it, with its own id and chunk indices from 0.
+        second = start(ws, format="jpeg", seed=2)["request_id"]
+        assert second != first
+        meta, _ = next_chunk(ws)
+        assert meta["request_id"] == second and meta["transport_chunk_index"] == 0
+        assert meta["generation_chunk_index"] == 0 and list(sprite_engine.sessions) == [second]
+        ws.send_json({"type": "session.stop"})
+        assert until(ws, "session.done")["request_id"] == second
+        # Left idle after its session.done, the connection is closed normally at the start timeout, with no error.
+        since = time.monotonic()
         with pytest.raises(WebSocketDisconnect) as closed:
             receive(ws)
-        assert closed.value.code == 1000
+        assert closed.value.code == 1000 and 0.3 < time.monotonic() - since < 5
         wait_for(lambda: sprite_engine.sessions == ())
 
 
@@ -333,13 +352,13 @@ def test_interactions_queued_duplicate_rejected_and_event_lifecycle(sprite_engin
         ws.send_json(interaction("a", **action("left")))
         ws.send_json(interaction("a", **action("right")))
         ws.send_json(interaction("p", prompt="a cat"))
-        ws.send_json(interaction("t", **camera(1, 0, 0, mode="target")))
+        ws.send_json(interaction("t", **action("jump")))
         ws.send_json(interaction(None, **camera(0, 0, 1)))
         replies = [ws.receive_json() for _ in range(5)]
         assert [r.get("duplicate") for r in replies[:2]] == [False, True]
         assert [(r["code"], r["event_id"]) for r in replies[2:4]] == [("interaction_rejected", "p"),
                                                                       ("interaction_rejected", "t")]
-        assert "not text-conditioned" in replies[2]["message"] and "velocity" in replies[3]["message"]
+        assert "not text-conditioned" in replies[2]["message"] and "unknown action" in replies[3]["message"]
         assigned = replies[4]["event_id"]
         assert replies[4]["type"] == "session.interaction.queued" and assigned.startswith("server-")
         sprite_generate.gate.set()
@@ -630,10 +649,14 @@ def test_serve_command_line_refuses_bad_arguments(capsys):
                               "--host-offload-bytes", "1024", "--max-message-bytes", "512"])
     assert (args.pretrained, args.port, args.capacity, args.host_offload_bytes, args.max_message_bytes) == (
         "sprite_world", 0, 2, 1024, 512)
+    assert (args.lookahead_chunks, args.no_pacing) == (1, False)
+    paced = parser.parse_args(["serve", "--pretrained", "sprite_world", "--lookahead-chunks", "0", "--no-pacing"])
+    assert (paced.lookahead_chunks, paced.no_pacing) == (0, True)
     for argv, needle in [(["serve"], "one of the arguments"), (["serve", "--pipeline", "world", "--port", "70000"],
                                                                 "port"),
                          (["serve", "--pipeline", "world", "--capacity", "0"], "positive"),
-                         (["serve", "--pretrained", "sprite_world", "--pipeline", "world"], "not allowed")]:
+                         (["serve", "--pretrained", "sprite_world", "--pipeline", "world"], "not allowed"),
+                         (["serve", "--pretrained", "sprite_world", "--lookahead-chunks", "-1"], "[0, 64]")]:
         with pytest.raises(SystemExit) as exited:
             parser.parse_args(argv)
         assert exited.value.code == 2 and needle in capsys.readouterr().err

@@ -337,7 +337,7 @@ def test_a_client_that_never_reads_is_stalled_and_its_generation_pauses(engine, 
 # -- 3. an engine close that raises ------------------------------------------------------------------------
 
 
-def test_an_engine_close_that_raises_on_stop_still_frees_the_slot_and_ends_the_socket(engine, spy, caplog):
+def test_an_engine_close_that_raises_on_stop_still_frees_the_slot_and_ends_the_session(engine, spy, caplog):
     with LiveServer(engine, capacity=2) as live:
         bystander = live.bystander()
         player = live.reader()
@@ -349,7 +349,7 @@ def test_an_engine_close_that_raises_on_stop_still_frees_the_slot_and_ends_the_s
             player.send(json.dumps({"type": "session.stop"}))
             done = until(player, "session.done")
             assert done["stopped"] is True
-            assert close_code(player) == 1000
+            player.close()  # the socket stays open for another session after session.done; this client leaves
             live.assert_serving([bystander], since)  # the retry released the engine session
         assert spy.closes[request_id] >= 2
         assert "injected close failure" in caplog.text and f"session {request_id} closed on a retry" in caplog.text

@@ -117,11 +117,27 @@ def _read_sidecar(path: Path) -> dict[str, Any]:
     return sidecar
 
 
+def _with_field_defaults(stored: Any) -> Any:
+    """A stored config with the defaults of the fields added to ``CausalDiTConfig`` since it was written.
+
+    A field added later defaults to what models had before it existed, so weights written then
+    describe the same model; any field the file does state must still match exactly.
+    """
+    if not isinstance(stored, dict):
+        return stored
+    filled = dict(stored)
+    for field in dataclasses.fields(CausalDiTConfig):
+        if field.name not in filled and field.default is not dataclasses.MISSING:
+            default = field.default
+            filled[field.name] = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default
+    return filled
+
+
 def load_weights(config: CausalDiTConfig, path: str | Path) -> DiTModules:
     """:class:`DiTModules` of ``config`` with the parameters stored at ``path`` (validated first)."""
     path = Path(path).with_suffix(".npz")
     sidecar = _read_sidecar(path)
-    stored = sidecar.get("config")
+    stored = _with_field_defaults(sidecar.get("config"))
     if stored != dataclasses.asdict(config):
         diff = sorted(k for k in set(stored or {}) | set(dataclasses.asdict(config))
                       if (stored or {}).get(k) != dataclasses.asdict(config).get(k))

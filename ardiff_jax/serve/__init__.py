@@ -9,17 +9,27 @@ Routes
   loop has been on one chunk for over ``stall_timeout_s``: every session waits) or ``stopped``;
 * ``GET /metrics``: Prometheus text (names prefixed ``ardiff_``);
 * ``GET /``: the browser client (``static/index.html``, one page, no external resources): plays
-  the stream as it arrives (``jpeg`` on a canvas, ``m4s`` through Media Source Extensions),
-  sends the arrow keys / WASD as actions (release: ``no-op``), a prompt box for text worlds,
-  start / stop buttons, live frames/s and chunk latency.
+  the stream at the session's announced rate behind a small jitter buffer (0.1 s; ``jpeg`` on
+  a canvas, ``m4s`` through Media Source Extensions), sends the arrow keys / WASD as actions
+  (release: ``no-op``), a prompt box for text worlds, start / stop buttons, and a stats line:
+  frames/s presented (counted the same way in both formats: each new frame on screen), chunk
+  latency, the last action's action-to-display latency (sending it to the first frame
+  generated with it on screen), and the server's real rate and underruns.
 
 Design
 ======
 * **One asyncio task per connection reads** its messages (plus a sender task and a watchdog
   task per connection). Parsing (:mod:`~ardiff_jax.serve._protocol`) yields frozen values or an
   ``error`` reply; what a field means for the model is :class:`ServedWorld`'s business.
-* **One generation loop per app** round-robins over the started sessions: each streaming
-  session gets one chunk per round, so concurrent players advance at the same rate. A chunk is
+* **One generation loop per app, paced.** Each session plays at its frame rate (``fps``), and its
+  chunks are generated just in time for playback: at most ``lookahead_chunks`` (default 1)
+  beyond the one playing (:mod:`ardiff_jax.serve._pacing`: playback starts when the first
+  chunk is ready; chunk ``k`` is due once playback reaches chunk ``k - lookahead``). The loop
+  makes one chunk at a time, for the due session whose playback needs it soonest (earliest
+  deadline first), and sleeps when nothing is due. A chunk ready after its play time is an
+  underrun: that session's playback waits (nothing is skipped), so when the engine cannot keep
+  up every session slows by the same share, and each chunk's metadata and ``/metrics`` say so.
+  ``ServerSettings(paced=False)`` (``--no-pacing``) generates as fast as the engine goes. A chunk is
   ``ARDiffusionSession.next_chunk()`` of the control plane
   (:class:`~ardiff_jax.realtime.ARDiffusionSessionManager` over an
   :class:`~ardiff_jax.realtime.EngineTickConsumer` and an
@@ -48,12 +58,16 @@ Client -> server (JSON text frames; binary frames are refused with ``unexpected_
   without it the session runs until ``session.stop`` or disconnect); ``seed`` (``[0, 2**31)``;
   default random, reported back); ``prompt`` (required by text-conditioned worlds, ignored by
   the sprite world); ``width`` / ``height`` (an integer multiple of the native frame size, the
-  same factor for both: the frames are upscaled by it); ``fps`` (integer, written into the
-  media). ``model``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
+  same factor for both: the frames are upscaled by it); ``fps`` (integer: the rate the session
+  plays at, paced and written into the media; default the model's, 16 for Wan, 10 for the
+  sprite and latent worlds; once the server has timed ``fps_samples`` chunks, a rate above
+  what the engine sustains for one session is clamped to it). ``model``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
   ``extra_params`` and ``image_reference`` are type-checked and ignored (listed in
   ``config.ignored_fields``). Answered with ``video.start`` ``{request_id, format, config}``;
   ``config`` lists the accepted values, ``controls`` (``"prompt"``, ``"camera"``,
-  ``"action"``), the action values and the camera modes.
+  ``"action"``), the action values and the camera modes, and the pacing: ``fps`` (the rate
+  granted), ``requested_fps``, ``fps_limit`` (the frames/s the engine sustains for one session,
+  ``null`` until measured), ``paced`` and ``lookahead_chunks``.
 * ``session.interaction``: ``{"interaction": {"event_id"?, "event": {"prompt"?,
   "multi_modal_data"?: {"camera"?, "action"?: {"value": name}}}, "transition_chunks"?}}``.
   Answered ``session.interaction.queued`` ``{request_id, event_id, duplicate}``: ``queued``
@@ -61,29 +75,39 @@ Client -> server (JSON text frames; binary frames are refused with ``unexpected_
   returns it. String wire ids become the control plane's integer event ids in arrival order;
   a wire id seen before (the last 4096 are remembered) is answered ``queued`` with
   ``"duplicate": true`` and not queued again (the first copy wins). An event the world cannot
-  apply (a prompt for the sprite world, an unknown action, camera ``target`` mode) or the
+  apply (a prompt for the sprite world, an unknown action, a camera for a text world) or the
   control plane refuses (its queue of ``max_pending_events`` is full) gets ``error`` code
   ``interaction_rejected`` with the ``event_id``; the session keeps streaming and the id may be
-  sent again. ``transition_chunks`` is checked and ignored (velocity controls apply from the
-  next chunk). Controls persist until replaced: an action (or camera velocity) holds until
-  another event sets a new one.
+  sent again. An event applies to the next chunk generated after it arrives (with the default
+  lookahead, at most two chunks after the one the client last received). Controls persist
+  until replaced: an action (or camera velocity) holds until another event sets a new one. A
+  camera in ``target`` mode (sprite world) walks the agent to an absolute cell over
+  ``transition_chunks`` chunks (default 4; see the ``ardiff_jax.serve._world`` module doc);
+  ``transition_chunks`` has no effect on velocity controls, which apply from the next chunk.
 * ``session.ping``: ``session.pong`` (its delivery refreshes the stall clock, like any frame the
   client takes).
 * ``session.stop``: no more chunks; ``session.done`` ``{request_id, chunks, stopped: true}``
   after the chunks already generated; the control-plane session is closed (the engine releases
-  its KV) and the socket closes normally (1000). A session with ``num_frames`` ends the same
-  way with ``stopped: false`` after its last frame (the last chunk is trimmed to it).
-  ``chunks`` counts the media chunks sent on the connection.
+  its KV). A session with ``num_frames`` ends the same way with ``stopped: false`` after its
+  last frame (the last chunk is trimmed to it). ``chunks`` counts the media chunks sent for the
+  session. The socket stays open: the client may send another ``session.start`` on it (a new
+  ``request_id``; chunk indices and event ids start afresh), or close it. A connection left
+  idle after its ``session.done`` is closed normally (1000) after ``start_timeout_s``.
 
 Server -> client per chunk: ``video.chunk_metadata`` ``{request_id, kind: "media",
 transport_chunk_index, generation_chunk_index, num_frames, byte_length, started_event_ids,
-active_event_ids, completed_event_ids, latency_ms}`` then one binary frame (``m4s``: the next
+active_event_ids, completed_event_ids, latency_ms, fps, real_fps, real_time_factor,
+underruns}`` then one binary frame (``m4s``: the next
 piece of one fragmented MP4 stream; ``jpeg``: a 4-byte big-endian frame count, then per frame a
 4-byte big-endian length and the JPEG). Event ids are wire ids: *started* were first applied
 by this chunk, *active* are in effect in it (for each field, prompt or control track, the last
 event that set it), *completed* were in effect before (or started here) and no longer are,
 every field they set having been replaced; each id is reported completed once.
-``latency_ms`` is the chunk's engine plus encode time.
+``latency_ms`` is the chunk's engine plus encode time. ``fps`` is the session's rate,
+``real_fps`` the frames per second it was really generated at over its last 8 chunks and
+``real_time_factor`` their ratio (``null`` until two chunks exist; about 1.0 while the engine
+keeps up, below when it cannot), ``underruns`` the session's chunks so far that were ready after
+their play time.
 
 Errors are ``{"type": "error", "code", "message", "event_id"?}``. Codes: ``invalid_json``,
 ``unknown_type``, ``invalid_field`` (the message names the field), ``message_too_large`` (a
@@ -128,9 +152,10 @@ The server never waits on one client; it keeps serving everyone else whatever on
   and answered with ``internal_error`` (then 1011), never a silent drop.
 """
 
+from ardiff_jax.serve._access import ServerAccess, read_api_key_file
 from ardiff_jax.serve._app import REALTIME_VIDEO_PATH, ServerSettings, create_app
 from ardiff_jax.serve._protocol import ProtocolError
 from ardiff_jax.serve._world import ServedWorld, StartPlan, camera_action
 
-__all__ = ["REALTIME_VIDEO_PATH", "ProtocolError", "ServedWorld", "ServerSettings", "StartPlan", "camera_action",
-           "create_app"]
+__all__ = ["REALTIME_VIDEO_PATH", "ProtocolError", "ServedWorld", "ServerAccess", "ServerSettings", "StartPlan",
+           "camera_action", "create_app", "read_api_key_file"]

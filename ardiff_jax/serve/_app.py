@@ -9,8 +9,11 @@ import contextlib
 import dataclasses
 import enum
 import importlib.resources
+import itertools
 import json
 import logging
+import math
+import statistics
 import time
 import uuid
 from typing import Any
@@ -21,7 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ardiff_jax._checks import check_positive_int
+from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax.realtime import (
     ARDiffusionEventQueueFullError,
     ARDiffusionSession,
@@ -31,8 +34,18 @@ from ardiff_jax.realtime import (
     EngineSessionLifecycle,
     EngineTickConsumer,
 )
+from ardiff_jax.serve._access import (
+    ConnectionCounter,
+    ServerAccess,
+    deny_websocket,
+    metrics_refusal,
+    redacted_tokens_in_uvicorn_logs,
+    refusal_response,
+    websocket_refusal,
+)
 from ardiff_jax.serve._encode import make_encoder
 from ardiff_jax.serve._metrics import ServerMetrics
+from ardiff_jax.serve._pacing import PlaybackClock
 from ardiff_jax.serve._protocol import (
     ProtocolError,
     SessionInteraction,
@@ -80,6 +93,16 @@ class ServerSettings:
         is dropped; the final ``generation_failed`` still goes).
       capacity: sessions served at once (``None``: the engine's resident capacity, plus its host
         tier's when host offload is on; a larger value is clamped to that, with a warning).
+      lookahead_chunks: chunks a session may have generated beyond the one its client is playing
+        (pacing, see :mod:`ardiff_jax.serve._pacing`): with 1, chunk ``k + 1`` is generated while chunk
+        ``k`` plays, so an action shows within two chunk intervals. 0 generates each chunk when it is
+        needed (every chunk then arrives one generation late).
+      paced: generate each session's chunks just in time for playback at its frame rate (the default).
+        ``False`` generates as fast as the engine goes (offline use, throughput benchmarks); rates and
+        underruns are measured either way.
+      fps_samples: chunk timings from which the engine's sustained frame rate is estimated (the median
+        seconds per frame of the last this many chunks); a session asking for more frames per second than
+        that is clamped to it once this many chunks were timed.
     """
 
     max_message_bytes: int = 64 * 1024
@@ -90,6 +113,9 @@ class ServerSettings:
     max_queued_chunks: int = 8
     max_queued_control: int = 64
     capacity: int | None = None
+    lookahead_chunks: int = 1
+    paced: bool = True
+    fps_samples: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_pending_events", "max_queued_chunks", "max_queued_control"):
@@ -100,6 +126,10 @@ class ServerSettings:
                 raise ValueError(f"ServerSettings {name} must be a positive number of seconds, got {value!r}")
         if self.capacity is not None:
             check_positive_int("ServerSettings capacity", self.capacity)
+        check_non_negative_int("ServerSettings lookahead_chunks", self.lookahead_chunks)
+        check_positive_int("ServerSettings fps_samples", self.fps_samples)
+        if not isinstance(self.paced, bool):
+            raise ValueError(f"ServerSettings paced must be a bool, got {self.paced!r}")
 
 
 class _State(enum.Enum):
@@ -118,17 +148,24 @@ class _EventRecord:
 class _Connection:
     """One WebSocket: its session (once started), its send queue and its event bookkeeping."""
 
-    def __init__(self, websocket: WebSocket, queue: SendQueue) -> None:
+    def __init__(self, websocket: WebSocket, queue: SendQueue, order: int) -> None:
         self.websocket = websocket
         self.queue = queue
+        self.order = order  # connection order: breaks ties between sessions due at the same time
         self.state = _State.WAITING
+        # Start clock while WAITING, stall clock while STREAMING, close clock once the close is queued (see _watch).
+        self.clock = time.monotonic()
+        self.sent_at = self.clock  # when a send to the client last completed (the client took a frame)
+        self.sessions_done = 0  # sessions this connection finished (session.done sent): it may start another
+        self.new_session()
+
+    def new_session(self) -> None:
+        """Forget the last session (after its ``session.done``): the connection may start another."""
         self.request_id = f"rt-{uuid.uuid4().hex}"
         self.plan: StartPlan | None = None
         self.session: ARDiffusionSession | None = None
         self.encoder: Any = None
-        # Start clock while WAITING, stall clock while STREAMING, close clock once the close is queued (see _watch).
-        self.clock = time.monotonic()
-        self.sent_at = self.clock  # when a send to the client last completed (the client took a frame)
+        self.playback: PlaybackClock | None = None
         self.frames_generated = 0
         self.tail: asyncio.Task | None = None  # the last chunk's encode-and-queue task (chunks stay in order)
         self.closing: asyncio.Task | None = None  # the control-plane close, once begun
@@ -185,12 +222,15 @@ class _Server:
         self.capacity = held if settings.capacity is None else min(settings.capacity, held)
         self.connections: set[_Connection] = set()
         self.plans: dict[str, StartPlan] = {}
+        # Per session: what the world remembers between ticks (the last frame sent, a camera move's start).
+        self.world_states: dict[str, dict[str, Any]] = {}
         self.queue_depth = 0
         self.engine_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ardiff-serve-engine")
         self.encode_executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ardiff-serve-encode")
         self.consumer = EngineTickConsumer(
             engine, executor=self.engine_executor,
-            inputs_provider=lambda tick: world.inputs(tick, self.plans[tick.session_id]),
+            inputs_provider=lambda tick: world.inputs(tick, self.plans[tick.session_id],
+                                                      self.world_states.setdefault(tick.session_id, {})),
             prompt_provider=lambda tick: world.prompt(tick, self.plans[tick.session_id]))
         self.lifecycle = EngineSessionLifecycle(engine, executor=self.engine_executor)
         self.manager: ARDiffusionSessionManager = ARDiffusionSessionManager(
@@ -199,6 +239,9 @@ class _Server:
         self.loop_task: asyncio.Task | None = None
         self.background: set[asyncio.Task] = set()
         self.busy_since: float | None = None  # the generation loop works on one session's chunk since then
+        self.connection_order = itertools.count()
+        # Engine seconds per generated frame of the last chunks: what one session can sustain (see fps_limit).
+        self.frame_seconds: collections.deque[float] = collections.deque(maxlen=settings.fps_samples)
 
     # -- lifespan ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -244,7 +287,7 @@ class _Server:
         if await conn.queue.put_control(error_message(code, message, event_id)):
             self.metrics.error(code)
 
-    def _close_queue(self, conn: _Connection, code: int, reason: str, last_message: dict[str, Any]) -> bool:
+    def _close_queue(self, conn: _Connection, code: int, reason: str, last_message: dict[str, Any] | None) -> bool:
         """Queue ``last_message`` and the close without waiting and start the close clock; False once closing."""
         if not conn.queue.close(code, reason, last_message):
             return False
@@ -257,12 +300,22 @@ class _Server:
             self.metrics.error(code)
         await self._finish_session(conn)
 
+    def fps_limit(self) -> float | None:
+        """Frames per second the engine sustains for one session: the inverse of the median engine seconds per
+        frame over the last ``fps_samples`` chunks (a median, so a chunk that compiled does not count);
+        ``None`` until that many chunks were timed."""
+        if len(self.frame_seconds) < self.settings.fps_samples:
+            return None
+        median = statistics.median(self.frame_seconds)
+        return None if median <= 0 else 1.0 / median
+
     # -- one connection -------------------------------------------------------------------------------
     async def serve(self, websocket: WebSocket) -> None:
         await websocket.accept()
         conn = _Connection(websocket, SendQueue(max_media=self.settings.max_queued_chunks,
                                                 max_control=self.settings.max_queued_control,
-                                                on_drop=self.metrics.dropped, on_depth=self._on_depth))
+                                                on_drop=self.metrics.dropped, on_depth=self._on_depth),
+                           next(self.connection_order))
         self.connections.add(conn)
         self.metrics.connected(1)
         # The reader ends at a disconnect, the sender after the close, the watchdog when the client takes
@@ -333,6 +386,13 @@ class _Server:
             raise ProtocolError("capacity", f"the server is at capacity ({admitted} of {self.capacity} sessions); "
                                             "retry session.start later")
         conn.admitted = True
+        requested_fps = plan.fps
+        limit = self.fps_limit()
+        if self.settings.paced and limit is not None and plan.fps > limit:
+            # Pacing a session faster than the engine can fill only turns every chunk into an underrun.
+            plan = dataclasses.replace(plan, fps=max(1, math.floor(limit)))
+            logger.info("session %s asked for %d frames/s; the engine sustains about %.1f: playing at %d",
+                        conn.request_id, requested_fps, limit, plan.fps)
         try:
             encoder = make_encoder(plan.format, width=self.world.frame_width, height=self.world.frame_height,
                                    fps=plan.fps, scale=plan.scale)
@@ -343,8 +403,12 @@ class _Server:
             self.plans.pop(conn.request_id, None)
             raise
         conn.plan, conn.session, conn.encoder = plan, session, encoder
+        conn.playback = PlaybackClock(plan.fps, self.settings.lookahead_chunks, paced=self.settings.paced)
+        config = {**self.world.config(plan), "requested_fps": requested_fps,
+                  "fps_limit": None if limit is None else round(limit, 2), "paced": self.settings.paced,
+                  "lookahead_chunks": self.settings.lookahead_chunks}
         if not await conn.queue.put_control({"type": "video.start", "request_id": conn.request_id,
-                                             "format": plan.format, "config": self.world.config(plan)}):
+                                             "format": plan.format, "config": config}):
             return  # closed while the reply waited for room: the close ended the session
         conn.state = _State.STREAMING
         conn.clock = time.monotonic()
@@ -406,6 +470,7 @@ class _Server:
                     message = item.message
                     if message.get("type") == "session.done":
                         message = {**message, "chunks": transport_index}
+                        transport_index = 0  # a next session on this socket counts its chunks from 0
                     await websocket.send_text(json.dumps(message))
                 conn.sent_at = time.monotonic()
         except (WebSocketDisconnect, RuntimeError, OSError):
@@ -433,8 +498,11 @@ class _Server:
             elif conn.state is _State.WAITING:
                 remaining = conn.clock + settings.start_timeout_s - now
                 if remaining <= 0:
-                    await self._close_with_error(conn, "start_timeout", "no session.start within "
-                                                 f"{settings.start_timeout_s:g} s", CLOSE_POLICY)
+                    if conn.sessions_done:  # idle after a finished session: nothing went wrong
+                        self._close_queue(conn, CLOSE_NORMAL, "idle after session.done", None)
+                    else:
+                        await self._close_with_error(conn, "start_timeout", "no session.start within "
+                                                     f"{settings.start_timeout_s:g} s", CLOSE_POLICY)
                     continue
             elif conn.state is _State.STREAMING:
                 remaining = max(conn.clock, conn.sent_at) + settings.stall_timeout_s - now
@@ -471,6 +539,7 @@ class _Server:
             self._spawn(self._retry_close(conn.request_id))
         finally:
             self.plans.pop(conn.request_id, None)
+            self.world_states.pop(conn.request_id, None)
 
     async def _retry_close(self, session_id: str) -> None:
         for delay in CLOSE_RETRY_DELAYS_S:
@@ -496,8 +565,17 @@ class _Server:
             with contextlib.suppress(Exception):
                 await tail
         await self._close_encoder(conn)
-        self._close_queue(conn, CLOSE_NORMAL, "session done", {"type": "session.done", "request_id": conn.request_id,
-                                                               "chunks": 0, "stopped": stopped})
+        if conn.state is _State.CLOSED or conn.queue.closed:
+            return  # the connection ended meanwhile: nobody to tell
+        done = {"type": "session.done", "request_id": conn.request_id, "chunks": 0, "stopped": stopped}
+        self.metrics.session_ended(conn.request_id)
+        # The socket stays open: the client may start another session on it (or close it). The start
+        # clock runs again; a connection left idle after its session.done is closed normally (see _watch).
+        conn.sessions_done += 1
+        conn.new_session()
+        conn.state = _State.WAITING
+        conn.clock = time.monotonic()
+        conn.queue.put_final(done)
 
     async def _close_encoder(self, conn: _Connection) -> None:
         encoder, conn.encoder = conn.encoder, None
@@ -519,6 +597,7 @@ class _Server:
             with contextlib.suppress(BaseException):
                 await conn.tail
         await self._close_encoder(conn)
+        self.metrics.session_ended(conn.request_id)
         conn.queue.discard()
         if conn in self.connections:
             self.connections.discard(conn)
@@ -526,32 +605,44 @@ class _Server:
 
     # -- the generation loop ------------------------------------------------------------------------------
     async def _generation_loop(self) -> None:
-        """Round-robin: every streaming session gets one chunk per round, in connection order.
+        """Earliest deadline first over the sessions that are due: one chunk per iteration.
 
-        A session whose send queue is full (its client is behind) is skipped until its sender takes
-        a chunk: nothing here waits for a client. ``busy_since`` marks a chunk in progress for
-        ``/healthz``.
+        A session is due when its playback clock says its next chunk may be generated (at once
+        when unpaced, or for the first ``lookahead_chunks + 1`` chunks). Among the due ones the
+        session whose playback needs its next chunk soonest goes first (ties: connection order),
+        so when the engine cannot keep up every session falls behind by the same amount. When
+        nothing is due the loop sleeps until the next due time or a wake-up (a new session, a
+        client taking a chunk). A session whose send queue is full (its client is behind) is
+        skipped until its sender takes a chunk: nothing here waits for a client. ``busy_since``
+        marks a chunk in progress for ``/healthz``.
         """
         assert self.wake is not None
         while True:
+            self.wake.clear()  # before looking: a wake-up from here on is seen by the wait below
             ready = [conn for conn in self.connections
-                     if conn.state is _State.STREAMING and not conn.queue.media_full]
+                     if conn.state is _State.STREAMING and conn.playback is not None and not conn.queue.media_full]
             if not ready:
-                self.wake.clear()
                 await self.wake.wait()
                 continue
-            for conn in ready:
-                self.busy_since = time.monotonic()
-                try:
-                    await self._next_chunk(conn)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # a bug must not end every other session's stream
-                    logger.exception("chunk of session %s failed unexpectedly", conn.request_id)
-                    await self._close_with_error(conn, "internal_error", "the server failed; see its log",
-                                                 CLOSE_INTERNAL)
-                finally:
-                    self.busy_since = None
+            now = time.monotonic()
+            due = [conn for conn in ready if conn.playback.due_at() <= now]  # type: ignore[union-attr]
+            if not due:
+                next_due = min(conn.playback.due_at() for conn in ready)  # type: ignore[union-attr]
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), timeout=max(0.0, next_due - now))
+                continue
+            conn = min(due, key=lambda c: (c.playback.deadline(), c.order))  # type: ignore[union-attr]
+            self.busy_since = time.monotonic()
+            try:
+                await self._next_chunk(conn)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end every other session's stream
+                logger.exception("chunk of session %s failed unexpectedly", conn.request_id)
+                await self._close_with_error(conn, "internal_error", "the server failed; see its log",
+                                             CLOSE_INTERNAL)
+            finally:
+                self.busy_since = None
 
     async def _next_chunk(self, conn: _Connection) -> None:
         if conn.tail is not None and not conn.tail.done():
@@ -562,30 +653,42 @@ class _Server:
         if conn.state is not _State.STREAMING or conn.session is None or conn.queue.media_full:
             return
         applying = tuple(sorted(conn.pending))
+        session = conn.session
         started = time.perf_counter()
         try:
-            output = await conn.session.next_chunk()
+            output = await session.next_chunk()
         except Exception as error:  # noqa: BLE001 - whatever failed the chunk is reported to its client
-            if conn.state is _State.STREAMING:
+            if conn.state is _State.STREAMING and conn.session is session:
                 wire_ids = [conn.events[i].wire_id for i in applying if i in conn.events]
                 await self._chunk_failed(conn, wire_ids, "generating", error)
             return
         engine_s = time.perf_counter() - started
+        if conn.state is not _State.STREAMING or conn.session is not session:
+            return  # stopped (or gone) while the chunk was made: it is not sent, as after the stop
         metadata = self.consumer.chunk_metadata(output)
         started_ids, active_ids, completed_ids = conn.chunk_events(metadata.applied_event_ids)
-        plan = conn.plan
-        assert plan is not None
-        keep = self.world.chunk_frames(metadata.chunk_index)
+        plan, playback = conn.plan, conn.playback
+        assert plan is not None and playback is not None
+        generated = self.world.chunk_frames(metadata.chunk_index)
+        if generated > 0:
+            self.frame_seconds.append(engine_s / generated)
+        keep = generated
         if plan.num_frames is not None:
             keep = min(keep, plan.num_frames - conn.frames_generated)
         conn.frames_generated += keep
         last = plan.num_frames is not None and conn.frames_generated >= plan.num_frames
         if last:
             conn.state = _State.FINISHING
+        late_s = playback.record(time.monotonic(), keep)
+        real_fps, real_time_factor = playback.real_fps(), playback.real_time_factor()
+        self.metrics.observe_playback(conn.request_id, late_s, real_time_factor)
         message = {"type": "video.chunk_metadata", "request_id": conn.request_id, "kind": "media",
                    "generation_chunk_index": metadata.chunk_index, "num_frames": keep,
                    "started_event_ids": started_ids, "active_event_ids": active_ids,
-                   "completed_event_ids": completed_ids}
+                   "completed_event_ids": completed_ids, "fps": plan.fps,
+                   "real_fps": None if real_fps is None else round(real_fps, 3),
+                   "real_time_factor": None if real_time_factor is None else round(real_time_factor, 4),
+                   "underruns": playback.underruns}
         conn.tail = asyncio.create_task(self._deliver(conn, output, message, keep, engine_s, last))
 
     async def _deliver(self, conn: _Connection, output: Any, message: dict[str, Any], keep: int, engine_s: float,
@@ -599,8 +702,13 @@ class _Server:
             return
         started = time.perf_counter()
 
+        state = self.world_states.get(conn.request_id)
+
         def encode() -> bytes:
-            return encoder.encode(self.world.frames(output)[:keep])
+            frames = self.world.frames(output)[:keep]
+            if state is not None:  # read by the session's next tick, which waits for this delivery (_next_chunk)
+                self.world.observe(state, frames)
+            return encoder.encode(frames)
 
         try:
             payload = await asyncio.get_running_loop().run_in_executor(self.encode_executor, encode)
@@ -633,13 +741,17 @@ class _Server:
 
 
 def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | None = None,
-               metrics: ServerMetrics | None = None) -> Starlette:
+               metrics: ServerMetrics | None = None, access: ServerAccess | None = None) -> Starlette:
     """The ASGI app serving ``engine``'s pipeline as ``world``.
 
     Routes: ``WS /v1/realtime/video``, ``GET /healthz``, ``GET /metrics``; ``GET /`` serves the
     browser client (``static/index.html``). The generation loop runs while the app's lifespan is
     active (uvicorn runs it; with Starlette's ``TestClient`` use it as a context manager).
     The engine stays the caller's: the app never closes it.
+
+    ``access`` (default ``ServerAccess()``: no key, same-origin pages only, 8 WebSockets per
+    client address) says who may connect; a refused handshake is answered before the WebSocket
+    is accepted or a session created. ``/healthz`` and ``/`` stay public.
     """
     if not isinstance(world, ServedWorld):
         raise TypeError(f"world must be a ServedWorld, got {type(world).__name__}")
@@ -647,15 +759,32 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
     if not isinstance(settings, ServerSettings):
         raise TypeError(f"settings must be a ServerSettings, got {type(settings).__name__}")
     metrics = ServerMetrics() if metrics is None else metrics
+    access = ServerAccess() if access is None else access
+    if not isinstance(access, ServerAccess):
+        raise TypeError(f"access must be a ServerAccess, got {type(access).__name__}")
+    open_by_address = ConnectionCounter()
     server = _Server(engine, world, settings, metrics)
     page = importlib.resources.files("ardiff_jax.serve").joinpath("static", "index.html").read_text("utf-8")
     engine.runner.add_session_listener(metrics.on_session_event)
 
     async def realtime_video(websocket: WebSocket) -> None:
+        # Decided from the handshake alone, before accept and before any session exists.
+        address = websocket.client.host if websocket.client is not None else ""
+        refusal = websocket_refusal(access, headers=websocket.headers, query=websocket.query_params,
+                                    scheme=websocket.url.scheme,
+                                    open_connections=open_by_address.open_connections(address))
+        if refusal is not None:
+            metrics.refused(refusal.metric_label)
+            await deny_websocket(websocket, refusal)
+            return
         if server.wake is None:
             await websocket.close(CLOSE_INTERNAL, "the server's lifespan has not started")
             return
-        await server.serve(websocket)
+        open_by_address.acquire(address)  # no await since the check: the count cannot have moved
+        try:
+            await server.serve(websocket)
+        finally:
+            open_by_address.release(address)
 
     async def healthz(request: Request) -> JSONResponse:
         connected = len(server.connections)
@@ -667,6 +796,9 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
                              "capacity": server.capacity})
 
     async def metrics_endpoint(request: Request) -> Response:
+        refusal = metrics_refusal(access, headers=request.headers, query=request.query_params)
+        if refusal is not None:
+            return refusal_response(refusal)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
@@ -675,11 +807,14 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
-        await server.start()
-        try:
-            yield
-        finally:
-            await server.stop()
+        with contextlib.ExitStack() as logs:
+            if access.api_key is not None:  # uvicorn logs each request's query string, a ?token= key included
+                logs.enter_context(redacted_tokens_in_uvicorn_logs())
+            await server.start()
+            try:
+                yield
+            finally:
+                await server.stop()
 
     app = Starlette(routes=[Route("/", index), Route("/healthz", healthz), Route("/metrics", metrics_endpoint),
                             WebSocketRoute(REALTIME_VIDEO_PATH, realtime_video)], lifespan=lifespan)

@@ -21,6 +21,14 @@ Metrics:
   together, as last reported by the server.
 * ``ardiff_send_queue_dropped_total``: messages dropped because a send queue was full.
 * ``ardiff_errors_total{code}``: ``error`` messages sent to clients, by protocol code.
+* ``ardiff_underruns_total``: chunks ready after their play time (the player ran dry and waited;
+  the session's playback moved later by the lateness, see :mod:`ardiff_jax.serve._pacing`).
+* ``ardiff_chunk_lateness_seconds`` (histogram): how late those chunks were.
+* ``ardiff_session_real_time_factor{request_id}`` (gauge): each streaming session's real frame
+  rate over its target (1.0: it plays at its rate; below: the engine cannot keep up), over its
+  last 8 chunks; removed when the session ends.
+* ``ardiff_connections_refused_total{reason}``: WebSocket handshakes refused before a session,
+  ``reason`` one of ``unauthorized``, ``origin_not_allowed``, ``too_many_connections``.
 
 Updates are thread-safe: the engine's session listener runs on the engine's thread while
 the server updates the rest from its event loop.
@@ -78,6 +86,17 @@ class ServerMetrics:
         self.send_queue_dropped = prom.Counter("ardiff_send_queue_dropped",
                                                "Chunks (metadata + media pairs) dropped because a session's send queue was full", registry=r)
         self.errors = prom.Counter("ardiff_errors", "Error messages sent to clients by code", ["code"], registry=r)
+        self.underruns = prom.Counter("ardiff_underruns", "Chunks ready after their play time (the player waited)",
+                                      registry=r)
+        self.chunk_lateness = prom.Histogram("ardiff_chunk_lateness_seconds", "Lateness of chunks that underran",
+                                             buckets=CHUNK_LATENCY_BUCKETS, registry=r)
+        self.real_time_factor = prom.Gauge("ardiff_session_real_time_factor",
+                                           "Real frame rate over the target, per streaming session (last 8 chunks)",
+                                           ["request_id"], registry=r)
+        self._rated: set[str] = set()
+        self.connections_refused = prom.Counter("ardiff_connections_refused",
+                                                "WebSocket handshakes refused before a session, by reason",
+                                                ["reason"], registry=r)
         for outcome in INTERACTION_OUTCOMES:  # present at 0 from the start, so rates work from the first scrape
             self.interactions.labels(outcome=outcome)
         self._lock = threading.Lock()
@@ -93,6 +112,27 @@ class ServerMetrics:
         self.chunks.inc()
         self.chunk_bytes.inc(nbytes)
 
+    def observe_playback(self, request_id: str, late_s: float, real_time_factor: float | None) -> None:
+        """One chunk of session ``request_id`` was ready ``late_s`` seconds after its play time (0: on time); its
+        real-time factor so far (``None`` until it is measured)."""
+        late_s = float(late_s)
+        if not late_s >= 0.0:
+            raise ValueError(f"late_s must be a non-negative number of seconds, got {late_s!r}")
+        if late_s > 0.0:
+            self.underruns.inc()
+            self.chunk_lateness.observe(late_s)
+        if real_time_factor is not None:
+            with self._lock:
+                self._rated.add(request_id)
+                self.real_time_factor.labels(request_id=request_id).set(float(real_time_factor))
+
+    def session_ended(self, request_id: str) -> None:
+        """Session ``request_id`` ended: its real-time factor is no longer reported (idempotent)."""
+        with self._lock:
+            if request_id in self._rated:
+                self._rated.discard(request_id)
+                self.real_time_factor.remove(request_id)
+
     def interaction(self, outcome: str) -> None:
         """One client interaction answered with ``outcome`` (``queued``, ``duplicate`` or ``rejected``)."""
         if outcome not in INTERACTION_OUTCOMES:
@@ -104,6 +144,12 @@ class ServerMetrics:
         if not isinstance(code, str) or not code:
             raise ValueError(f"code must be a non-empty string, got {code!r}")
         self.errors.labels(code=code).inc()
+
+    def refused(self, reason: str) -> None:
+        """One WebSocket handshake refused before a session (``reason``: the refusal's snake-case label)."""
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"reason must be a non-empty string, got {reason!r}")
+        self.connections_refused.labels(reason=reason).inc()
 
     def set_send_queue_depth(self, depth: int) -> None:
         """The total number of messages now waiting in all sessions' send queues."""

@@ -103,6 +103,15 @@ class SendQueue:
         self._push(OutboundItem("control", message))
         return True
 
+    def put_final(self, message: dict[str, Any]) -> bool:
+        """Queue a session's last control message (``session.done``) without waiting, past the control bound if
+        need be (by one per session: the next session's replies wait for room again); False once closed."""
+        if self._closed:
+            return False
+        self._control += 1
+        self._push(OutboundItem("control", message))
+        return True
+
     def put_media(self, message: dict[str, Any], payload: bytes, *, droppable: bool = True) -> bool:
         """Queue a media pair, dropping the oldest droppable one when full; False once closed."""
         if self._closed:

@@ -21,9 +21,17 @@ Two worlds are served:
   :data:`ardiff_jax.envs.ACTION_NAMES`) or from a camera in ``velocity`` mode, seen from
   above: translation ``+x`` -> ``right``, ``-x`` -> ``left``, ``+z`` (forward) -> ``up``,
   ``-z`` -> ``down``, all zero -> ``no-op``. When both x and z are non-zero the axis with the
-  larger magnitude wins (x on a tie); y and the rotation are ignored. ``target`` mode is
-  refused (the world has no absolute camera pose). An action persists until an event
-  replaces it (velocity semantics: the control plane keeps each track's last value).
+  larger magnitude wins (x on a tie); y and the rotation are ignored. An action persists until
+  an event replaces it (velocity semantics: the control plane keeps each track's last value).
+  A camera in ``target`` mode sends the agent to an absolute cell over ``transition_chunks``
+  chunks (default :data:`DEFAULT_TRANSITION_CHUNKS`): translation ``x`` is the column from the
+  left, ``z`` the row from the bottom (+Z forward is up on the screen, as in velocity mode), in
+  cells, rounded and clipped to the grid. Each chunk's actions are read off the frames the
+  player last saw: the agent's cell and the walls in the session's last generated frame, a
+  shortest path around the walls to the target (or to the reachable cell nearest it), and as
+  many steps of it as keep the agent on schedule to arrive by the transition's last chunk
+  (one cell per frame at most, spread evenly over the chunk's frames, no-ops between). The
+  agent then waits at the target until another event replaces the control.
 
 ``"wan"`` (:class:`~ardiff_jax.models.wan.CausalWanPipeline` with a VAE and a text encoder)
   Text-to-video with a published causal Wan: ``session.start`` needs a prompt and
@@ -49,7 +57,15 @@ from typing import Any
 
 import numpy as np
 
-from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
+from ardiff_jax.envs import (
+    ACTION_NAMES,
+    AGENT_COLOUR,
+    CELL_SIZE,
+    WALL_COLOUR,
+    SpriteWorld,
+    cell_codes,
+    cell_templates,
+)
 from ardiff_jax.serve._protocol import (
     FORMATS,
     MAX_FPS,
@@ -59,7 +75,7 @@ from ardiff_jax.serve._protocol import (
 )
 from ardiff_jax.types import ARDiffusionControlInput, ARDiffusionTickRequest
 
-__all__ = ["EventUpdate", "ServedWorld", "StartPlan", "camera_action"]
+__all__ = ["DEFAULT_TRANSITION_CHUNKS", "EventUpdate", "ServedWorld", "StartPlan", "camera_action", "target_actions"]
 
 #: The control track of discrete actions and its schema.
 ACTION_TRACK = "action"
@@ -69,6 +85,10 @@ PROMPT_FIELD = "prompt"
 #: Largest integer upscale of the native frame size a session may ask for (``width``/``height``).
 MAX_SCALE = 32
 WORLD_KINDS = ("sprite", "latent", "wan")
+#: The action track's schema of a camera in ``target`` mode (data: the target cell and the transition).
+TARGET_SCHEMA = "target"
+#: Chunks a ``target`` camera move takes when the event gives no ``transition_chunks``.
+DEFAULT_TRANSITION_CHUNKS = 4
 
 
 def camera_action(translation: tuple[float, float, float]) -> str:
@@ -79,6 +99,58 @@ def camera_action(translation: tuple[float, float, float]) -> str:
     if abs(x) >= abs(z):
         return "right" if x > 0 else "left"
     return "up" if z > 0 else "down"
+
+
+def _code_of(colour: tuple[int, int, int]) -> int:
+    """The cell code whose template is ``colour`` over the whole cell (the agent, a wall)."""
+    full = (cell_templates() == np.asarray(colour, np.uint8)).all(axis=(1, 2, 3))
+    return int(np.flatnonzero(full)[0])
+
+
+def target_actions(frame: np.ndarray, target: tuple[int, int], frames: int, chunks_left: int) -> np.ndarray:
+    """``i64[frames]``: the actions of one chunk of a ``target`` camera move (see the module docstring).
+
+    ``frame`` (``u8[size, size, 3]``) is the last frame the player saw, ``target`` the ``(row, col)``
+    cell to reach, ``chunks_left`` the chunks of the transition left including this one (at least 1).
+    No agent in the frame, or the agent already there: all no-ops.
+    """
+    codes = cell_codes(frame)
+    agents = np.argwhere(codes == _code_of(AGENT_COLOUR))
+    actions = np.zeros(frames, np.int64)
+    if len(agents) != 1:
+        return actions
+    free = codes != _code_of(WALL_COLOUR)
+    path = _shortest_path(free, (int(agents[0][0]), int(agents[0][1])), target)
+    steps = min(frames, len(path), -(-len(path) // max(1, chunks_left)))
+    for index in range(steps):  # spread over the chunk: frame floor(i * frames / steps) takes step i
+        actions[index * frames // steps] = path[index]
+    return actions
+
+
+def _shortest_path(free: np.ndarray, start: tuple[int, int], target: tuple[int, int]) -> list[int]:
+    """Actions (``ACTION_NAMES`` indices) of a shortest path over ``free`` cells from ``start`` to ``target``, or to
+    the reachable cell nearest ``target`` (Manhattan; of those, the nearest to ``start``) when it cannot be
+    reached; breadth first."""
+    offsets = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}  # up, down, left, right
+    parent: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for cell in frontier:
+            for action, (dr, dc) in offsets.items():
+                nxt = (cell[0] + dr, cell[1] + dc)
+                if (0 <= nxt[0] < free.shape[0] and 0 <= nxt[1] < free.shape[1] and free[nxt]
+                        and nxt not in parent):
+                    parent[nxt] = (cell, action)
+                    following.append(nxt)
+        frontier = following
+    order = {cell: index for index, cell in enumerate(parent)}  # breadth-first: nearer the start first
+    goal = min(parent, key=lambda c: (abs(c[0] - target[0]) + abs(c[1] - target[1]), order[c]))
+    path: list[int] = []
+    while parent[goal] is not None:
+        goal, action = parent[goal]  # type: ignore[misc]
+        path.append(action)
+    return path[::-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +307,12 @@ class ServedWorld:
             "actions": list(self.action_values), "ignored_fields": list(plan.ignored_fields),
         }
         if self.kind == "sprite":
-            config["camera_modes"] = ["velocity"]
+            config["camera_modes"] = ["velocity", "target"]
             config["camera_velocity_actions"] = {"+x": "right", "-x": "left", "+z": "up", "-z": "down",
                                                  "zero": "no-op"}
+            config["camera_target"] = {"x": "column from the left", "z": "row from the bottom", "unit": "cell",
+                                       "grid": [self.frame_height // CELL_SIZE, self.frame_width // CELL_SIZE],
+                                       "default_transition_chunks": DEFAULT_TRANSITION_CHUNKS}
         else:
             config["camera_modes"] = []
         return config
@@ -262,9 +337,15 @@ class ServedWorld:
         controls: tuple[ARDiffusionControlInput, ...] = ()
         if interaction.camera is not None and interaction.action is not None:
             raise reject("give multi_modal_data.camera or multi_modal_data.action, not both: both set the action")
-        if interaction.camera is not None:
-            if interaction.camera.mode != "velocity":
-                raise reject(f"{self.name} supports camera mode 'velocity' only, got {interaction.camera.mode!r}")
+        if interaction.camera is not None and interaction.camera.mode == "target":
+            x, _, z = interaction.camera.translation
+            rows, cols = self.frame_height // CELL_SIZE, self.frame_width // CELL_SIZE
+            cell = (min(rows - 1, max(0, rows - 1 - round(z))), min(cols - 1, max(0, round(x))))
+            chunks = interaction.transition_chunks or DEFAULT_TRANSITION_CHUNKS
+            # The event's wire id makes two equal targets two moves (each starts its own transition).
+            controls = (ARDiffusionControlInput(ACTION_TRACK, TARGET_SCHEMA, {
+                "row": cell[0], "col": cell[1], "transition_chunks": chunks, "event": interaction.event_id}),)
+        elif interaction.camera is not None:
             controls = (self._action_control(camera_action(interaction.camera.translation)),)
         elif interaction.action is not None:
             if interaction.action not in ACTION_NAMES:
@@ -279,20 +360,44 @@ class ServedWorld:
         return ARDiffusionControlInput(ACTION_TRACK, ACTION_SCHEMA, {"value": name})
 
     # -- driving the pipeline ---------------------------------------------------------------------
-    def inputs(self, tick: ARDiffusionTickRequest, plan: StartPlan) -> Mapping[str, Any]:
-        """The pipeline inputs of ``tick`` (pure: the first chunk's observation is rebuilt from the seed)."""
+    def inputs(self, tick: ARDiffusionTickRequest, plan: StartPlan,
+               state: dict[str, Any] | None = None) -> Mapping[str, Any]:
+        """The pipeline inputs of ``tick`` (the first chunk's observation is rebuilt from the seed).
+
+        ``state`` is the session's world state (a dict the server keeps per session, filled by
+        :meth:`observe`): a ``target`` camera move reads the last frame the player saw from it and
+        remembers in it where its transition began. Without it a target move starts from the
+        session's first observation.
+        """
         inputs: dict[str, Any] = {}
+        state = {} if state is None else state
         if tick.chunk_index == 0:
             inputs["seed"] = plan.seed
         if self.kind == "sprite":
-            action = "no-op"
-            for control in tick.controls:
-                if control.track == ACTION_TRACK:
-                    action = control.data["value"]
-            inputs["actions"] = np.full(self.frames_per_chunk, ACTION_NAMES.index(action), np.int64)
-            if tick.chunk_index == 0:
-                inputs["observation"] = SpriteWorld(plan.seed, size=self.frame_height).reset()
+            observation = SpriteWorld(plan.seed, size=self.frame_height).reset() if tick.chunk_index == 0 else None
+            control = next((c for c in tick.controls if c.track == ACTION_TRACK), None)
+            if control is not None and control.schema == TARGET_SCHEMA:
+                data = control.data
+                move = (data["event"], data["row"], data["col"])
+                if state.get("move") != move:
+                    state["move"], state["move_start"] = move, tick.chunk_index
+                left = state["move_start"] + int(data["transition_chunks"]) - tick.chunk_index
+                seen = state.get("last_frame", observation)
+                if seen is None:
+                    seen = SpriteWorld(plan.seed, size=self.frame_height).reset()
+                inputs["actions"] = target_actions(seen, (int(data["row"]), int(data["col"])),
+                                                   self.frames_per_chunk, left)
+            else:
+                action = "no-op" if control is None else control.data["value"]
+                inputs["actions"] = np.full(self.frames_per_chunk, ACTION_NAMES.index(action), np.int64)
+            if observation is not None:
+                inputs["observation"] = observation
         return inputs
+
+    def observe(self, state: dict[str, Any], frames: np.ndarray) -> None:
+        """Remember what the player was sent last (``frames``, this world's :meth:`frames` of a chunk) in ``state``."""
+        if self.kind == "sprite" and len(frames):
+            state["last_frame"] = frames[-1]
 
     def prompt(self, tick: ARDiffusionTickRequest, plan: StartPlan) -> str | None:
         """The tick's prompt (the session's start prompt until an event changes it); ``None`` for sprite worlds."""
