@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -150,6 +151,26 @@ def test_weights_round_trip_exactly(modules, tmp_path):
     sidecar = json.loads(path.with_suffix(".json").read_text())
     assert sidecar["training"] == {"note": "test"} and sidecar["num_params"] == sum(
         x.size for x in jax.tree.leaves(nnx.split(modules)[1]))
+
+
+def test_weights_written_before_a_config_field_existed_load_with_its_default(modules, tmp_path):
+    from ardiff_jax.models._pretrained import _digest
+
+    path = save_weights(modules, tmp_path / "w")
+    sidecar_path = path.with_suffix(".json")
+    sidecar = json.loads(sidecar_path.read_text())
+    config = dit_preset("sprite_world")
+    # A field this model leaves at its default, as every field added after the model was trained does.
+    newest = [f for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING
+              and getattr(config, f.name) == f.default][-1]
+    del sidecar["config"][newest.name]  # as a file written before that field existed
+    sidecar["sha256"] = _digest(path.read_bytes(), sidecar)
+    sidecar_path.write_text(json.dumps(sidecar))
+    loaded = load_weights(dit_preset("sprite_world"), path)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), nnx.split(loaded)[1], nnx.split(modules)[1]))
+    # A field the file states must still match: the default fills only what is missing.
+    with pytest.raises(ValueError, match="another CausalDiTConfig .*num_layers"):
+        load_weights(dit_preset("sprite_world").replace(num_layers=2), path)
 
 
 def test_weights_are_validated_before_use(modules, tmp_path):
