@@ -1,0 +1,410 @@
+"""``MatrixGamePipeline``: Matrix-Game 2.0's interactive image-to-world generation on the paged runtime.
+
+It is :class:`~ardiff_jax.models.wan.CausalWanPipeline` (the same Self-Forcing sampler,
+commit pass, streaming VAE decode, session export and memory plan) with Matrix-Game's
+conditioning:
+
+* the session's first request carries the reference image ``inputs["image"]``
+  (``uint8[H, W, 3]`` at the network's resolution, ``8 x`` the latent: 352 x 640 for the
+  published models) and its CLIP image tokens ``inputs["image_embeds"]`` (``f32[257, 1280]``,
+  open-clip ViT-H/14's penultimate-block output; the only cross-attention context, kept in the
+  runtime's cross-attention cache like a prompt's);
+* as the release builds its condition, the image followed by black (zero) frames is encoded
+  by the VAE *causally*, a block at a time (image + 8 zero frames for the first block, 12
+  zero frames for each later one, the encoder's causal cache per session), giving each latent
+  frame its 16 image-condition channels; 4 mask channels are 1 on latent frame 0 and 0
+  after. The network reads ``[noisy 16 | mask 4 | condition 16]``;
+* every request carries the keyboard and mouse rows of the video frames its block adds,
+  ``inputs["keyboard"] f32[n, K]`` and ``inputs["mouse"] f32[n, 2]`` (not for Temple Run):
+  ``n = 9`` for a session's first block (video frames 0-8), 12 for each later one. The
+  session keeps the last 12 rows, which the next block's windows read;
+* the action modules' keys/values live in the session's action ring (the last
+  ``window_frames`` latent frames), written by the commit pass like the paged K/V.
+
+Defaults follow the release's universal/GTA inference: denoising list ``[1000, 666, 333]``
+warped with shift 5 (``[1000, 908.8, 714.0]``); Temple Run uses ``[1000, 750, 500, 250]``
+(``MatrixGamePipelineConfig(schedule=warped_schedule())``). Output: :class:`~ardiff_jax.models.wan.WanBlock`
+with ``.video`` (9 frames for the first block, 12 after) decoded by the streaming VAE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ardiff_jax.models._common import (
+    FewStepSchedule,
+    check_seed,
+    renoise,
+    resolve_config,
+    step_noise_key,
+)
+from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._dit import (
+    ActionInputs,
+    ActionKV,
+    action_cache_nbytes,
+    commit_action_cache,
+    init_action_cache,
+)
+from ardiff_jax.models._world import MAIN, TEXT, _BlockInputs
+from ardiff_jax.models.matrix_game._actions import action_windows, check_action_rows
+from ardiff_jax.models.wan import (
+    CausalWanPipeline,
+    CausalWanPipelineConfig,
+    VAEEncodeCache,
+    WanBlock,
+    WanVAE,
+    encode_step,
+    init_encode_cache,
+    warped_schedule,
+)
+from ardiff_jax.types import DiffusionRequest
+
+__all__ = ["MatrixGamePipeline", "MatrixGamePipelineConfig", "matrix_game_step"]
+
+#: Mask channels in front of the image-condition latent (the release slices 4 of its mask).
+MASK_CHANNELS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixGamePipelineConfig(CausalWanPipelineConfig):
+    """:class:`~ardiff_jax.models.wan.CausalWanPipelineConfig` with Matrix-Game's default 3-step list
+    ``[1000, 666, 333]`` warped with shift 5."""
+
+    schedule: FewStepSchedule = dataclasses.field(default_factory=lambda: warped_schedule((1000, 666, 333)))
+
+
+def _matrix_game_step(graphdef: Any, params: Any, attention: Any, x_t: jax.Array, t: jax.Array, sigma: jax.Array,
+                      sigma_next: jax.Array, session_key: jax.Array, block_index: jax.Array, step_index: jax.Array,
+                      frame_start: jax.Array, context_kv: tuple[jax.Array, jax.Array], condition: jax.Array,
+                      actions: ActionInputs, ring: ActionKV) -> tuple[Any, ...]:
+    model = nnx.merge(graphdef, params).transformer
+    out = model(x_t, t, frame_start, context_kv, attention=attention, condition=condition, actions=actions,
+                action_history=ring)
+    x0 = x_t - sigma * out.video
+    noise = jax.random.normal(step_noise_key(session_key, block_index, step_index), x_t.shape, jnp.float32)
+    return renoise(x0, sigma_next, noise), x0, out.k, out.v, out.action_kv
+
+
+#: One forward: ``(graphdef, params, attention, x_t f32[f, C, H, W], t, sigma, sigma_next, key, block, step,
+#: frame_start, context_kv, condition f32[f, 20, H, W], actions, ring) -> (x_next, x0, k, v, action_kv)``.
+matrix_game_step = jax.jit(_matrix_game_step, static_argnums=0)
+
+
+#: ``(config, ring, block_kv, frame_start) -> ring``: the committed block's action keys/values written (ring donated).
+_commit_ring = jax.jit(commit_action_cache, static_argnums=0, donate_argnums=1)
+
+
+class _Inputs(NamedTuple):
+    """A request's Matrix-Game inputs, checked on the host."""
+
+    image: np.ndarray | None  # f32[1, 3, H, W] in [-1, 1] (first request only)
+    keyboard: np.ndarray  # f32[n, K]
+    mouse: np.ndarray | None  # f32[n, M]
+
+
+_BaseSession = CausalWanPipeline.session_type
+
+
+@dataclasses.dataclass
+class _MatrixGameSession(_BaseSession):
+    #: The action modules' ring of the last window_frames latent frames ([A, W, ...], config.dtype).
+    action_cache: ActionKV | None = None
+    #: The VAE encoder's causal cache (the image then black frames, a block at a time).
+    encode_cache: VAEEncodeCache | None = None
+    #: The last rows (up to 12) of keyboard / mouse input, the ones the next block's windows read.
+    recent_keyboard: jax.Array | None = None
+    recent_mouse: jax.Array | None = None
+    #: Rows received so far (video frames covered by the session's input).
+    rows_received: int = 0
+    #: The in-flight block's condition [f, 4 + C, H, W] and action windows.
+    block_condition: jax.Array | None = None
+    block_keyboard: jax.Array | None = None
+    block_mouse: jax.Array | None = None
+
+    def device_arrays(self) -> tuple[jax.Array | None, ...]:
+        ring = () if self.action_cache is None else tuple(self.action_cache)
+        encoder = () if self.encode_cache is None else tuple(self.encode_cache.convs)
+        return (*super().device_arrays(), *ring, *encoder, self.recent_keyboard, self.recent_mouse,
+                self.block_condition, self.block_keyboard, self.block_mouse)
+
+
+class MatrixGamePipeline(CausalWanPipeline):
+    """Matrix-Game 2.0 on the paged runtime (see the module docstring for the request schema).
+
+    Args:
+      config: a Matrix-Game config or preset (default ``"matrix-game-2-universal"``).
+      pipeline_config: :class:`MatrixGamePipelineConfig`.
+      modules: the weights (``WanModules(load_checkpoint(path))``); default random ones.
+      vae: the Wan 2.1 VAE (:func:`~ardiff_jax.models.wan.load_vae`): required, it encodes the
+        reference image (and the black frames after it) and decodes every block.
+      device: where inputs and weights live.
+    """
+
+    pipeline_config_type = MatrixGamePipelineConfig
+    session_type = _MatrixGameSession
+    pipeline_config: MatrixGamePipelineConfig
+
+    def __init__(self, config: CausalDiTConfig | str = "matrix-game-2-universal",
+                 pipeline_config: MatrixGamePipelineConfig | None = None, *, modules: Any = None,
+                 vae: WanVAE | None = None, device: jax.Device | None = None) -> None:
+        config = resolve_config(config)
+        if vae is None:
+            raise ValueError("MatrixGamePipeline needs vae= (a WanVAE): it encodes the reference image into the "
+                             "condition channels and decodes every block")
+        super().__init__(config, pipeline_config, modules=modules, vae=vae, device=device)
+        self._pending_action_kv: ActionKV | None = None
+
+    @classmethod
+    def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, vae: Any = None,
+                        pipeline_config: MatrixGamePipelineConfig | None = None, device: jax.Device | None = None,
+                        **load_options: Any) -> MatrixGamePipeline:
+        """A pipeline on the weights at ``path`` (the release's ``.safetensors`` or FastVideo's directory)."""
+        from ardiff_jax.models.wan import WanModules, load_checkpoint, load_vae
+
+        transformer = load_checkpoint(path, config, **load_options)
+        if vae is not None and not isinstance(vae, WanVAE):
+            vae = load_vae(vae, dtype=load_options.get("dtype"))
+        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), vae=vae, device=device)
+
+    @classmethod
+    def check_compatible(cls, config: CausalDiTConfig, pipeline_config: Any) -> None:
+        if config.action is None or config.context_embedding != "image" \
+                or config.in_channels != 2 * config.latent_channels + MASK_CHANNELS:
+            raise ValueError(f"MatrixGamePipeline runs Matrix-Game networks (action modules, image-token context, "
+                             f"{MASK_CHANNELS} mask + C condition channels); config {config.name!r} is not one")
+        if getattr(pipeline_config, "recache_on_prompt_switch", False):
+            raise ValueError("MatrixGamePipeline has no prompt to switch: recache_on_prompt_switch must be False")
+
+    # -- the memory plan ---------------------------------------------------------------------------
+    @property
+    def pixel_hw(self) -> tuple[int, int]:
+        factor = self.vae.config.spatial_factor
+        return self.config.latent_height * factor, self.config.latent_width * factor
+
+    def _encoder_template(self) -> VAEEncodeCache:
+        return jax.eval_shape(lambda: init_encode_cache(self.vae.config, self.pixel_hw))
+
+    def ar_diffusion_kv_cache_spec(self) -> Any:
+        spec = super().ar_diffusion_kv_cache_spec()
+        cfg, action = self.config, self.config.action
+        encoder = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self._encoder_template().convs)
+        f, h, w = cfg.frames_per_block, cfg.latent_height, cfg.latent_width
+        block = 4 * (f * (MASK_CHANNELS + cfg.latent_channels) * h * w
+                     + f * action.rows * (action.keyboard_dim + action.mouse_dim))
+        recent = 4 * action.rows * (action.keyboard_dim + action.mouse_dim)
+        extra = action_cache_nbytes(cfg) + encoder + block + recent
+        return dataclasses.replace(spec, model_owned_state_bytes_per_session=(
+            spec.model_owned_state_bytes_per_session + extra))
+
+    # -- session export / import -------------------------------------------------------------------
+    def _session_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg, action = self.config, self.config.action
+        f = cfg.frames_per_block
+        return {**super()._session_shapes(),
+                "recent_keyboard": (action.rows, action.keyboard_dim), "recent_mouse": (action.rows, action.mouse_dim),
+                "block_condition": (f, MASK_CHANNELS + cfg.latent_channels, cfg.latent_height, cfg.latent_width),
+                "block_keyboard": (f, action.rows, action.keyboard_dim),
+                "block_mouse": (f, action.rows, action.mouse_dim)}
+
+    def import_ar_diffusion_session(self, session_id: str, state: Any) -> None:
+        """As the base, plus the action ring and the encoder cache, validated before anything changes."""
+        ring = encoder = None
+        if isinstance(state, dict):
+            if state.get("action_cache") is not None:
+                ring = self._checked_ring(state["action_cache"])
+            if state.get("encode_cache") is not None:
+                encoder = self._checked_encoder(state["encode_cache"])
+            state = {**state, "action_cache": None, "encode_cache": None}
+        super().import_ar_diffusion_session(session_id, state)
+        if session_id in self._sessions:
+            self._sessions[session_id].action_cache = ring
+            self._sessions[session_id].encode_cache = encoder
+
+    def _checked_ring(self, value: Any) -> ActionKV:
+        template = jax.eval_shape(lambda: init_action_cache(self.config))
+        if not isinstance(value, (tuple, list)) or len(value) != len(template):
+            raise ValueError(f"session state action_cache must be {len(template)} arrays (mouse k/v, keyboard k/v)")
+        out = []
+        for name, array, want in zip(ActionKV._fields, value, template, strict=True):
+            if want is None or array is None:
+                if (want is None) != (array is None):
+                    raise ValueError(f"session state action_cache.{name} must be "
+                                     f"{'None' if want is None else 'an array'}")
+                out.append(None)
+                continue
+            if not isinstance(array, jax.Array) or array.shape != want.shape or array.dtype != want.dtype:
+                raise ValueError(f"session state action_cache.{name} must be {want.dtype}{list(want.shape)}, got "
+                                 f"{getattr(array, 'dtype', type(array).__name__)}{list(getattr(array, 'shape', ()))}")
+            out.append(jax.device_put(array, self.device))
+        return ActionKV(*out)
+
+    def _checked_encoder(self, value: Any) -> VAEEncodeCache:
+        template = self._encoder_template()
+        if not isinstance(value, dict) or sorted(value) != ["convs", "started"] \
+                or not isinstance(value["started"], bool) or not isinstance(value["convs"], (list, tuple)) \
+                or len(value["convs"]) != len(template.convs):
+            raise ValueError(f"session state encode_cache must be {{'convs': {len(template.convs)} arrays, "
+                             "'started': bool}")
+        convs = []
+        for index, (array, want) in enumerate(zip(value["convs"], template.convs, strict=True)):
+            if not isinstance(array, jax.Array) or array.shape != want.shape or array.dtype != want.dtype:
+                raise ValueError(f"session state encode_cache.convs[{index}] must be {want.dtype}{list(want.shape)}")
+            convs.append(jax.device_put(array, self.device))
+        return VAEEncodeCache(tuple(convs), value["started"])
+
+    # -- request parsing (host only) -----------------------------------------------------------------
+    def _rows(self, request: DiffusionRequest, name: str, width: int, expected: int) -> np.ndarray:
+        value = request.inputs.get(name)
+        if value is None:
+            raise ValueError(f"MatrixGamePipeline needs inputs[{name!r}]: [{expected}, {width}] (one row per video "
+                             "frame the block adds)")
+        rows = check_action_rows(self.config, f"inputs[{name!r}]", value, width)
+        if rows.shape[0] != expected:
+            raise ValueError(f"inputs[{name!r}] must have {expected} rows (one per video frame the block adds: "
+                             f"{self.config.action.num_rows(self.config.frames_per_block)} for a session's first "
+                             f"block, {self.config.action.frames_per_latent * self.config.frames_per_block} after), "
+                             f"got {rows.shape[0]}")
+        return rows
+
+    def _parse_image(self, value: Any) -> np.ndarray:
+        h, w = self.pixel_hw
+        array = np.asarray(value)
+        if array.dtype != np.uint8 or array.shape != (h, w, 3):
+            raise ValueError(f"inputs['image'] must be uint8[{h}, {w}, 3] (the reference frame at the network's "
+                             f"resolution), got {array.dtype}{list(array.shape)}")
+        return (array.astype(np.float32) / np.float32(127.5) - 1.0).transpose(2, 0, 1)[None]
+
+    def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[Any, _Inputs]:
+        cfg, action = self.config, self.config.action
+        if self._num_blocks(request) != 1:
+            raise ValueError("MatrixGamePipeline generates one block per request (its actions are per block): "
+                             "inputs['num_blocks'] must be 1")
+        for key in ("action", "controls", "prompt_embeds"):
+            if request.inputs.get(key) is not None:
+                raise ValueError(f"MatrixGamePipeline takes no inputs[{key!r}] (it is conditioned on an image and "
+                                 "keyboard/mouse rows)")
+        if request.prompt is not None:
+            raise ValueError("MatrixGamePipeline takes no text prompt")
+        if request.inputs.get("seed") is not None:
+            check_seed(request.inputs["seed"])
+        session = self._sessions.get(session_id)
+        first = session is None
+        expected = action.num_rows(cfg.frames_per_block) if first else action.frames_per_latent * cfg.frames_per_block
+        keyboard = self._rows(request, "keyboard", action.keyboard_dim, expected)
+        mouse = None
+        if action.mouse_dim:
+            mouse = self._rows(request, "mouse", action.mouse_dim, expected)
+        elif request.inputs.get("mouse") is not None:
+            raise ValueError(f"config {cfg.name!r} has no mouse input; inputs['mouse'] must be absent")
+        image, embeds = request.inputs.get("image"), request.inputs.get("image_embeds")
+        if first:
+            if image is None or embeds is None:
+                raise ValueError(f"MatrixGamePipeline session {session_id!r} is new: its first request needs "
+                                 f"inputs['image'] (uint8[{self.pixel_hw[0]}, {self.pixel_hw[1]}, 3]) and "
+                                 f"inputs['image_embeds'] (the CLIP tokens, f32[{cfg.text_len}, {cfg.text_dim}])")
+            image = self._parse_image(image)
+        elif image is not None:
+            raise ValueError("inputs['image'] starts a session; this session already has its reference image")
+        prompt = None
+        if embeds is not None:
+            array = np.asarray(embeds, np.float32)
+            if array.shape != (cfg.text_len, cfg.text_dim):
+                raise ValueError(f"inputs['image_embeds'] must be f32[{cfg.text_len}, {cfg.text_dim}] (the CLIP image "
+                                 f"tokens), got {list(array.shape)}")
+            prompt = self._check_embeds(array)
+        return prompt, _Inputs(image, keyboard, mouse)
+
+    # -- device work ------------------------------------------------------------------------------------
+    def _start_block(self, state: Any, session: _MatrixGameSession, block: Any) -> Any:
+        cfg, action = self.config, self.config.action
+        inflight = super()._start_block(state, session, _BlockInputs(None, None))
+        start = inflight.frame_start
+        h, w = self.pixel_hw
+        if session.encode_cache is None:
+            session.encode_cache = jax.device_put(init_encode_cache(self.vae.config, self.pixel_hw), self.device)
+        # The release encodes [image, black frames...] as one clip; the causal encoder gives the same
+        # latents a block at a time: 1 + 4 (f - 1) frames first, 4 f after.
+        per_latent = self.vae.config.temporal_factor
+        if start == 0:
+            zeros = np.zeros((per_latent * (cfg.frames_per_block - 1), 3, h, w), np.float32)
+            video = np.concatenate([block.image, zeros])
+        else:
+            video = np.zeros((per_latent * cfg.frames_per_block, 3, h, w), np.float32)
+        latents, session.encode_cache = encode_step(self.vae, self._to_device(video), session.encode_cache)
+        mask = np.zeros((cfg.frames_per_block, MASK_CHANNELS, cfg.latent_height, cfg.latent_width), np.float32)
+        if start == 0:
+            mask[0] = 1.0  # the reference frame is given; every later frame is to be generated
+        session.block_condition = jnp.concatenate([self._to_device(mask), latents.astype(jnp.float32)], axis=1)
+
+        def rows(recent: jax.Array | None, new: np.ndarray) -> tuple[np.ndarray, int]:
+            old = np.zeros((0, new.shape[1]), np.float32) if recent is None else np.asarray(recent)
+            held = min(session.rows_received, action.rows)
+            return np.concatenate([old[old.shape[0] - held:], new]), session.rows_received - held
+
+        keyboard, first_row = rows(session.recent_keyboard, block.keyboard)
+        mouse = None if block.mouse is None else rows(session.recent_mouse, block.mouse)[0]
+        windows = action_windows(cfg, keyboard, mouse, start, first_row=first_row)
+        session.block_keyboard = self._to_device(windows.keyboard)
+        session.block_mouse = None if windows.mouse is None else self._to_device(windows.mouse)
+        session.rows_received += block.keyboard.shape[0]
+        session.recent_keyboard = self._to_device(_last_rows(keyboard, action.rows))
+        session.recent_mouse = None if mouse is None else self._to_device(_last_rows(mouse, action.rows))
+        if session.action_cache is None:
+            session.action_cache = jax.device_put(init_action_cache(cfg), self.device)
+        return inflight
+
+    def _forward(self, state: Any, session: _MatrixGameSession, inflight: Any, x: jax.Array, step: int,
+                 commit: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        cfg = self.config
+        caches = state.get_kv_caches(MAIN, seq_len=cfg.frames_per_block * cfg.tokens_per_frame, commit_current=commit)
+        t, sigma, sigma_next = self.schedule.step_args(step)
+        x_next, x0, k, v, action_kv = matrix_game_step(
+            self._graphdef, self._params, caches, x, t, sigma, sigma_next, session.key,
+            np.int32(inflight.block_index), np.int32(step), np.int32(inflight.frame_start),
+            state.get_cross_attention_kv(MAIN, TEXT), session.block_condition,
+            ActionInputs(session.block_keyboard, session.block_mouse), session.action_cache)
+        if commit:
+            self._pending_action_kv = action_kv
+        return x_next, x0, k, v
+
+    def _advance(self, state: Any, session: _MatrixGameSession) -> WanBlock | None:
+        start = session.inflight.frame_start
+        block = super()._advance(state, session)
+        if block is None:
+            return None
+        # The commit pass's action keys/values join the ring, as its K/V joined the pages.
+        pending, self._pending_action_kv = self._pending_action_kv, None
+        session.action_cache = _commit_ring(self.config, session.action_cache, pending, np.int32(start))
+        session.block_condition = session.block_keyboard = session.block_mouse = None
+        return block
+
+    def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
+        """Two blocks (a session's first block and a later one are different programs for the VAE)."""
+        cfg, action = self.config, self.config.action
+        h, w = self.pixel_hw
+        for index, rows in enumerate((action.num_rows(cfg.frames_per_block),
+                                      action.frames_per_latent * cfg.frames_per_block)):
+            inputs: dict[str, Any] = {"keyboard": np.zeros((rows, action.keyboard_dim), np.float32)}
+            if action.mouse_dim:
+                inputs["mouse"] = np.zeros((rows, action.mouse_dim), np.float32)
+            if index == 0:
+                inputs["image"] = np.zeros((h, w, 3), np.uint8)
+                inputs["image_embeds"] = np.zeros((cfg.text_len, cfg.text_dim), np.float32)
+            yield DiffusionRequest(f"matrix-game-warmup-{index}", inputs=inputs,
+                                   extra_args={"session_id": session_id, **({"reset": True} if index == 0 else {})})
+
+
+def _last_rows(rows: np.ndarray, count: int) -> np.ndarray:
+    """The last ``count`` rows, zero-padded in front when there are fewer (padding is never read)."""
+    out = np.zeros((count, rows.shape[1]), np.float32)
+    take = min(count, rows.shape[0])
+    out[count - take:] = rows[rows.shape[0] - take:]
+    return out
