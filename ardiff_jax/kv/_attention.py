@@ -5,13 +5,17 @@ The key sequence of one forward is ``[sink frames][newest history frames][curren
 the pools, the current block and the extra (action/state register) tokens come from the
 arguments, so a non-committing forward writes nothing.
 
-Fast path (:func:`paged_attention`): read the session's run of ``sink + window`` pages
-with one contiguous ``dynamic_slice``, mask the pages that hold no visible frame, and
-combine the history part and the current part with a shared log-sum-exp (no
-concatenation of K/V). Softmax attention does not depend on key order, so reading the
-ring in physical order gives the same result as the ordered sequence up to float
-summation order. Masked values are zeroed as well as masked scores, so whatever an
-invisible page holds (a previous owner's KV, even NaN) contributes exactly nothing.
+Fast path (:func:`paged_attention`): gather only the pages that can be visible
+(:func:`read_visible_history`: at most ``sink + window - f`` history frames are, so the
+first ``K + W - f`` entries of the ordered visible table), append the current block and
+the extras, and run one masked softmax over those keys. Once the window is full every
+gathered key is visible, so the cost follows the visible keys: it is dense attention over
+them plus a mask (``benchmarks/bench_batch.py`` and ``bench_kv`` measure it next to
+``jax.nn.dot_product_attention``). Entries past the visible frames (a window still
+filling) are the null page: they read as zeros and their scores are masked, so no page
+that is not visible (a previous owner's KV, even NaN) is ever read. The same code runs
+under ``jax.vmap`` over a batch of cursors (a batched tick): each row gathers its own
+session's pages.
 
 Dense reference (:func:`ref_paged_attention`): gather the visible pages in reference
 order, concatenate ``[history][current][extra]`` and run textbook softmax attention in
@@ -32,10 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer
-from ardiff_jax.kv._ops import gather_pages, read_run
-from ardiff_jax.kv._tables import run_visibility, visible_table
+from ardiff_jax.kv._ops import gather_pages
+from ardiff_jax.kv._tables import visible_table
 
-__all__ = ["paged_attention", "ref_paged_attention", "ref_attention"]
+__all__ = ["paged_attention", "read_visible_history", "ref_attention", "ref_paged_attention"]
 
 
 def _drop_batch(name: str, x: jax.Array) -> tuple[jax.Array, bool]:
@@ -137,6 +141,33 @@ def _default_scale(layout: KVLayout, scale: Any) -> Any:
 MAX_SCORE_BYTES = 256 * 2**20
 
 
+def read_visible_history(
+    layout: KVLayout,
+    pools: KVPools,
+    cursor: jax.Array,  # (run_base, committed, visible_start)
+    layer: jax.Array | int,  # may be traced
+    num_current_frames: int,  # static
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The history keys a forward of ``f`` current frames can see: ``(k, v, token_visible)``.
+
+    At most ``sink + window - f`` history frames are visible (the current frames use up
+    window slots), so exactly that many entries of the ordered visible table
+    (:func:`~ardiff_jax.kv.visible_table`) are gathered, in time order. Entries past the
+    visible frames hold the null page: they read as zeros and ``token_visible`` is False
+    for them. Nothing outside the visible frames is read.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      cursor: i32[3]
+      layer: i32[]
+      returns: (k, v, token_visible); k, v: dtype[(K+W-f)*T, H, D]; token_visible: bool[(K+W-f)*T]
+    """
+    num_history = layout.run_pages - num_current_frames
+    pages, frames = visible_table(layout, cursor, num_current_frames, jnp)
+    hist_k, hist_v = gather_pages(layout, pools, layer, pages[:num_history])
+    return hist_k, hist_v, jnp.repeat(frames[:num_history] >= 0, layout.tokens_per_frame)
+
+
 def paged_attention(
     layout: KVLayout,
     pools: KVPools,
@@ -153,9 +184,10 @@ def paged_attention(
 ) -> jax.Array:
     """Non-causal attention of ``q`` over the visible history, the current block and extras.
 
-    Returns an array of ``q``'s shape and dtype. Reads the pools, never writes them. When
-    the float32 score matrix would exceed ``max_score_bytes`` (static), queries are processed
-    in equal chunks with ``lax.map``; each query row's arithmetic is unchanged.
+    Returns an array of ``q``'s shape and dtype. Reads the pools, never writes them; reads
+    only the pages that can be visible (:func:`read_visible_history`). When the float32
+    score matrix would exceed ``max_score_bytes`` (static), queries are processed in equal
+    chunks with ``lax.map``; each query row's arithmetic is unchanged.
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
@@ -174,29 +206,24 @@ def paged_attention(
     q4 = q3.astype(layout.dtype).reshape(seq_q, layout.num_kv_heads, groups, head_size)
     scale = _default_scale(layout, scale)
 
-    run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
-    page_visible = run_visibility(layout, committed, visible_start, num_frames, jnp)
-    # Invisible pages read as zeros (so whatever they hold, even NaN, contributes nothing)
-    # and their scores are masked below.
-    hist_k, hist_v = read_run(layout, pools, layer, run_base, page_visible)
-    token_visible = jnp.repeat(page_visible, layout.tokens_per_frame)  # bool[(K+W)*T]
+    hist_k, hist_v, hist_visible = read_visible_history(layout, pools, cursor, layer, num_frames)
+    # One key sequence [history][current][extra] and one masked softmax: dense attention over
+    # the gathered keys (the concatenation copies K/V, a small fraction of the score work).
+    keys = jnp.concatenate([hist_k, cur_k], axis=0)
+    values = jnp.concatenate([hist_v, cur_v], axis=0)
+    key_visible = jnp.concatenate([hist_visible, jnp.ones((cur_k.shape[0],), bool)])
 
     f32 = jnp.float32
 
     def attend_rows(q_rows: jax.Array) -> jax.Array:  # [s, H, G, D] -> f32[H, G, s, D]
-        s_hist = jnp.einsum("shgd,nhd->hgsn", q_rows, hist_k, preferred_element_type=f32) * scale
-        s_hist = jnp.where(token_visible, s_hist, -jnp.inf)
-        s_cur = jnp.einsum("shgd,nhd->hgsn", q_rows, cur_k, preferred_element_type=f32) * scale
-        # The current block is never empty, so the running max is finite.
-        m = jnp.maximum(s_hist.max(axis=-1, keepdims=True), s_cur.max(axis=-1, keepdims=True))
-        e_hist = jnp.exp(s_hist - m)
-        e_cur = jnp.exp(s_cur - m)
-        denom = e_hist.sum(axis=-1, keepdims=True) + e_cur.sum(axis=-1, keepdims=True)
-        out = jnp.einsum("hgsn,nhd->hgsd", e_hist.astype(hist_v.dtype), hist_v, preferred_element_type=f32)
-        out = out + jnp.einsum("hgsn,nhd->hgsd", e_cur.astype(cur_v.dtype), cur_v, preferred_element_type=f32)
-        return out / denom
+        scores = jnp.einsum("shgd,nhd->hgsn", q_rows, keys, preferred_element_type=f32) * scale
+        scores = jnp.where(key_visible, scores, -jnp.inf)
+        # The current block is never empty, so every row's max is finite.
+        weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+        out = jnp.einsum("hgsn,nhd->hgsd", weights.astype(values.dtype), values, preferred_element_type=f32)
+        return out / weights.sum(axis=-1, keepdims=True)
 
-    num_keys = hist_k.shape[0] + cur_k.shape[0]
+    num_keys = keys.shape[0]
     row_bytes = 4 * num_q_heads * num_keys
     chunk = max(1, min(seq_q, max_score_bytes // row_bytes))
     if chunk >= seq_q:
