@@ -17,11 +17,21 @@ from ardiff_jax.models.matrix_game._actions import (
     check_action_rows,
     rows_for_block,
 )
+from ardiff_jax.models.matrix_game._clip import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ClipVisionConfig,
+    ClipVisionEncoder,
+    bicubic_matrix,
+    clip_vision_names,
+    load_clip_vision,
+)
 from ardiff_jax.models.matrix_game._pipeline import (
     MatrixGamePipeline,
     MatrixGamePipelineConfig,
     matrix_game_step,
 )
 
-__all__ = ["MatrixGamePipeline", "MatrixGamePipelineConfig", "action_windows", "check_action_rows",
-           "matrix_game_step", "rows_for_block"]
+__all__ = ["CLIP_MEAN", "CLIP_STD", "ClipVisionConfig", "ClipVisionEncoder", "MatrixGamePipeline",
+           "MatrixGamePipelineConfig", "action_windows", "bicubic_matrix", "check_action_rows", "clip_vision_names",
+           "load_clip_vision", "matrix_game_step", "rows_for_block"]
