@@ -93,7 +93,7 @@ def test_a_bad_rate_is_refused(fps):
 
 
 @pytest.mark.parametrize("field, value", [("lookahead_chunks", -1), ("lookahead_chunks", 1.5),
-                                          ("paced", 1), ("fps_samples", 0)])
+                                          ("paced", 1), ("fps_samples", 0), ("batch_ticks", "yes")])
 def test_bad_pacing_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         ServerSettings(**{field: value})
@@ -255,7 +255,7 @@ def test_a_rate_above_what_the_engine_sustains_is_clamped_and_reported(engine, s
 
 def test_when_the_engine_cannot_keep_up_every_session_slows_evenly_and_says_so(engine, slowed):
     spy = slowed(0.04)  # 25 chunks/s for three sessions asking 20 each (60 chunks/s)
-    with serve(engine) as client:
+    with serve(engine, batch_ticks=False) as client:  # one by one, each call slowed (batching: test_serve_batch)
         sockets = [client.websocket_connect(PATH).__enter__() for _ in range(3)]
         try:
             ids = [start(ws, fps=20, seed=i)["request_id"] for i, ws in enumerate(sockets)]

@@ -29,7 +29,12 @@ Design
   deadline first), and sleeps when nothing is due. A chunk ready after its play time is an
   underrun: that session's playback waits (nothing is skipped), so when the engine cannot keep
   up every session slows by the same share, and each chunk's metadata and ``/metrics`` say so.
-  ``ServerSettings(paced=False)`` (``--no-pacing``) generates as fast as the engine goes. A chunk is
+  ``ServerSettings(paced=False)`` (``--no-pacing``) generates as fast as the engine goes.
+  Sessions due at the same time are generated together: their ticks go to one
+  ``engine.generate_batch`` call (one forward for all of them where the pipeline batches; at
+  most the engine's resident capacity per call; ``batch_ticks=False`` or an engine without it,
+  such as a router, makes them one by one), and a session whose request fails in a batch ends
+  alone. A chunk is
   ``ARDiffusionSession.next_chunk()`` of the control plane
   (:class:`~ardiff_jax.realtime.ARDiffusionSessionManager` over an
   :class:`~ardiff_jax.realtime.EngineTickConsumer` and an

@@ -100,6 +100,9 @@ class ServerSettings:
       paced: generate each session's chunks just in time for playback at its frame rate (the default).
         ``False`` generates as fast as the engine goes (offline use, throughput benchmarks); rates and
         underruns are measured either way.
+      batch_ticks: sessions due at the same time get their chunks from one ``engine.generate_batch`` call (one
+        forward for all of them where the pipeline batches; at most the engine's resident capacity per
+        call); ``False``, or an engine without ``generate_batch`` (a router), makes them one by one.
       fps_samples: chunk timings from which the engine's sustained frame rate is estimated (the median
         seconds per frame of the last this many chunks); a session asking for more frames per second than
         that is clamped to it once this many chunks were timed.
@@ -116,6 +119,7 @@ class ServerSettings:
     lookahead_chunks: int = 1
     paced: bool = True
     fps_samples: int = 8
+    batch_ticks: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_pending_events", "max_queued_chunks", "max_queued_control"):
@@ -128,8 +132,9 @@ class ServerSettings:
             check_positive_int("ServerSettings capacity", self.capacity)
         check_non_negative_int("ServerSettings lookahead_chunks", self.lookahead_chunks)
         check_positive_int("ServerSettings fps_samples", self.fps_samples)
-        if not isinstance(self.paced, bool):
-            raise ValueError(f"ServerSettings paced must be a bool, got {self.paced!r}")
+        for name in ("paced", "batch_ticks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ServerSettings {name} must be a bool, got {getattr(self, name)!r}")
 
 
 class _State(enum.Enum):
@@ -240,6 +245,9 @@ class _Server:
         self.background: set[asyncio.Task] = set()
         self.busy_since: float | None = None  # the generation loop works on one session's chunk since then
         self.connection_order = itertools.count()
+        # Sessions due together are generated in one engine call, up to what the engine holds resident at once.
+        batching = settings.batch_ticks and callable(getattr(engine, "generate_batch", None))
+        self.batch_limit = max(1, engine.session_capacity) if batching else 1
         # Engine seconds per generated frame of the last chunks: what one session can sustain (see fps_limit).
         self.frame_seconds: collections.deque[float] = collections.deque(maxlen=settings.fps_samples)
 
@@ -631,18 +639,47 @@ class _Server:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), timeout=max(0.0, next_due - now))
                 continue
-            conn = min(due, key=lambda c: (c.playback.deadline(), c.order))  # type: ignore[union-attr]
+            due.sort(key=lambda c: (c.playback.deadline(), c.order))  # type: ignore[union-attr]
+            group = due[:self.batch_limit]
             self.busy_since = time.monotonic()
             try:
-                await self._next_chunk(conn)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug must not end every other session's stream
-                logger.exception("chunk of session %s failed unexpectedly", conn.request_id)
-                await self._close_with_error(conn, "internal_error", "the server failed; see its log",
-                                             CLOSE_INTERNAL)
+                if len(group) == 1:
+                    await self._guarded_next_chunk(group[0])
+                else:
+                    await self._next_chunks_batched(group)
             finally:
                 self.busy_since = None
+
+    async def _guarded_next_chunk(self, conn: _Connection) -> None:
+        try:
+            await self._next_chunk(conn)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not end every other session's stream
+            logger.exception("chunk of session %s failed unexpectedly", conn.request_id)
+            await self._close_with_error(conn, "internal_error", "the server failed; see its log", CLOSE_INTERNAL)
+
+    async def _next_chunks_batched(self, group: list[_Connection]) -> None:
+        """The next chunk of every session of ``group`` in one engine call (``engine.generate_batch``).
+
+        Each session runs its own ``next_chunk`` (control plane, metadata, events, encoding) as a
+        task; the consumer holds their ticks until all arrived, then runs them together. A task
+        that ends without submitting a tick (its session ended meanwhile) is withdrawn, so the
+        others never wait for it; a session whose request fails gets its own error and ends alone.
+        """
+        with self.consumer.batch(conn.request_id for conn in group) as batch:
+            tasks = []
+            for conn in group:
+                task = asyncio.create_task(self._guarded_next_chunk(conn))
+                task.add_done_callback(lambda _, session_id=conn.request_id: batch.withdraw(session_id))
+                tasks.append(task)
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError:
+                for task in tasks:
+                    task.cancel()
+                raise
+        self.metrics.observe_batch(len(group))
 
     async def _next_chunk(self, conn: _Connection) -> None:
         if conn.tail is not None and not conn.tail.done():

@@ -24,6 +24,8 @@ Metrics:
 * ``ardiff_underruns_total``: chunks ready after their play time (the player ran dry and waited;
   the session's playback moved later by the lateness, see :mod:`ardiff_jax.serve._pacing`).
 * ``ardiff_chunk_lateness_seconds`` (histogram): how late those chunks were.
+* ``ardiff_batch_sessions`` (histogram): sessions per batched engine call (two or more: a single
+  session's chunk is not a batch).
 * ``ardiff_session_real_time_factor{request_id}`` (gauge): each streaming session's real frame
   rate over its target (1.0: it plays at its rate; below: the engine cannot keep up), over its
   last 8 chunks; removed when the session ends.
@@ -94,6 +96,8 @@ class ServerMetrics:
                                            "Real frame rate over the target, per streaming session (last 8 chunks)",
                                            ["request_id"], registry=r)
         self._rated: set[str] = set()
+        self.batch_sessions = prom.Histogram("ardiff_batch_sessions", "Sessions per batched engine call",
+                                             buckets=(2, 4, 8, 16, 32, 64), registry=r)
         self.connections_refused = prom.Counter("ardiff_connections_refused",
                                                 "WebSocket handshakes refused before a session, by reason",
                                                 ["reason"], registry=r)
@@ -125,6 +129,10 @@ class ServerMetrics:
             with self._lock:
                 self._rated.add(request_id)
                 self.real_time_factor.labels(request_id=request_id).set(float(real_time_factor))
+
+    def observe_batch(self, sessions: int) -> None:
+        """One engine call generated the next chunk of ``sessions`` sessions together."""
+        self.batch_sessions.observe(check_non_negative_int("sessions", sessions))
 
     def session_ended(self, request_id: str) -> None:
         """Session ``request_id`` ended: its real-time factor is no longer reported (idempotent)."""
