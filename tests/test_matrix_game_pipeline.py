@@ -13,6 +13,7 @@ the independent torch reference.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -213,3 +214,48 @@ def test_the_pipeline_refuses_other_networks(parts):
         MatrixGamePipeline(dit_preset("wan-tiny"), vae=parts[1])
     with pytest.raises(ValueError, match="needs vae="):
         MatrixGamePipeline(CONFIG)
+
+
+def test_an_action_script_plays_into_an_mp4(parts, tmp_path):
+    av = pytest.importorskip("av")
+    from PIL import Image
+
+    from ardiff_jax.models.matrix_game import (
+        ActionScript,
+        generate_matrix_game,
+        prepare_image,
+    )
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 100, 3), dtype=np.uint8)).save(
+        tmp_path / "start.png")
+    image = prepare_image(tmp_path / "start.png", H, W)
+    assert image.shape == (H, W, 3) and image.dtype == np.uint8
+    player = Player(7, blocks=3)
+    rows = ACTION.num_rows(6) + 3  # two whole blocks and 3 rows more (dropped)
+    (tmp_path / "actions.json").write_text(json.dumps({"keyboard": player.keyboard[:rows].tolist(),
+                                                       "mouse": player.mouse[:rows].tolist()}))
+    actions = ActionScript.load(tmp_path / "actions.json")
+    assert actions.num_blocks(CONFIG.frames_per_block, ACTION.frames_per_latent) == 2
+    _, frames, _ = generate_matrix_game(_engine(parts), image, player.embeds, actions, out=tmp_path / "play.mp4")
+    assert frames == 9 + 12
+    with av.open(str(tmp_path / "play.mp4")) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 21
+
+
+def test_the_cli_refuses_bad_matrix_game_arguments_before_building(tmp_path, capsys):
+    from ardiff_jax.cli import main
+
+    (tmp_path / "start.png").write_bytes(b"")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    base = ["generate", "--model", "matrix-game", "--random-weights", "--out", str(tmp_path / "play.mp4"),
+            "--preset", "matrix-game-tiny"]
+    for extra, message in [([], "needs --image and --actions"),
+                           (["--image", str(tmp_path / "start.png"), "--actions", str(tmp_path / "bad.json")],
+                            "argument --actions"),
+                           (["--prompt", "a cat", "--image", str(tmp_path / "start.png")], "not for --model matrix-game"),
+                           (["--preset", "wan-tiny", "--image", str(tmp_path / "start.png"), "--actions",
+                             str(tmp_path / "bad.json")], "not a Matrix-Game preset")]:
+        assert main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["generate", "--random-weights", "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "needs --prompt and --seconds" in capsys.readouterr().err

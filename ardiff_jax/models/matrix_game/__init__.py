@@ -12,6 +12,16 @@
 ``docs/models.md`` ("Matrix-Game 2.0") describes the formats, the choices and what is tested.
 """
 
+from ardiff_jax.models._config import ActionConfig
+from ardiff_jax.models._dit import (
+    ActionInputs,
+    ActionKV,
+    ActionModule,
+    action_cache_nbytes,
+    action_history_mask,
+    commit_action_cache,
+    init_action_cache,
+)
 from ardiff_jax.models.matrix_game._actions import (
     action_windows,
     check_action_rows,
@@ -26,12 +36,44 @@ from ardiff_jax.models.matrix_game._clip import (
     clip_vision_names,
     load_clip_vision,
 )
+from ardiff_jax.models.matrix_game._generate import (
+    MATRIX_GAME_FPS,
+    ActionScript,
+    generate_matrix_game,
+    prepare_image,
+    run_generate_cli,
+)
 from ardiff_jax.models.matrix_game._pipeline import (
     MatrixGamePipeline,
     MatrixGamePipelineConfig,
     matrix_game_step,
 )
 
-__all__ = ["CLIP_MEAN", "CLIP_STD", "ClipVisionConfig", "ClipVisionEncoder", "MatrixGamePipeline",
-           "MatrixGamePipelineConfig", "action_windows", "bicubic_matrix", "check_action_rows", "clip_vision_names",
-           "load_clip_vision", "matrix_game_step", "rows_for_block"]
+__all__ = [
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "MATRIX_GAME_FPS",
+    "ActionConfig",
+    "ActionInputs",
+    "ActionKV",
+    "ActionModule",
+    "ActionScript",
+    "ClipVisionConfig",
+    "ClipVisionEncoder",
+    "MatrixGamePipeline",
+    "MatrixGamePipelineConfig",
+    "action_cache_nbytes",
+    "action_history_mask",
+    "action_windows",
+    "bicubic_matrix",
+    "check_action_rows",
+    "clip_vision_names",
+    "commit_action_cache",
+    "generate_matrix_game",
+    "init_action_cache",
+    "load_clip_vision",
+    "matrix_game_step",
+    "prepare_image",
+    "rows_for_block",
+    "run_generate_cli",
+]
