@@ -12,8 +12,9 @@ and reports how closely the generated frames track the simulator:
   the runtime alone would show, so the difference is what training contributed);
 * **one-step accuracy** on held-out transitions with the true context
   (:func:`ardiff_jax.training.one_step_accuracy`): agent cell, ball cell, whole frame;
-* frames/s of one session alone and of the interleaved sessions, per-request latency
-  percentiles, and the memory plan.
+* frames/s of one session alone, of the interleaved sessions (one request at a time) and
+  of 4 sessions batched (``engine.generate_batch``: one forward per round for all of
+  them), per-request latency percentiles, and the memory plan.
 
 Frames are decoded the way the pipeline decodes them for every user: each 4x4 cell snapped
 to the nearest of the seven looks a SpriteWorld cell can have
@@ -84,12 +85,15 @@ def random_actions(seed: int, num_frames: int, repeat_probability: float = 0.75)
 
 
 def drive_sessions(engine: ARDiffusionEngine, seeds: Sequence[int], num_frames: int, *, action_seed: int = 0,
-                   on_block: Callable[[int, float], None] | None = None) -> list[SessionTrack]:
+                   on_block: Callable[[int, float], None] | None = None, batched: bool = False) -> list[SessionTrack]:
     """Drive one session per SpriteWorld seed and its simulator with the same actions, round-robin.
 
     Every session gets ``num_frames`` generated frames after its observation (a multiple of
     the pipeline's ``frames_per_block``). ``on_block(session_index, latency_ms)`` is called
-    after every request (progress bars hook in here).
+    after every request (progress bars hook in here). With ``batched``, each round's blocks
+    are requested with ``engine.generate_batch`` in groups of at most the engine's capacity
+    (one batched forward per group; the same frames as one by one); a session's latency is
+    then its group's.
     """
     pipeline = engine.runner.pipeline
     f = pipeline.config.frames_per_block
@@ -103,22 +107,29 @@ def drive_sessions(engine: ARDiffusionEngine, seeds: Sequence[int], num_frames: 
         tracks.append(SessionTrack(seed=int(world.seed), frames=[first], truth=[first],
                                    actions=random_actions(action_seed * 7919 + i, num_frames), latencies_ms=[]))
     ids = [f"world-{i}-seed-{track.seed}" for i, track in enumerate(tracks)]
+    group_size = engine.session_capacity if batched else 1
     for block in range(num_frames // f):
-        for i, (track, world) in enumerate(zip(tracks, worlds, strict=True)):
-            actions = track.actions[1 + block * f: 1 + (block + 1) * f]
-            inputs: dict[str, Any] = {"actions": actions}
-            if ids[i] not in engine.sessions:  # new, or evicted by LRU: (re)start from the last frame
-                inputs["observation"] = np.stack(track.frames[-f:])
-                track.restarts += block > 0
+        for first in range(0, len(tracks), group_size):
+            group = range(first, min(first + group_size, len(tracks)))
+            requests = []
+            for i in group:
+                track = tracks[i]
+                inputs: dict[str, Any] = {"actions": track.actions[1 + block * f: 1 + (block + 1) * f]}
+                if ids[i] not in engine.sessions:  # new, or evicted by LRU: (re)start from the last frame
+                    inputs["observation"] = np.stack(track.frames[-f:])
+                    track.restarts += block > 0
+                requests.append(DiffusionRequest(f"{ids[i]}-b{block}", extra_args={"session_id": ids[i]},
+                                                 inputs=inputs))
             start = time.perf_counter()
-            out = engine.generate(DiffusionRequest(f"{ids[i]}-b{block}", extra_args={"session_id": ids[i]},
-                                                   inputs=inputs))
+            outs = engine.generate_batch(requests) if batched else [engine.generate(requests[0])]
             latency = (time.perf_counter() - start) * 1e3
-            track.latencies_ms.append(latency)
-            track.frames.extend(out.frames)
-            track.truth.extend(world.step(int(a)) for a in actions)
-            if on_block is not None:
-                on_block(i, latency)
+            for i, out in zip(group, outs, strict=True):
+                track, world = tracks[i], worlds[i]
+                track.latencies_ms.append(latency)
+                track.frames.extend(out.frames)
+                track.truth.extend(world.step(int(a)) for a in track.actions[1 + block * f: 1 + (block + 1) * f])
+                if on_block is not None:
+                    on_block(i, latency)
     for session_id in ids:
         if session_id in engine.sessions:
             engine.close_session(session_id)
@@ -239,6 +250,14 @@ def _single_session_fps(engine: ARDiffusionEngine, seed: int, num_frames: int) -
     return 1e3 * f / statistics.fmean(steady)
 
 
+def _batched_fps(engine: ARDiffusionEngine, seeds: Sequence[int], num_frames: int) -> float:
+    """Aggregate frames/s of ``len(seeds)`` sessions served by one ``generate_batch`` per round (steady state)."""
+    tracks = drive_sessions(engine, seeds, num_frames, action_seed=seeds[0], batched=True)
+    steady = tracks[0].latencies_ms[1:]  # every session of a round shares its batch's latency
+    f = engine.runner.pipeline.config.frames_per_block
+    return 1e3 * f * len(seeds) / statistics.fmean(steady)
+
+
 def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, capacity: int | None = None,
              seed: int = 0, compare_untrained: bool = True, progress: bool = True,
              available_memory_bytes: int = 2**28) -> dict[str, Any]:
@@ -280,6 +299,9 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
                                 on_block=lambda i, ms: bar.update(f))
         interleaved_fps = total_blocks * f / (time.perf_counter() - run_start)
         single_fps = _single_session_fps(engine, seed + 2000, min(num_frames, 32))
+        batched_sessions = min(4, engine.session_capacity)
+        batched_fps = (_batched_fps(engine, [seed + 3000 + i for i in range(batched_sessions)], min(num_frames, 32))
+                       if batched_sessions > 1 else single_fps)
         untrained_tracks = None
         if compare_untrained:
             bar.set_description("untrained model (random weights, for comparison)")
@@ -309,6 +331,8 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
             "frames_per_second_one_session": single_fps,
             "frames_per_second_interleaved": interleaved_fps,
             "interleaved_sessions": sessions,
+            "frames_per_second_batched": batched_fps,
+            "batched_sessions": batched_sessions,
             "latency_ms": _percentiles([ms for t in tracks for ms in t.latencies_ms[1:]]),
             "load_seconds": load_seconds,
         },

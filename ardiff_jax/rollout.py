@@ -37,11 +37,12 @@ from ardiff_jax.kv import (
     block_pages,
     sharded_write_block,
     write_block,
+    write_blocks,
 )
 from ardiff_jax._checks import check_not_traced
 from ardiff_jax.runtime import ARDiffusionKVCache, ARDiffusionKVState, branch_cursor_array, commit_frames
 
-__all__ = ["BlockFn", "rollout_blocks", "rollout_sessions"]
+__all__ = ["BlockFn", "rollout_batched_blocks", "rollout_blocks", "rollout_sessions"]
 
 #: ``block_fn(caches, x) -> (y, k, v)`` with ``k, v: [L, f*T, H, D]``.
 BlockFn = Callable[[PagedKVCaches, Any], tuple[Any, jax.Array, jax.Array]]
@@ -105,15 +106,62 @@ def rollout_blocks(
     return pools, cursors, ys
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "block_fn", "num_frames", "backend"),
+                   donate_argnames=("pools",))
+def rollout_batched_blocks(
+    layout: KVLayout,
+    pools: KVPools,
+    cursors: jax.Array,  # i32[B, 3]: (run_base, committed, visible_start) per session
+    block_fn: BlockFn,
+    xs: Any,  # pytree, leading axes [num_steps, B]: per-step, per-session model inputs
+    *,
+    num_frames: int,
+    backend: str = "xla",
+) -> tuple[KVPools, jax.Array, Any]:
+    """Run ``num_steps`` batched ticks: every step commits one block of **every** session at once.
+
+    The batched form of :func:`rollout_blocks` (the device-side twin of
+    ``engine.generate_batch``): each step runs ``block_fn`` under ``jax.vmap`` over the
+    sessions with one batched :class:`~ardiff_jax.kv.PagedKVCaches` (cursor ``i32[B, 3]``,
+    each row reading its own session's window) and commits every row's block with one
+    :func:`~ardiff_jax.kv.write_blocks`, deferred to the next step like :func:`rollout_blocks`'
+    writes. DONATES ``pools``. Returns ``(pools, cursors, ys)``; ``ys`` has leading axes
+    ``[num_steps, B]``. Pools on one device only. A ``block_fn`` that draws noise from
+    ``"rbg"`` keys draws other numbers under ``vmap`` than alone (draw it with ``lax.map``
+    to match a one-session run).
+    """
+    seq_len = num_frames * layout.tokens_per_frame
+    num_sessions = cursors.shape[0]
+    block_shape = (num_sessions, layout.num_layers, seq_len, layout.num_kv_heads, layout.head_size)
+    row_pages = jax.vmap(lambda cursor: block_pages(layout, cursor[0], cursor[1], num_frames, jnp))
+    row_advance = jax.vmap(lambda cursor: advance_cursor(layout, cursor, num_frames, jnp))
+
+    def step(carry: tuple[KVPools, jax.Array, tuple[jax.Array, jax.Array, jax.Array]], x: Any):
+        pools, cursors, (pending_pages, pending_k, pending_v) = carry
+        pools = write_blocks(layout, pools, pending_pages, pending_k, pending_v)  # write first: in place
+        caches = PagedKVCaches(pools=pools, cursor=cursors, layout=layout, seq_len=seq_len, backend=backend)
+        y, k, v = jax.vmap(block_fn, in_axes=(caches.vmap_axes(), 0))(caches, x)
+        pending = (row_pages(cursors), k.reshape(block_shape).astype(layout.dtype),
+                   v.reshape(block_shape).astype(layout.dtype))
+        return (pools, row_advance(cursors), pending), y
+
+    nothing = (jnp.full((num_sessions, num_frames), layout.null_page, jnp.int32), jnp.zeros(block_shape, layout.dtype),
+               jnp.zeros(block_shape, layout.dtype))
+    (pools, cursors, pending), ys = jax.lax.scan(step, (pools, cursors, nothing), xs)
+    pools = write_blocks(layout, pools, *pending)
+    return pools, cursors, ys
+
+
 def rollout_sessions(
     cache: ARDiffusionKVCache,
     states: Sequence[ARDiffusionKVState],
     block_fn: BlockFn,
     xs: Any,
-    session_index: Sequence[int] | np.ndarray,  # i32[num_steps]: index into ``states`` per step
+    session_index: Sequence[int] | np.ndarray | None,  # i32[num_steps]: index into ``states`` per step
     *,
     branch: str,
     num_frames: int,
+    batched: bool = False,
 ) -> Any:
     """Run a device-side rollout over sessions of an :class:`~ardiff_jax.ARDiffusionKVCache`.
 
@@ -124,9 +172,29 @@ def rollout_sessions(
     changes nothing. Then :func:`rollout_blocks` runs on the cache's pools (donated; the
     cache gets the new pools back) and the planned session values are published. Returns
     the stacked ``ys``.
+
+    With ``batched=True`` every step advances **every** session (``session_index`` must be
+    ``None``; ``xs`` has leading axes ``[num_steps, len(states)]``) through
+    :func:`rollout_batched_blocks`: one vmapped ``block_fn`` per step over all sessions and
+    one write of all their blocks, as ``engine.generate_batch`` does. ``ys`` then has
+    leading axes ``[num_steps, len(states)]``. Pools on one device only.
     """
     layout, spec = cache.layout, cache.spec
     check_not_traced("rollout_sessions", xs, session_index)
+    if not isinstance(batched, bool):
+        raise TypeError(f"batched must be a bool, got {batched!r}")
+    if batched:
+        if session_index is not None:
+            raise ValueError("a batched rollout advances every session each step: pass session_index=None")
+        if cache.sharding is not None:
+            raise ValueError("batched rollouts need pools on one device")
+        leading = {tuple(np.shape(leaf)[:2]) for leaf in jax.tree_util.tree_leaves(xs)}
+        if len(leading) != 1 or len(next(iter(leading))) != 2 or next(iter(leading))[1] != len(states) \
+                or next(iter(leading))[0] == 0:
+            raise ValueError(f"batched xs leaves must share leading axes [num_steps >= 1, {len(states)}], got "
+                             f"{sorted(leading)}")
+        num_steps = next(iter(leading))[0]
+        session_index = np.tile(np.arange(len(states), dtype=np.int32), num_steps)  # the commit plan, step-major
     session_index = np.asarray(session_index)
     if session_index.ndim != 1 or session_index.size == 0 or not np.issubdtype(session_index.dtype, np.integer):
         raise ValueError(f"session_index must be a non-empty 1-d sequence of integers, got {session_index!r}")
@@ -151,8 +219,12 @@ def rollout_sessions(
     cursors = np.stack([branch_cursor_array(spec, layout, value, branch, branch_major=cache.branch_major)
                         for value in before])
     cache.check_pools()
-    pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index, num_frames=num_frames,
-                                  backend=cache.attention_backend, sharding=cache.sharding)
+    if batched:
+        pools, _, ys = rollout_batched_blocks(layout, cache.pools, cursors, block_fn, xs, num_frames=num_frames,
+                                              backend=cache.attention_backend)
+    else:
+        pools, _, ys = rollout_blocks(layout, cache.pools, cursors, block_fn, xs, session_index,
+                                      num_frames=num_frames, backend=cache.attention_backend, sharding=cache.sharding)
     # Under an enclosing jax transformation nothing ran (and nothing was donated): refuse before publishing.
     check_not_traced("rollout_sessions (inside jax.jit or another transformation)", pools.k)
     cache._replace_pools(pools)

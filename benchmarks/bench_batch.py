@@ -84,7 +84,12 @@ class _SpriteWorkload:
 
     def __init__(self, capacity: int) -> None:
         from ardiff_jax import ARDiffusionEngine, EngineConfig
-        from ardiff_jax.models import DiTModules, SpriteWorldPipeline, SpriteWorldPipelineConfig, dit_preset
+        from ardiff_jax.models import (
+            DiTModules,
+            SpriteWorldPipeline,
+            SpriteWorldPipelineConfig,
+            dit_preset,
+        )
 
         modules = DiTModules.create(dit_preset("sprite_world"), 0)
         config = EngineConfig(dtype="float32", available_memory_bytes=2**30, gpu_memory_fraction=1.0)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import count_compiles
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.capability import SupportsARDiffusionBatch
@@ -28,11 +29,15 @@ from ardiff_jax.kv import (
     write_block,
     write_blocks,
 )
-from ardiff_jax.models import DiTModules, SpriteWorldPipeline, SpriteWorldPipelineConfig, dit_preset
+from ardiff_jax.models import (
+    DiTModules,
+    SpriteWorldPipeline,
+    SpriteWorldPipelineConfig,
+    dit_preset,
+)
 from ardiff_jax.runtime import ARDiffusionBatchError, batch_buckets, bucket_for
-from helpers import count_compiles
 
-CONFIG = dict(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0)
+CONFIG = {"dtype": "float32", "available_memory_bytes": 2**28, "gpu_memory_fraction": 1.0}
 OBSERVATIONS = [SpriteWorld(seed, size=32).reset() for seed in range(6)]
 
 
@@ -275,3 +280,54 @@ def test_refused_batches_change_nothing(modules):
     assert (engine.sessions, _cursors(engine), pipeline.session_ids) == before
     assert engine.generate_batch([]) == []
     engine.close()
+
+
+# -- device-side batched rollouts ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reset_at_boundary", [False, True])
+def test_batched_rollout_equals_the_runner_path(reset_at_boundary):
+    from test_rollout import block_fn, make_cache, make_params
+
+    from ardiff_jax.rollout import rollout_sessions
+
+    params = make_params()
+    steps, sessions = 6, 3  # 12 frames per session: the 4-frame ring wraps
+    xs = jnp.asarray(np.random.default_rng(1).normal(size=(steps, sessions, 4, 8)), jnp.float32)
+    host_cache = make_cache(reset_at_boundary)
+    host_states = [host_cache.create_state(f"s{i}") for i in range(sessions)]
+    step_fn = jax.jit(block_fn)
+    host_ys = np.zeros(xs.shape, np.float32)
+    for t in range(steps):
+        for s, state in enumerate(host_states):
+            caches = state.get_kv_caches("main", seq_len=4, commit_current=True)
+            y, k, v = step_fn(params, caches, xs[t, s])
+            state.commit_paged_context("main", kv=(k, v))
+            host_ys[t, s] = np.asarray(y)
+    dev_cache = make_cache(reset_at_boundary)
+    dev_states = [dev_cache.create_state(f"s{i}") for i in range(sessions)]
+    with pytest.raises(ValueError, match="session_index=None"):
+        rollout_sessions(dev_cache, dev_states, jax.tree_util.Partial(block_fn, params), xs, [0],
+                         branch="main", num_frames=2, batched=True)
+    dev_ys = rollout_sessions(dev_cache, dev_states, jax.tree_util.Partial(block_fn, params), xs, None,
+                              branch="main", num_frames=2, batched=True)
+    assert dev_ys.shape == xs.shape
+    np.testing.assert_allclose(np.asarray(dev_ys), host_ys, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(dev_cache.pools.k), np.asarray(host_cache.pools.k), rtol=2e-5, atol=2e-6)
+    for host, dev in zip(host_states, dev_states, strict=True):
+        assert dev.adapter("main").committed_frames == host.adapter("main").committed_frames == 2 * steps
+        assert dev.adapter("main").visible_start_frame == host.adapter("main").visible_start_frame
+
+
+def test_the_demo_drive_batched_equals_one_by_one(modules):
+    from ardiff_jax.demo import drive_sessions
+
+    _, batched = _engine(modules, capacity=3)
+    _, sequential = _engine(modules, capacity=3)
+    got = drive_sessions(batched, [1, 2, 3], 4, action_seed=2, batched=True)
+    want = drive_sessions(sequential, [1, 2, 3], 4, action_seed=2)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.frames, w.frames)
+        assert g.restarts == w.restarts == 0
+    batched.close()
+    sequential.close()
