@@ -304,8 +304,8 @@ def test_a_page_of_another_origin_is_refused_and_the_index_page_with_the_token_p
     browser.get(f"{url}?token={ACCESS_KEY}")
     browser.find_element(By.ID, "seed").send_keys(str(SEED))
     browser.find_element(By.ID, "start").click()
-    wait_for(lambda: stats(browser)["chunks"] >= 2 or stats(browser)["errors"], 30, "2 chunks with the token")
-    assert stats(browser)["errors"] == [] and stats(browser)["framesShown"] >= 1
+    wait_for(lambda: stats(browser)["framesShown"] >= 1 or stats(browser)["errors"], 30, "a frame drawn with the token")
+    assert stats(browser)["errors"] == [] and stats(browser)["chunks"] >= 1
     assert len(created) == 1
     browser.find_element(By.ID, "stop").click()
     wait_for(lambda: stats(browser)["state"] in ("done", "closed"), 10, "session.done after Stop")

@@ -35,8 +35,7 @@ __all__ = [
 FORMATS = ("m4s", "jpeg")
 #: ``session.start`` fields the server accepts for compatibility but does not act on (reported back in
 #: ``video.start.config.ignored_fields`` when a client sends them).
-IGNORED_START_FIELDS = ("model", "negative_prompt", "num_inference_steps", "guidance_scale", "extra_params",
-                        "image_reference")
+IGNORED_START_FIELDS = ("model", "negative_prompt", "num_inference_steps", "guidance_scale", "extra_params")
 #: Seeds are the pipelines' noise seeds: integers in ``[0, 2**31)``.
 MAX_SEED = 2**31
 #: Largest ``num_frames`` a session may ask for (a bound, so a typo cannot pin a slot for years).
@@ -75,6 +74,7 @@ class SessionStart:
     width: int | None = None
     height: int | None = None
     fps: int | None = None
+    image_url: str | None = None
     ignored_fields: tuple[str, ...] = ()
 
 
@@ -177,8 +177,12 @@ def _parse_start(payload: Mapping[str, Any]) -> SessionStart:
         _optional_int(payload, field, 1, 2**31)
     if payload.get("guidance_scale") is not None and not _number(payload["guidance_scale"]):
         raise _invalid("guidance_scale", "a finite number", payload["guidance_scale"])
-    if payload.get("image_reference") is not None and not isinstance(payload["image_reference"], Mapping):
-        raise _invalid("image_reference", "an object", payload["image_reference"])
+    image_url = None
+    if payload.get("image_reference") is not None:
+        reference = payload["image_reference"]
+        if not isinstance(reference, Mapping) or not isinstance(reference.get("image_url"), str):
+            raise _invalid("image_reference", 'an object {"image_url": "data:image/...;base64,..."}', reference)
+        image_url = reference["image_url"]
     return SessionStart(
         format=fmt,
         prompt=_optional_str(payload, "prompt", ""),
@@ -187,6 +191,7 @@ def _parse_start(payload: Mapping[str, Any]) -> SessionStart:
         width=_optional_int(payload, "width", 1, 2**16),
         height=_optional_int(payload, "height", 1, 2**16),
         fps=_optional_int(payload, "fps", 1, MAX_FPS + 1),
+        image_url=image_url,
         ignored_fields=tuple(f for f in IGNORED_START_FIELDS if payload.get(f) is not None),
     )
 

@@ -51,6 +51,7 @@ Two worlds are served:
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -84,7 +85,28 @@ ACTION_SCHEMA = "discrete"
 PROMPT_FIELD = "prompt"
 #: Largest integer upscale of the native frame size a session may ask for (``width``/``height``).
 MAX_SCALE = 32
-WORLD_KINDS = ("sprite", "latent", "wan")
+WORLD_KINDS = ("sprite", "latent", "wan", "matrix-game")
+#: Matrix-Game 2.0's native rate (its release reports real-time play at 25 frames/s).
+MATRIX_GAME_FPS = 25
+#: The release's interactive camera step: a mouse row of 0.1 (pitch or yaw) per video frame.
+MATRIX_GAME_CAMERA_STEP = 0.1
+#: Largest decoded ``image_reference`` (bytes of the data URL's payload).
+MAX_IMAGE_BYTES = 16 * 2**20
+#: Key names of the published Matrix-Game variants, in keyboard-row order; the browser keys that press them.
+MATRIX_GAME_KEYS = {
+    4: ("forward", "back", "left", "right"),  # universal: W, S, A, D
+    2: ("forward", "back"),  # GTA driving: W, S (A and D steer, through the mouse yaw)
+    7: ("no-op", "jump", "slide", "turn-left", "turn-right", "left-side", "right-side"),  # Temple Run, one-hot
+}
+MATRIX_GAME_BINDINGS = {
+    4: {"KeyW": "forward", "KeyS": "back", "KeyA": "left", "KeyD": "right"},
+    2: {"KeyW": "forward", "KeyS": "back", "KeyA": "steer-left", "KeyD": "steer-right"},
+    7: {"KeyW": "jump", "Space": "jump", "KeyS": "slide", "KeyZ": "turn-left", "KeyC": "turn-right",
+        "KeyA": "left-side", "KeyD": "right-side"},
+}
+#: The control tracks of a Matrix-Game session: held keys, and the per-frame mouse (camera) rotation.
+KEYBOARD_TRACK, MOUSE_TRACK = "keyboard", "mouse"
+
 #: The action track's schema of a camera in ``target`` mode (data: the target cell and the transition).
 TARGET_SCHEMA = "target"
 #: Chunks a ``target`` camera move takes when the event gives no ``transition_chunks``.
@@ -169,6 +191,70 @@ class StartPlan:
     height: int
     fps: int
     ignored_fields: tuple[str, ...] = ()
+    image: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def decode_image_url(url: str, height: int, width: int) -> np.ndarray:
+    """``u8[height, width, 3]``: a ``data:image/...;base64,...`` URL's picture, center-cropped to the aspect of
+    ``height x width`` and resized to it (bicubic), as the release prepares its start image.
+
+    Only data URLs are read: fetching a client's ``https://`` URL would let any client make the server
+    reach whatever the URL names. ProtocolError ``invalid_field`` naming the problem otherwise.
+    """
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    def refuse(why: str) -> ProtocolError:
+        return ProtocolError("invalid_field", f"image_reference.image_url {why}")
+
+    head, comma, payload = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
+        raise refuse("must be a data URL (data:image/png;base64,...); the server does not fetch URLs")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise refuse(f"is larger than {MAX_IMAGE_BYTES} bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+        with Image.open(io.BytesIO(data)) as picture:
+            picture = picture.convert("RGB")
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
+        raise refuse(f"is not a readable image: {error}") from None
+    return _fit(np.asarray(picture, dtype=np.uint8), height, width)
+
+
+def _fit(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """``image`` (``u8[h, w, 3]``) center-cropped to the aspect of ``height x width`` and resized to it (bicubic)."""
+    from PIL import Image
+
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"a start image must be uint8[h, w, 3], got {image.dtype}{list(image.shape)}")
+    picture = Image.fromarray(image)
+    scale = max(width / picture.width, height / picture.height)
+    resized = picture.resize((max(width, round(picture.width * scale)), max(height, round(picture.height * scale))),
+                             Image.Resampling.BICUBIC)
+    left, top = (resized.width - width) // 2, (resized.height - height) // 2
+    return np.asarray(resized.crop((left, top, left + width, top + height)), dtype=np.uint8)
+
+
+def camera_mouse(rotation: tuple[float, float, float, float] | None) -> tuple[float, float]:
+    """``(pitch_up, yaw_right)`` radians of one frame's camera rotation (a Unity quaternion ``x, y, z, w``).
+
+    Matrix-Game's mouse row is ``[pitch, yaw]``: its camera keys send ``0.1`` for up or right
+    (:data:`MATRIX_GAME_CAMERA_STEP`), which a client sends as a rotation of 0.1 rad per frame.
+    Unity turns right about +Y and looks down about +X, hence the sign of the pitch.
+    """
+    if rotation is None:
+        return 0.0, 0.0
+    x, y, z, w = rotation
+    norm = math.sqrt(x * x + y * y + z * z + w * w)
+    if norm == 0:
+        return 0.0, 0.0
+    x, y, z, w = x / norm, y / norm, z / norm, w / norm
+    yaw = math.atan2(2 * (w * y + x * z), 1 - 2 * (x * x + y * y))
+    pitch_down = math.asin(max(-1.0, min(1.0, 2 * (w * x - y * z))))
+    return -pitch_down, yaw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +282,10 @@ class ServedWorld:
       latent_channels: channels of the latent output (``"latent"`` worlds).
       first_chunk_frames: frames of a session's first chunk when it differs (``"wan"``: the
         VAE turns the first latent frame into one video frame); 0: ``frames_per_chunk``.
+      keyboard_dim: keys per keyboard row (``"matrix-game"``: 4 universal, 2 GTA driving, 7 Temple Run).
+      mouse: whether the world takes a mouse row (``"matrix-game"``; Temple Run does not).
+      start_image: the picture a ``"matrix-game"`` session starts from when ``session.start`` has no
+        ``image_reference`` (``u8[frame_height, frame_width, 3]``); without it a start must bring one.
     """
 
     name: str
@@ -206,6 +296,9 @@ class ServedWorld:
     fps: int = 10
     latent_channels: int = 3
     first_chunk_frames: int = 0
+    keyboard_dim: int = 0
+    mouse: bool = False
+    start_image: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in WORLD_KINDS:
@@ -220,17 +313,40 @@ class ServedWorld:
                              f"{self.first_chunk_frames!r}")
         if self.fps > MAX_FPS:
             raise ValueError(f"ServedWorld fps must be at most {MAX_FPS}, got {self.fps!r}")
+        if self.kind == "matrix-game" and self.keyboard_dim not in MATRIX_GAME_KEYS:
+            raise ValueError(f"ServedWorld keyboard_dim of a matrix-game world must be one of "
+                             f"{sorted(MATRIX_GAME_KEYS)} (a published variant), got {self.keyboard_dim!r}")
+        if self.start_image is not None and (self.start_image.dtype != np.uint8 or self.start_image.shape != (
+                self.frame_height, self.frame_width, 3)):
+            raise ValueError(f"ServedWorld start_image must be uint8[{self.frame_height}, {self.frame_width}, 3], "
+                             f"got {self.start_image.dtype}{list(self.start_image.shape)}")
 
     @classmethod
-    def for_pipeline(cls, pipeline: Any, *, name: str | None = None, fps: int | None = None) -> ServedWorld:
+    def for_pipeline(cls, pipeline: Any, *, name: str | None = None, fps: int | None = None,
+                     start_image: np.ndarray | None = None) -> ServedWorld:
         """The served world of a :class:`~ardiff_jax.models.SpriteWorldPipeline`, a
-        :class:`~ardiff_jax.models.WorldPipeline` or a :class:`~ardiff_jax.models.wan.CausalWanPipeline`
-        (with a VAE and a text encoder); TypeError for any other pipeline. ``fps`` defaults to
-        the model's rate (16 for Wan, 10 otherwise)."""
+        :class:`~ardiff_jax.models.WorldPipeline`, a :class:`~ardiff_jax.models.wan.CausalWanPipeline`
+        (with a VAE and a text encoder) or a :class:`~ardiff_jax.models.matrix_game.MatrixGamePipeline`
+        (with a VAE and an image encoder; ``start_image``, any size, is center-cropped and resized to
+        the model's frames); TypeError for any other pipeline. ``fps`` defaults to the model's rate
+        (25 for Matrix-Game, 16 for Wan, 10 otherwise)."""
         from ardiff_jax.models import SpriteWorldPipeline, WorldPipeline
+        from ardiff_jax.models.matrix_game import MatrixGamePipeline
         from ardiff_jax.models.wan import VIDEO_FPS, CausalWanPipeline
 
         config = getattr(pipeline, "config", None)
+        if isinstance(pipeline, MatrixGamePipeline):
+            if pipeline.vae is None or getattr(pipeline, "image_encoder", None) is None:
+                raise TypeError("a served MatrixGamePipeline needs vae= (players see video) and image_encoder= "
+                                "(a session starts from a picture)")
+            spatial, temporal = pipeline.vae.config.spatial_factor, pipeline.vae.config.temporal_factor
+            f, height, width = config.frames_per_block, config.latent_height * spatial, config.latent_width * spatial
+            if start_image is not None:
+                start_image = _fit(np.asarray(start_image), height, width)
+            return cls(name=name or config.name, kind="matrix-game", frame_height=height, frame_width=width,
+                       frames_per_chunk=temporal * f, first_chunk_frames=1 + temporal * (f - 1),
+                       fps=MATRIX_GAME_FPS if fps is None else fps, keyboard_dim=config.action.keyboard_dim,
+                       mouse=config.action.mouse_dim > 0, start_image=start_image)
         if isinstance(pipeline, CausalWanPipeline):
             if pipeline.vae is None or pipeline.text_encoder is None:
                 raise TypeError("a served CausalWanPipeline needs vae= (players see video) and text_encoder= "
@@ -263,11 +379,38 @@ class ServedWorld:
     @property
     def controls(self) -> tuple[str, ...]:
         """Interaction fields the world acts on: ``"prompt"``, ``"camera"``, ``"action"``."""
+        if self.kind == "matrix-game":
+            return ("camera", "action") if self.camera_modes else ("action",)
         return ("camera", "action") if self.kind == "sprite" else ("prompt",)
 
     @property
     def action_values(self) -> tuple[str, ...]:
-        return tuple(ACTION_NAMES) if self.kind == "sprite" else ()
+        """Action names (``multi_modal_data.action.value``); a Matrix-Game world with several keys per row also
+        takes held keys joined by ``+`` (``"forward+left"``)."""
+        if self.kind == "sprite":
+            return tuple(ACTION_NAMES)
+        if self.kind == "matrix-game":
+            keys = MATRIX_GAME_KEYS[self.keyboard_dim]
+            if self.keyboard_dim == 7:
+                return keys
+            return ("no-op",) + keys + (("steer-left", "steer-right") if self.keyboard_dim == 2 else ())
+        return ()
+
+    @property
+    def camera_modes(self) -> tuple[str, ...]:
+        if self.kind == "sprite":
+            return ("velocity", "target")
+        return ("velocity",) if self.kind == "matrix-game" and self.mouse else ()
+
+    @property
+    def key_bindings(self) -> dict[str, str]:
+        """Browser key codes -> action names (the page joins held keys with ``+``)."""
+        if self.kind == "sprite":
+            return {"ArrowUp": "up", "KeyW": "up", "ArrowDown": "down", "KeyS": "down", "ArrowLeft": "left",
+                    "KeyA": "left", "ArrowRight": "right", "KeyD": "right"}
+        if self.kind == "matrix-game":
+            return dict(MATRIX_GAME_BINDINGS[self.keyboard_dim])
+        return {}
 
     def plan_start(self, start: SessionStart) -> StartPlan:
         """``start`` checked against this world, defaults filled in; ProtocolError ``invalid_field`` otherwise."""
@@ -290,13 +433,25 @@ class ServedWorld:
         scale = scales[0] if scales else 1
         ignored = start.ignored_fields + (("prompt",) if start.prompt is not None and not self.text_conditioned
                                           else ())
+        image = None
+        if self.kind == "matrix-game":
+            if start.image_url is not None:
+                image = decode_image_url(start.image_url, self.frame_height, self.frame_width)
+            elif self.start_image is not None:
+                image = self.start_image
+            else:
+                raise ProtocolError("invalid_field", f"{self.name} starts from a picture: give image_reference "
+                                                     '{"image_url": "data:image/png;base64,..."} (this server has no '
+                                                     "default start image)")
+        elif start.image_url is not None:
+            ignored += ("image_reference",)
         return StartPlan(
             format=start.format if start.format in FORMATS else FORMATS[0],
             seed=secrets.randbelow(2**31) if start.seed is None else start.seed,
             prompt=start.prompt if self.text_conditioned else None,
             num_frames=start.num_frames, scale=scale, width=self.frame_width * scale,
             height=self.frame_height * scale, fps=self.fps if start.fps is None else start.fps,
-            ignored_fields=ignored)
+            ignored_fields=ignored, image=image)
 
     def config(self, plan: StartPlan) -> dict[str, Any]:
         """``video.start.config``: the accepted configuration, the controls and the action values."""
@@ -314,7 +469,12 @@ class ServedWorld:
                                        "grid": [self.frame_height // CELL_SIZE, self.frame_width // CELL_SIZE],
                                        "default_transition_chunks": DEFAULT_TRANSITION_CHUNKS}
         else:
-            config["camera_modes"] = []
+            config["camera_modes"] = list(self.camera_modes)
+        config["key_bindings"] = self.key_bindings
+        if self.kind == "matrix-game":
+            config["mouse_look"] = self.mouse  # the page locks the pointer and sends its motion as camera velocity
+            config["camera_step"] = MATRIX_GAME_CAMERA_STEP
+            config["combine_keys"] = self.keyboard_dim != 7  # held keys join with "+"; Temple Run takes one
         return config
 
     def event_update(self, interaction: SessionInteraction) -> EventUpdate:
@@ -334,6 +494,8 @@ class ServedWorld:
             raise reject("event.prompt must not be blank")
         if self.kind in ("latent", "wan") and (interaction.camera is not None or interaction.action is not None):
             raise reject(f"{self.name} has no camera or action controls; it accepts prompt updates only")
+        if self.kind == "matrix-game":
+            return self._matrix_game_update(interaction, reject)
         controls: tuple[ARDiffusionControlInput, ...] = ()
         if interaction.camera is not None and interaction.action is not None:
             raise reject("give multi_modal_data.camera or multi_modal_data.action, not both: both set the action")
@@ -355,6 +517,73 @@ class ServedWorld:
             raise reject("the event changes nothing: give a prompt or multi_modal_data")
         return EventUpdate(prompt=prompt, controls=controls)
 
+    def _matrix_game_update(self, interaction: SessionInteraction, reject: Any) -> EventUpdate:
+        """Keys (an action, or a velocity camera's translation) and the mouse (a velocity camera's rotation)."""
+        keys: tuple[str, ...] | None = None
+        mouse: tuple[float, float] | None = None
+        if interaction.action is not None:
+            names = () if interaction.action == "no-op" else tuple(interaction.action.split("+"))
+            allowed = set(self.action_values) - {"no-op"}
+            if any(name not in allowed for name in names) or len(set(names)) != len(names) or (
+                    self.keyboard_dim == 7 and len(names) > 1):
+                how = "one of" if self.keyboard_dim == 7 else "no-op, or held keys joined by '+' from"
+                raise reject(f"unknown action {interaction.action[:60]!r}; give {how} "
+                             f"{', '.join(sorted(allowed))}")
+            steer = [n for n in names if n.startswith("steer-")]
+            keys = tuple(n for n in names if not n.startswith("steer-"))
+            if steer:  # GTA driving steers with the mouse yaw, as the release's A and D keys do
+                mouse = (0.0, sum(MATRIX_GAME_CAMERA_STEP * (1 if n == "steer-right" else -1) for n in steer))
+        if interaction.camera is not None:
+            if not self.camera_modes:
+                raise reject(f"{self.name} has no camera (no mouse input); it accepts actions only")
+            if interaction.camera.mode != "velocity":
+                raise reject(f"{self.name} supports camera mode 'velocity' only (a turn rate per frame), got "
+                             f"{interaction.camera.mode!r}")
+            if interaction.action is not None:
+                raise reject("give multi_modal_data.camera or multi_modal_data.action, not both")
+            x, _, z = interaction.camera.translation
+            moving = tuple(name for name, on in (("forward", z > 0), ("back", z < 0), ("left", x < 0),
+                                                 ("right", x > 0)) if on and name in self.action_values)
+            # A turn alone (rotation, no translation) leaves the held keys as they are: mouse-look while walking.
+            if any((x, z)) or interaction.camera.rotation is None:
+                keys = moving
+            mouse = camera_mouse(interaction.camera.rotation)
+            if self.keyboard_dim == 2 and x and interaction.camera.rotation is None:
+                mouse = (0.0, MATRIX_GAME_CAMERA_STEP * (1 if x > 0 else -1))
+        controls: list[ARDiffusionControlInput] = []
+        if keys is not None:
+            controls.append(ARDiffusionControlInput(KEYBOARD_TRACK, "keys", {"keys": list(keys)}))
+        if mouse is not None and self.mouse:
+            controls.append(ARDiffusionControlInput(MOUSE_TRACK, "pitch_yaw", {"pitch": mouse[0], "yaw": mouse[1]}))
+        if interaction.prompt is not None or not controls:
+            raise reject(f"{self.name} takes keys and the camera, no prompt" if interaction.prompt is not None
+                         else "the event changes nothing: give multi_modal_data")
+        return EventUpdate(prompt=None, controls=tuple(controls))
+
+    def _matrix_game_inputs(self, tick: ARDiffusionTickRequest, plan: StartPlan) -> dict[str, Any]:
+        rows = self.chunk_frames(tick.chunk_index)
+        names = MATRIX_GAME_KEYS[self.keyboard_dim]
+        keyboard = np.zeros((rows, self.keyboard_dim), np.float32)
+        mouse = np.zeros((rows, 2), np.float32)
+        held: list[str] = []
+        for control in tick.controls:
+            if control.track == KEYBOARD_TRACK:
+                held = list(control.data["keys"])
+            elif control.track == MOUSE_TRACK:
+                mouse[:] = (control.data["pitch"], control.data["yaw"])
+        if self.keyboard_dim == 7:  # one-hot, index 0 being no key
+            keyboard[:, names.index(held[0]) if held else 0] = 1.0
+        else:
+            for name in held:
+                keyboard[:, names.index(name)] = 1.0
+        inputs: dict[str, Any] = {"keyboard": keyboard}
+        if self.mouse:
+            inputs["mouse"] = mouse
+        if tick.chunk_index == 0:
+            inputs["image"] = plan.image
+            inputs["seed"] = plan.seed
+        return inputs
+
     @staticmethod
     def _action_control(name: str) -> ARDiffusionControlInput:
         return ARDiffusionControlInput(ACTION_TRACK, ACTION_SCHEMA, {"value": name})
@@ -369,6 +598,8 @@ class ServedWorld:
         remembers in it where its transition began. Without it a target move starts from the
         session's first observation.
         """
+        if self.kind == "matrix-game":
+            return self._matrix_game_inputs(tick, plan)
         inputs: dict[str, Any] = {}
         state = {} if state is None else state
         if tick.chunk_index == 0:
@@ -409,7 +640,7 @@ class ServedWorld:
         """``u8[f, H, W, 3]``: the viewable frames of one chunk's output (blocking: may wait for the device)."""
         if self.kind == "sprite":
             frames = np.asarray(output.frames)
-        elif self.kind == "wan":
+        elif self.kind in ("wan", "matrix-game"):
             frames = np.asarray(output.video)
         else:
             latents = np.asarray(output.latents, np.float32)  # f32[f, C, H, W]

@@ -1,0 +1,127 @@
+"""Serving Matrix-Game 2.0: the world's wire rules, pure (no pipeline needed), then a tiny model end to end.
+
+How a Matrix-Game session is driven: it starts from a picture (``image_reference`` as a data URL, or
+the server's start image), keys become keyboard rows (held keys joined by ``+``; Temple Run one-hot),
+a velocity camera's rotation becomes the mouse row (pitch up, yaw right, in radians per frame),
+GTA driving steers with the mouse yaw, and every tick carries one row per video frame of its chunk.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ardiff_jax.serve import ProtocolError, ServedWorld
+from ardiff_jax.serve._protocol import CameraUpdate, SessionInteraction, SessionStart, parse_client_message
+from ardiff_jax.serve._world import camera_mouse, decode_image_url
+from ardiff_jax.types import ARDiffusionTickRequest
+
+
+def _world(keyboard_dim: int = 4, mouse: bool = True, start_image=None) -> ServedWorld:
+    return ServedWorld(name="mg", kind="matrix-game", frame_height=16, frame_width=24, frames_per_chunk=12,
+                       first_chunk_frames=9, fps=25, keyboard_dim=keyboard_dim, mouse=mouse, start_image=start_image)
+
+
+def _data_url(image: np.ndarray, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _turn(pitch_up: float, yaw: float) -> tuple[float, float, float, float]:
+    hx, hy = -pitch_up / 2, yaw / 2
+    return (math.cos(hy) * math.sin(hx), math.sin(hy) * math.cos(hx), -math.sin(hy) * math.sin(hx),
+            math.cos(hy) * math.cos(hx))
+
+
+def test_a_start_image_arrives_as_a_data_url_and_is_center_cropped_to_the_frames():
+    picture = np.zeros((40, 120, 3), np.uint8)
+    picture[:, 40:80] = 200  # the middle third: what a crop to 16x24 (2:3 of 40x120's 1:3) keeps
+    start = parse_client_message('{"type": "session.start", "image_reference": {"image_url": "%s"}}'
+                                 % _data_url(picture))
+    plan = _world().plan_start(start)
+    assert plan.image.shape == (16, 24, 3) and plan.image.dtype == np.uint8
+    assert plan.image[:, 4:20].mean() > 150 and "image_reference" not in plan.ignored_fields
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("https://example.com/a.png", "data URL"), ("data:text/plain;base64,aGk=", "data URL"),
+    ("data:image/png;base64,not-base64!", "readable"), ("data:image/png;base64,aGVsbG8=", "readable")])
+def test_a_start_image_that_is_not_a_readable_data_url_is_refused(url, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        decode_image_url(url, 16, 24)
+
+
+def test_a_start_without_a_picture_needs_the_server_default():
+    with pytest.raises(ProtocolError, match="starts from a picture"):
+        _world().plan_start(SessionStart())
+    default = np.full((16, 24, 3), 7, np.uint8)
+    assert (_world(start_image=default).plan_start(SessionStart()).image == 7).all()
+    # Other worlds list image_reference as ignored.
+    sprite = ServedWorld(name="s", kind="sprite", frame_height=32, frame_width=32, frames_per_chunk=1)
+    assert "image_reference" in sprite.plan_start(SessionStart(image_url="data:x")).ignored_fields
+
+
+def test_keys_become_keyboard_rows_and_a_turn_becomes_the_mouse_row_of_every_frame():
+    world = _world()
+    config = world.config(world.plan_start(SessionStart(image_url=_data_url(np.zeros((16, 24, 3), np.uint8)))))
+    assert config["actions"] == ["no-op", "forward", "back", "left", "right"] and config["mouse_look"] is True
+    assert config["key_bindings"]["KeyW"] == "forward" and config["combine_keys"] is True
+    assert config["camera_modes"] == ["velocity"]
+    keys = world.event_update(SessionInteraction("k", action="forward+left"))
+    turn = world.event_update(SessionInteraction("t", camera=CameraUpdate("velocity", (0, 0, 0), _turn(0.1, -0.1))))
+    assert [c.track for c in turn.controls] == ["mouse"]  # a turn alone keeps the held keys
+    tick = ARDiffusionTickRequest("s", "r", 1, controls=keys.controls + turn.controls)
+    inputs = world.inputs(tick, world.plan_start(SessionStart(image_url=_data_url(np.zeros((16, 24, 3), np.uint8)))))
+    assert inputs["keyboard"].shape == (12, 4) and (inputs["keyboard"] == [1, 0, 1, 0]).all()
+    np.testing.assert_allclose(inputs["mouse"], np.tile([0.1, -0.1], (12, 1)), atol=1e-6)
+    assert "image" not in inputs  # only the first chunk carries the picture
+    first = world.inputs(ARDiffusionTickRequest("s", "r", 0), world.plan_start(SessionStart(
+        image_url=_data_url(np.zeros((16, 24, 3), np.uint8)), seed=3)))
+    assert first["keyboard"].shape == (9, 4) and not first["keyboard"].any() and first["image"].shape == (16, 24, 3)
+    assert first["seed"] == 3 and not first["mouse"].any()
+    # Walking by camera translation: +z forward, -x left.
+    walk = world.event_update(SessionInteraction("w", camera=CameraUpdate("velocity", (-1, 0, 1))))
+    assert dict(walk.controls[0].data) == {"keys": ("forward", "left")}
+
+
+def test_camera_mouse_reads_pitch_up_and_yaw_right_from_the_quaternion():
+    assert camera_mouse(_turn(0.1, 0.0)) == pytest.approx((0.1, 0.0))
+    assert camera_mouse(_turn(0.0, -0.1)) == pytest.approx((0.0, -0.1))
+    assert camera_mouse(_turn(0.05, 0.2)) == pytest.approx((0.05, 0.2))
+    assert camera_mouse(None) == (0.0, 0.0)
+
+
+def test_gta_steers_with_the_mouse_yaw_and_temple_run_is_one_hot_without_a_camera():
+    gta = _world(keyboard_dim=2)
+    update = gta.event_update(SessionInteraction("g", action="forward+steer-right"))
+    assert {c.track: dict(c.data) for c in update.controls} == {"keyboard": {"keys": ("forward",)},
+                                                                "mouse": {"pitch": 0.0, "yaw": 0.1}}
+    temple = _world(keyboard_dim=7, mouse=False)
+    assert temple.controls == ("action",) and temple.camera_modes == ()
+    with pytest.raises(ProtocolError, match="one of"):
+        temple.event_update(SessionInteraction("x", action="jump+slide"))
+    with pytest.raises(ProtocolError, match="no camera"):
+        temple.event_update(SessionInteraction("c", camera=CameraUpdate("velocity", (0, 0, 1))))
+    jump = temple.event_update(SessionInteraction("j", action="jump"))
+    inputs = temple.inputs(ARDiffusionTickRequest("s", "r", 2, controls=jump.controls),
+                           temple.plan_start(SessionStart(image_url=_data_url(np.zeros((16, 24, 3), np.uint8)))))
+    assert "mouse" not in inputs and (inputs["keyboard"].argmax(1) == 1).all() and inputs["keyboard"].sum() == 12
+    idle = temple.inputs(ARDiffusionTickRequest("s", "r", 2),
+                         temple.plan_start(SessionStart(image_url=_data_url(np.zeros((16, 24, 3), np.uint8)))))
+    assert (idle["keyboard"][:, 0] == 1).all()  # no key: index 0, the release's no-op
+
+
+def test_unknown_keys_targets_and_prompts_are_rejected():
+    world = _world()
+    for interaction, needle in [(SessionInteraction("a", action="jump"), "unknown action"),
+                                (SessionInteraction("b", action="forward+forward"), "unknown action"),
+                                (SessionInteraction("c", camera=CameraUpdate("target", (1, 0, 1))), "velocity"),
+                                (SessionInteraction("d", prompt="a castle"), "not text-conditioned")]:
+        with pytest.raises(ProtocolError, match=needle):
+            world.event_update(interaction)
