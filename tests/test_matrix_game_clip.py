@@ -27,7 +27,8 @@ from ardiff_jax.models.matrix_game import (
 )
 
 CONFIG = ClipVisionConfig(image_size=28, patch_size=14, dim=32, heads=4, layers=3, output_blocks=2)
-EXACT = 2e-5
+#: Relative to the largest output (18 here); measured 9e-7 (1.6e-5 absolute).
+EXACT = 4e-6
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,13 @@ def test_penultimate_block_tokens_equal_transformers(ref):
         encoder = load_clip_vision(source, CONFIG)
         got = np.asarray(encoder(jnp.asarray(pixels)))[0]
         assert got.shape == (5, 32)
-        assert float(np.abs(got - expected).max()) < EXACT
+        scale = float(np.abs(expected).max())
+        assert float(np.abs(got - expected).max()) < EXACT * scale
+        print(f"CLIP vision vs transformers: max |diff| = {float(np.abs(got - expected).max()):.3g} "
+              f"(outputs up to {scale:.3g})")
         # The release's preprocessing from a [-1, 1] frame of any size.
-        assert float(np.abs(np.asarray(encoder.encode_image(jnp.asarray(image))) - expected).max()) < 1e-4
+        preprocessed = np.asarray(encoder.encode_image(jnp.asarray(image)))
+        assert float(np.abs(preprocessed - expected).max()) < 10 * EXACT * scale
 
 
 def test_bicubic_resize_is_torchs(ref):
