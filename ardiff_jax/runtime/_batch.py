@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
     from ardiff_jax.runtime._state import ARDiffusionKVState
 
-__all__ = ["ARDiffusionKVBatch", "ARDiffusionBatchError", "batch_buckets", "bucket_for"]
+__all__ = ["ARDiffusionBatchError", "ARDiffusionKVBatch", "batch_buckets", "bucket_for"]
 
 
 def batch_buckets(capacity: int) -> tuple[int, ...]:
