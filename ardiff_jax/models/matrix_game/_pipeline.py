@@ -16,8 +16,9 @@ conditioning:
   after. The network reads ``[noisy 16 | mask 4 | condition 16]``;
 * every request carries the keyboard and mouse rows of the video frames its block adds,
   ``inputs["keyboard"] f32[n, K]`` and ``inputs["mouse"] f32[n, 2]`` (not for Temple Run):
-  ``n = 9`` for a session's first block (video frames 0-8), 12 for each later one. The
-  session keeps the last 12 rows, which the next block's windows read;
+  ``n = 9`` for a session's first block (video frames 0-8), 12 for each later one (a stepwise
+  request for ``num_blocks`` blocks carries all of its blocks' rows). The session keeps the
+  last 12 rows, which the next block's windows read;
 * the action modules' keys/values live in the session's action ring (the last
   ``window_frames`` latent frames), written by the commit pass like the paged K/V.
 
@@ -268,10 +269,10 @@ class MatrixGamePipeline(CausalWanPipeline):
                              "frame the block adds)")
         rows = check_action_rows(self.config, f"inputs[{name!r}]", value, width)
         if rows.shape[0] != expected:
-            raise ValueError(f"inputs[{name!r}] must have {expected} rows (one per video frame the block adds: "
-                             f"{self.config.action.num_rows(self.config.frames_per_block)} for a session's first "
-                             f"block, {self.config.action.frames_per_latent * self.config.frames_per_block} after), "
-                             f"got {rows.shape[0]}")
+            raise ValueError(f"inputs[{name!r}] must have {expected} rows (one per video frame the request's blocks "
+                             f"add: {self.config.action.num_rows(self.config.frames_per_block)} for a session's first "
+                             f"block, {self.config.action.frames_per_latent * self.config.frames_per_block} for each "
+                             f"other), got {rows.shape[0]}")
         return rows
 
     def _parse_image(self, value: Any) -> np.ndarray:
@@ -283,10 +284,11 @@ class MatrixGamePipeline(CausalWanPipeline):
         return (array.astype(np.float32) / np.float32(127.5) - 1.0).transpose(2, 0, 1)[None]
 
     def _parse_new_block(self, session_id: str, request: DiffusionRequest) -> tuple[Any, _Inputs]:
+        """The inputs of the block ``request`` starts. A request may ask for ``num_blocks`` (stepwise
+        streaming): its rows then cover every one of its blocks (9 + 12 (n - 1) when it starts the
+        session, 12 n otherwise), and block ``k`` of the request takes its own slice."""
         cfg, action = self.config, self.config.action
-        if self._num_blocks(request) != 1:
-            raise ValueError("MatrixGamePipeline generates one block per request (its actions are per block): "
-                             "inputs['num_blocks'] must be 1")
+        num_blocks = self._num_blocks(request)
         for key in ("action", "controls", "prompt_embeds"):
             if request.inputs.get(key) is not None:
                 raise ValueError(f"MatrixGamePipeline takes no inputs[{key!r}] (it is conditioned on an image and "
@@ -297,11 +299,17 @@ class MatrixGamePipeline(CausalWanPipeline):
             check_seed(request.inputs["seed"])
         session = self._sessions.get(session_id)
         first = session is None
-        expected = action.num_rows(cfg.frames_per_block) if first else action.frames_per_latent * cfg.frames_per_block
-        keyboard = self._rows(request, "keyboard", action.keyboard_dim, expected)
+        within = 0 if session is None else min(session.blocks_emitted, num_blocks - 1)  # block k of the request
+        starts_session = (0 if session is None else session.block_index - within) == 0
+        per_block = action.frames_per_latent * cfg.frames_per_block
+        first_rows = action.num_rows(cfg.frames_per_block) if starts_session else per_block
+        expected = first_rows + per_block * (num_blocks - 1)
+        offset = 0 if within == 0 else first_rows + per_block * (within - 1)
+        part = slice(offset, offset + (first_rows if within == 0 else per_block))
+        keyboard = self._rows(request, "keyboard", action.keyboard_dim, expected)[part]
         mouse = None
         if action.mouse_dim:
-            mouse = self._rows(request, "mouse", action.mouse_dim, expected)
+            mouse = self._rows(request, "mouse", action.mouse_dim, expected)[part]
         elif request.inputs.get("mouse") is not None:
             raise ValueError(f"config {cfg.name!r} has no mouse input; inputs['mouse'] must be absent")
         image, embeds = request.inputs.get("image"), request.inputs.get("image_embeds")
@@ -311,8 +319,10 @@ class MatrixGamePipeline(CausalWanPipeline):
                                  f"inputs['image'] (uint8[{self.pixel_hw[0]}, {self.pixel_hw[1]}, 3]) and "
                                  f"inputs['image_embeds'] (the CLIP tokens, f32[{cfg.text_len}, {cfg.text_dim}])")
             image = self._parse_image(image)
-        elif image is not None:
+        elif image is not None and not starts_session:
             raise ValueError("inputs['image'] starts a session; this session already has its reference image")
+        else:
+            image = None  # a later block of the request that started the session
         prompt = None
         if embeds is not None:
             array = np.asarray(embeds, np.float32)
