@@ -334,3 +334,27 @@ def test_matrix_game_checkpoints_are_refused_with_named_reasons(ref, tmp_path):
         load_checkpoint(ref.paths["release"], no_mouse)
     with pytest.raises(CheckpointError, match="has no action modules, but .* is a Matrix-Game checkpoint"):
         load_checkpoint(ref.paths["release"], CONFIG.replace(action=None, context_embedding="text"))
+
+
+def test_an_original_wan_directory_with_an_action_config_loads(ref, loaded, tmp_path):
+    directory = tmp_path / "wan_dir"
+    directory.mkdir()
+    safetensors_torch.save_file({k: v.contiguous() for k, v in ref.release.items()},
+                                str(directory / "diffusion_pytorch_model.safetensors"))
+    config = {"_class_name": "CausalWanModel", "model_type": "i2v", "dim": CONFIG.dim, "ffn_dim": CONFIG.ffn_dim,
+              "num_heads": CONFIG.num_heads, "num_layers": CONFIG.num_layers, "in_dim": CONFIG.in_channels,
+              "out_dim": CONFIG.latent_channels, "freq_dim": CONFIG.freq_dim, "eps": 1e-6, "text_len": 512,
+              "local_attn_size": 4, "sink_size": 0,
+              "action_config": {"keyboard_dim_in": ACTION.keyboard_dim, "enable_mouse": True}}
+    (directory / "config.json").write_text(json.dumps(config))
+    model = load_checkpoint(directory, CONFIG)
+    flat = lambda m: jax.tree_util.tree_leaves(nnx.state(m, nnx.Param))
+    assert all(np.array_equal(a, b) for a, b in zip(flat(loaded), flat(model), strict=True))
+    config["action_config"]["keyboard_dim_in"] = 4
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="action_config.keyboard_dim_in = 4 but"):
+        load_checkpoint(directory, CONFIG)
+    del config["action_config"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model_type 'i2v'"):
+        load_checkpoint(directory, CONFIG)
