@@ -108,7 +108,12 @@ def test_write_blocks_equals_one_write_per_row_and_padded_rows_write_nothing():
     np.testing.assert_array_equal(np.asarray(batched.v), np.asarray(expected.v))
 
 
-def test_batched_view_attends_each_row_to_its_own_run_and_padding_reads_nothing():
+@pytest.mark.parametrize("rowwise", [False, True], ids=["vmapped", "row-by-row"])
+def test_batched_view_attends_each_row_to_its_own_run_and_padding_reads_nothing(rowwise, monkeypatch):
+    from ardiff_jax.kv import _caches
+
+    # Large rows run one after another (lax.map), small ones vmapped: force each path.
+    monkeypatch.setattr(_caches, "ROWWISE_SCORE_BYTES", 0 if rowwise else 2**62)
     pools = _pools(2)
     rng = np.random.default_rng(3)
     # Row 0: fresh; row 1: partly filled; row 2: wrapped ring; row 3: padding (reads nothing).
@@ -123,9 +128,11 @@ def test_batched_view_attends_each_row_to_its_own_run_and_padding_reads_nothing(
     for row in range(4):
         want = ref_paged_attention(LAYOUT, pools, jnp.asarray(cursors[row]), 1, q[row], k[row], v[row])
         np.testing.assert_allclose(np.asarray(out[row]), np.asarray(want), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(out[row]),
-                                   np.asarray(paged_attention(LAYOUT, pools, cursors[row], 1, q[row], k[row], v[row])),
-                                   rtol=1e-6, atol=1e-6)
+        alone = np.asarray(paged_attention(LAYOUT, pools, cursors[row], 1, q[row], k[row], v[row]))
+        if rowwise:  # each row is exactly the unbatched program
+            np.testing.assert_array_equal(np.asarray(out[row]), alone)
+        else:
+            np.testing.assert_allclose(np.asarray(out[row]), alone, rtol=1e-6, atol=1e-6)
     with pytest.raises(TypeError, match="batched view"):
         caches.attend(1, q[0], k[0], v[0])
 
