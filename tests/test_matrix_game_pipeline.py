@@ -44,9 +44,22 @@ H, W = CONFIG.latent_height * 8, CONFIG.latent_width * 8
 TOLERANCE = 1e-4  # float32, the paged vs the dense path (measured ~1e-6)
 
 
+def random_vae(seed: int = 3) -> WanVAE:
+    """A random tiny VAE filled on the host: ``WanVAE(...)``'s eager initialisation takes minutes on a loaded
+    2-core CPU, its shape evaluation under a second. Kernels ~1/sqrt(fan-in), vectors small."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAE(VAE, rngs=nnx.Rngs(seed))))
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        scale = 0.02 if len(leaf.shape) <= 1 else 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
+        return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(fill, abstract))
+
+
 @pytest.fixture(scope="module")
 def parts():
-    base = MatrixGamePipeline(CONFIG, vae=WanVAE(VAE, rngs=nnx.Rngs(3)))
+    base = MatrixGamePipeline(CONFIG, vae=random_vae())
     return base.modules, base.vae
 
 
