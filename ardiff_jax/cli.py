@@ -524,9 +524,18 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
                       help="precomputed features (.npy, [L <= 512, 4096]), one per --prompt, in order")
     generate.add_argument("--preset", default=None,
                           help="network preset (default: read from the checkpoint; wan2.1-t2v-1.3b with --random-weights)")
-    generate.add_argument("--prompt", action="append", required=True,
+    generate.add_argument("--model", choices=("wan", "matrix-game"), default="wan",
+                          help="wan: prompt-conditioned causal Wan (default); matrix-game: Matrix-Game 2.0, an image "
+                               "and keyboard/mouse actions (--image, --actions)")
+    generate.add_argument("--prompt", action="append", default=None,
                           help="a prompt, or 'SECONDS:text' entries (repeat the flag) for a prompt schedule")
-    generate.add_argument("--seconds", type=_positive_seconds, required=True, help="video length in seconds")
+    generate.add_argument("--seconds", type=_positive_seconds, default=None, help="video length in seconds")
+    generate.add_argument("--image", type=_existing_path, default=None,
+                          help="--model matrix-game: the start frame (resized and center-cropped to the model's size)")
+    generate.add_argument("--actions", type=_existing_path, default=None,
+                          help="--model matrix-game: JSON {'keyboard': [[...] per video frame], 'mouse': [[...]]}")
+    generate.add_argument("--clip", type=_existing_path, default=None,
+                          help="--model matrix-game: the CLIP vision weights (open-clip .pth or a CLIPVisionModel)")
     generate.add_argument("--out", type=_mp4_output, required=True, help="the .mp4 to write")
     generate.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="weights and KV dtype (default: bf16)")
     generate.add_argument("--seed", type=_non_negative_int, default=0, help="noise seed")
@@ -541,6 +550,12 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from ardiff_jax.models.wan import PromptSchedule
 
+    if args.model == "matrix-game":
+        from ardiff_jax.models.matrix_game import run_generate_cli
+
+        return run_generate_cli(args, _refuse)
+    if args.prompt is None or args.seconds is None:
+        return _refuse("generate", "--model wan needs --prompt and --seconds")
     try:
         schedule = PromptSchedule.parse(args.prompt)
     except ValueError as error:

@@ -19,6 +19,10 @@ Presets:
 * ``wan2.1-t2v-1.3b``, ``wan2.1-t2v-14b``, ``wan2.2-ti2v-5b``: the published networks
   (``ardiff_jax.models.wan`` loads their checkpoints), bf16, Self-Forcing's block policy;
   ``wan-tiny``: a Wan-shaped 2-layer network for CPU tests of that path.
+* ``matrix-game-2-universal``, ``matrix-game-2-gta-drive``, ``matrix-game-2-templerun``:
+  Matrix-Game 2.0 (36 input channels, CLIP image tokens as the only context, keyboard/mouse
+  action modules in blocks 0-14; ``ardiff_jax.models.matrix_game``); ``matrix-game-tiny`` for
+  CPU tests.
 """
 
 from __future__ import annotations
@@ -30,13 +34,88 @@ import jax.numpy as jnp
 
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 
-__all__ = ["CausalDiTConfig", "DIT_PRESETS", "dit_preset"]
+__all__ = ["CONTEXT_EMBEDDINGS", "DIT_PRESETS", "ActionConfig", "CausalDiTConfig", "dit_preset"]
+
+#: How a config's cross-attention context is embedded: ``"text"`` (Wan's text MLP,
+#: Linear-GELU(tanh)-Linear) or ``"image"`` (Wan I2V's ``img_emb`` MLPProj over CLIP image
+#: tokens, LayerNorm-Linear-GELU-Linear-LayerNorm; Matrix-Game 2.0's only context).
+CONTEXT_EMBEDDINGS = ("text", "image")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionConfig:
+    """Matrix-Game 2.0's action modules: per-frame keyboard and mouse input enter blocks ``0 .. num_blocks-1``.
+
+    Each latent frame ``j`` reads a window of ``rows = frames_per_latent * window_latents``
+    raw action rows (one per video frame: rows ``4j-12 .. 4j-1``, earlier ones clamped to
+    row 0). The mouse path concatenates the window (flattened, ``rows * mouse_dim``) to every
+    token and runs temporal self-attention per spatial token over the visible latent frames;
+    the keyboard path embeds each row, projects the window to one key/value per latent frame
+    and lets every token cross-attend to the visible frames' keys. Both rotate the first
+    ``rope_dim`` channels of each head by the absolute latent frame (base ``rope_theta``).
+
+    Attributes:
+      num_blocks: transformer blocks that carry an action module (the first ones).
+      keyboard_dim: keys per row (universal 4: W, S, A, D; gta_drive 2; templerun 7).
+      mouse_dim: mouse values per row (2: pitch, yaw); 0 = no mouse path (templerun).
+      heads: attention heads of both paths.
+      keyboard_embed_dim: width of one embedded keyboard row.
+      keyboard_hidden_dim, mouse_hidden_dim: attention widths (``heads * head_dim``).
+      frames_per_latent: video frames per latent frame (the VAE's temporal factor, 4).
+      window_latents: latent frames of action history one latent frame reads (3).
+      rope_theta, rope_dim: action RoPE base and rotated channels per head.
+      norm_eps: the q/k RMS norms' epsilon; mlp_norm_eps: the mouse MLP's LayerNorm epsilon.
+    """
+
+    num_blocks: int = 15
+    keyboard_dim: int = 4
+    mouse_dim: int = 2
+    heads: int = 16
+    keyboard_embed_dim: int = 128
+    keyboard_hidden_dim: int = 1024
+    mouse_hidden_dim: int = 1024
+    frames_per_latent: int = 4
+    window_latents: int = 3
+    rope_theta: float = 256.0
+    rope_dim: int = 8
+    norm_eps: float = 1e-6
+    mlp_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for field in ("num_blocks", "keyboard_dim", "heads", "keyboard_embed_dim", "keyboard_hidden_dim",
+                      "mouse_hidden_dim", "frames_per_latent", "window_latents", "rope_dim"):
+            object.__setattr__(self, field, check_positive_int(f"ActionConfig {field}", getattr(self, field)))
+        object.__setattr__(self, "mouse_dim", check_non_negative_int("ActionConfig mouse_dim", self.mouse_dim))
+        for field in ("keyboard_hidden_dim", "mouse_hidden_dim"):
+            width = getattr(self, field)
+            if width % self.heads or (width // self.heads) % 2:
+                raise ValueError(f"ActionConfig {field} ({width}) must split into {self.heads} heads of even width")
+        if self.rope_dim % 2 or self.rope_dim > min(self.keyboard_head_dim, self.mouse_head_dim):
+            raise ValueError(f"ActionConfig rope_dim ({self.rope_dim}) must be even and fit a head")
+
+    @property
+    def rows(self) -> int:
+        """Action rows (video frames) in one latent frame's window."""
+        return self.frames_per_latent * self.window_latents
+
+    @property
+    def keyboard_head_dim(self) -> int:
+        return self.keyboard_hidden_dim // self.heads
+
+    @property
+    def mouse_head_dim(self) -> int:
+        return self.mouse_hidden_dim // self.heads
+
+    def num_rows(self, num_latent_frames: int) -> int:
+        """Action rows that cover ``num_latent_frames`` latent frames: ``1 + 4 (F - 1)``."""
+        return 1 + self.frames_per_latent * (num_latent_frames - 1)
+
 
 _POSITIVE = (
     "num_layers", "dim", "num_heads", "ffn_dim", "latent_channels", "latent_height", "latent_width",
     "patch_size", "text_len", "text_dim", "frames_per_block", "window_frames", "freq_dim",
 )
-_NON_NEGATIVE = ("sink_frames", "image_len", "num_register_tokens", "register_dim", "control_dim")
+_NON_NEGATIVE = ("sink_frames", "image_len", "num_register_tokens", "register_dim", "control_dim", "input_channels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +135,13 @@ class CausalDiTConfig:
       control_dim: width of the per-frame control vector (e.g. a one-hot action) that
         conditions every token of its frame through the adaLN modulation, added to the
         timestep embedding; 0 = not control-conditioned.
+      input_channels: channels the patch embedding reads, when more than the latent's
+        (Wan I2V / Matrix-Game: 36 = 16 noisy latent + 4 mask + 16 image-condition latent);
+        0 = ``latent_channels``. The head always predicts ``latent_channels``.
+      context_embedding: ``"text"`` or ``"image"`` (:data:`CONTEXT_EMBEDDINGS`): how the
+        ``text_len x text_dim`` cross-attention context is embedded. ``"image"``: the context is
+        CLIP image tokens (Matrix-Game: 257 x 1280) through Wan's MLPProj; there is no text.
+      action: :class:`ActionConfig` (Matrix-Game 2.0's keyboard/mouse modules) or None.
       freq_dim: sinusoidal timestep embedding width (Wan: 256).
       rope_theta, eps: RoPE base and norm epsilon.
       dtype: activation dtype; param_dtype: parameter dtype.
@@ -78,6 +164,9 @@ class CausalDiTConfig:
     num_register_tokens: int = 0
     register_dim: int = 0
     control_dim: int = 0
+    input_channels: int = 0
+    context_embedding: str = "text"
+    action: ActionConfig | None = None
     freq_dim: int = 256
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -116,6 +205,24 @@ class CausalDiTConfig:
                 f"CausalDiTConfig frames_per_block ({self.frames_per_block}) must not exceed window_frames "
                 f"({self.window_frames})"
             )
+        if self.context_embedding not in CONTEXT_EMBEDDINGS:
+            raise ValueError(f"CausalDiTConfig context_embedding must be one of {CONTEXT_EMBEDDINGS}, got "
+                             f"{self.context_embedding!r}")
+        if self.input_channels and self.input_channels < self.latent_channels:
+            raise ValueError(f"CausalDiTConfig input_channels ({self.input_channels}) must be 0 or at least "
+                             f"latent_channels ({self.latent_channels})")
+        if self.action is not None:
+            if not isinstance(self.action, ActionConfig):
+                raise TypeError(f"CausalDiTConfig action must be an ActionConfig or None, got "
+                                f"{type(self.action).__name__}")
+            if self.action.num_blocks > self.num_layers:
+                raise ValueError(f"CausalDiTConfig action.num_blocks ({self.action.num_blocks}) exceeds num_layers "
+                                 f"({self.num_layers})")
+            # The action caches keep the window of the last window_frames latent frames (no sink),
+            # and action modules see video tokens only.
+            if self.sink_frames or self.num_register_tokens or self.control_dim or self.image_len:
+                raise ValueError("CausalDiTConfig with action modules must have sink_frames, num_register_tokens, "
+                                 "control_dim and image_len 0")
         if (self.num_register_tokens > 0) != (self.register_dim > 0):
             raise ValueError(
                 "CausalDiTConfig num_register_tokens and register_dim must both be zero or both positive, got "
@@ -139,8 +246,18 @@ class CausalDiTConfig:
 
     @property
     def patch_dim(self) -> int:
-        """Features of one patch token: ``C * p * p``."""
+        """Features of one predicted patch: ``C * p * p``."""
         return self.latent_channels * self.patch_size * self.patch_size
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the patch embedding's input (``input_channels``, else ``latent_channels``)."""
+        return self.input_channels or self.latent_channels
+
+    @property
+    def input_patch_dim(self) -> int:
+        """Features of one input patch: ``in_channels * p * p``."""
+        return self.in_channels * self.patch_size * self.patch_size
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
@@ -240,9 +357,51 @@ def wan_tiny() -> CausalDiTConfig:
     )
 
 
+def _matrix_game(name: str, keyboard_dim: int, mouse: bool, window: int) -> CausalDiTConfig:
+    # Matrix-Game 2.0 (SkyworkAI): the Wan-1.3B shape, image-to-video input (36 channels),
+    # 257 CLIP ViT-H/14 tokens as the only context, action modules in blocks 0-14; 352x640
+    # video = a 44x80 latent (880 tokens/frame); 3-frame blocks, local_attn_size frames
+    # visible (the current block included), no sink.
+    return CausalDiTConfig(
+        name=name, num_layers=30, dim=1536, num_heads=12, ffn_dim=8960, latent_channels=16, latent_height=44,
+        latent_width=80, text_len=257, text_dim=1280, frames_per_block=3, window_frames=window, sink_frames=0,
+        input_channels=36, context_embedding="image",
+        action=ActionConfig(num_blocks=15, keyboard_dim=keyboard_dim, mouse_dim=2 if mouse else 0),
+        dtype="bfloat16", param_dtype="bfloat16")
+
+
+def matrix_game_2_universal() -> CausalDiTConfig:
+    """Matrix-Game 2.0 universal (base distilled): keyboard W/S/A/D plus mouse, 6 visible latent frames."""
+    return _matrix_game("matrix-game-2-universal", 4, True, 6)
+
+
+def matrix_game_2_gta_drive() -> CausalDiTConfig:
+    """Matrix-Game 2.0 GTA driving: keyboard W/S plus mouse, 4 visible latent frames."""
+    return _matrix_game("matrix-game-2-gta-drive", 2, True, 4)
+
+
+def matrix_game_2_templerun() -> CausalDiTConfig:
+    """Matrix-Game 2.0 Temple Run: a 7-way keyboard (index 0 = no-op), no mouse, 6 visible latent frames."""
+    return _matrix_game("matrix-game-2-templerun", 7, False, 6)
+
+
+def matrix_game_tiny() -> CausalDiTConfig:
+    """A Matrix-Game-shaped network for CPU tests: 3 layers (actions in the first 2), 2 heads x 12, 4-channel
+    4x6 latent (6 tokens/frame) with 2 x 4 + 4 input channels, 5 x 16 image tokens, 4 visible latent frames;
+    actions: 2 heads x 8 (rotating 4), keyboard 3, mouse 2."""
+    return CausalDiTConfig(
+        name="matrix-game-tiny", num_layers=3, dim=24, num_heads=2, ffn_dim=32, latent_channels=4, latent_height=4,
+        latent_width=6, text_len=5, text_dim=16, frames_per_block=3, window_frames=4, sink_frames=0, freq_dim=32,
+        input_channels=12, context_embedding="image",
+        action=ActionConfig(num_blocks=2, keyboard_dim=3, mouse_dim=2, heads=2, keyboard_embed_dim=8,
+                            keyboard_hidden_dim=16, mouse_hidden_dim=16, rope_dim=4))
+
+
 DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {
     "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world,
-    "wan-tiny": wan_tiny, "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b}
+    "wan-tiny": wan_tiny, "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b,
+    "matrix-game-2-universal": matrix_game_2_universal, "matrix-game-2-gta-drive": matrix_game_2_gta_drive,
+    "matrix-game-2-templerun": matrix_game_2_templerun, "matrix-game-tiny": matrix_game_tiny}
 
 
 def dit_preset(name: str, **overrides: object) -> CausalDiTConfig:

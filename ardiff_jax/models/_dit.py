@@ -28,6 +28,12 @@ Causal-specific parts:
   depends on the token's own RoPE rotation, i.e. on its position (``docs/models.md``
   measures the difference).
 
+Matrix-Game 2.0 (``config.action``, ``input_channels``, ``context_embedding="image"``): the
+patch embedding reads extra condition channels, the context is CLIP image tokens through
+Wan I2V's MLPProj, and an :class:`ActionModule` (keyboard/mouse, with its own per-session
+key/value ring, :class:`ActionKV`) runs between cross-attention and FFN in the first blocks.
+A config without these builds and computes exactly what it did before.
+
 The layers are stacked (``nnx.vmap`` at construction) and run with ``jax.lax.scan``, so
 compile time does not grow with depth. Cross-attention K/V are projected once per prompt
 (:meth:`CausalDiT.text_cross_kv`) and passed in per call, stacked ``[L, N, H, D]``.
@@ -50,10 +56,11 @@ import numpy as np
 from flax import nnx
 
 from ardiff_jax.models._attention import SelfAttentionBackend, dot_attention
-from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._config import ActionConfig, CausalDiTConfig
 
 __all__ = ["CausalDiT", "DiTOutput", "ByteTextEncoder", "tokenize_prompt", "patchify", "unpatchify",
-           "rope_rotation", "apply_rope", "timestep_embedding"]
+           "rope_rotation", "apply_rope", "timestep_embedding", "ActionModule", "ActionInputs", "ActionKV",
+           "init_action_cache", "commit_action_cache", "action_history_mask", "action_cache_nbytes"]
 
 _F32 = jnp.float32
 
@@ -66,12 +73,44 @@ class DiTOutput(NamedTuple):
       registers: ``f32[E, register_dim]`` the register-token head output, or ``None``.
       k: ``[L, f*T, H, D]`` the block's self-attention keys (RoPE applied), every layer.
       v: ``[L, f*T, H, D]`` the block's self-attention values.
+      action_kv: with action modules, the block's action keys/values (:class:`ActionKV`,
+        ``[A, f, ...]``), what :func:`commit_action_cache` stores once the block is clean.
     """
 
     video: jax.Array
     registers: jax.Array | None
     k: jax.Array
     v: jax.Array
+    action_kv: ActionKV | None = None
+
+
+class ActionInputs(NamedTuple):
+    """One block's action windows (Matrix-Game 2.0), one per latent frame; built by
+    :func:`ardiff_jax.models.matrix_game.action_windows` from the raw per-video-frame rows.
+
+    Attributes:
+      keyboard: ``f32[f, rows, keyboard_dim]`` each latent frame's window of keyboard rows.
+      mouse: ``f32[f, rows, mouse_dim]`` the same for the mouse, or None (no mouse path).
+    """
+
+    keyboard: jax.Array
+    mouse: jax.Array | None
+
+
+class ActionKV(NamedTuple):
+    """Action keys/values, stacked over the action blocks ``A``: for a block (``[A, f, ...]``) or a
+    session's ring of the last ``window_frames`` latent frames (``[A, W, ...]``; frame ``g`` in slot
+    ``g % W``). Keys are stored normalised and rotated at their absolute latent frame.
+
+    Attributes:
+      mouse_k, mouse_v: ``[A, n, S, Hm, Dm]`` per spatial token (S tokens per frame), or None.
+      keyboard_k, keyboard_v: ``[A, n, Hk, Dk]``: one key/value per latent frame, shared by its tokens.
+    """
+
+    mouse_k: jax.Array | None
+    mouse_v: jax.Array | None
+    keyboard_k: jax.Array
+    keyboard_v: jax.Array
 
 
 # -- pure helpers ------------------------------------------------------------------------------
@@ -239,6 +278,24 @@ class RMSNorm(nnx.Module):
         return (out * self.weight[...].astype(_F32)).astype(x.dtype)
 
 
+class ReleaseRMSNorm(nnx.Module):
+    """Matrix-Game 2.0's action q/k RMS norm: it has a ``weight`` but its forward ignores it.
+
+    The released ``ActionModule`` normalises ``x * rsqrt(mean(x^2) + eps)`` and never
+    multiplies by the stored scale, so that scale never received a gradient and the
+    released networks were trained (and distilled) without it. We keep the parameter
+    (checkpoints map one to one) and compute what the release computes.
+    """
+
+    def __init__(self, dim: int, eps: float, param_dtype: str) -> None:
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(_F32)
+        return (xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+
+
 class AffineLayerNorm(nnx.Module):
     """LayerNorm with scale and bias (Wan's ``norm3`` before cross-attention, the image MLP norms)."""
 
@@ -356,18 +413,201 @@ class DiTBlock(nnx.Module):
         text_kv: tuple[jax.Array, jax.Array],  # [N, H, D] each
         image_kv: tuple[jax.Array, jax.Array] | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        x, block_kv = self.attend(x, e0, num_video, rotation, layer, attention, text_kv, image_kv)
+        return self.feed_forward(x, e0), block_kv
+
+    def attend(self, x: jax.Array, e0: jax.Array, num_video: int, rotation: tuple[jax.Array, jax.Array],
+               layer: jax.Array, attention: SelfAttentionBackend, text_kv: tuple[jax.Array, jax.Array],
+               image_kv: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """The block up to its FFN: modulated self-attention, then cross-attention (Matrix-Game's
+        action module runs between this and :meth:`feed_forward`)."""
         cfg = self.config
-        eps = cfg.eps
         mod = self.modulation[...].astype(_F32) + e0
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[..., i, :] for i in range(6))
-        h = (_layer_norm(x, eps) * (1 + scale_msa) + shift_msa).astype(cfg.dtype)
+        shift_msa, scale_msa, gate_msa = (mod[..., i, :] for i in range(3))
+        h = (_layer_norm(x, cfg.eps) * (1 + scale_msa) + shift_msa).astype(cfg.dtype)
         y, block_kv = self.self_attn(h, num_video, rotation, layer, attention)
         x = x + y.astype(_F32) * gate_msa
         x = x + self.cross_attn(self.norm3(x).astype(cfg.dtype), text_kv, image_kv).astype(_F32)
-        h = (_layer_norm(x, eps) * (1 + scale_mlp) + shift_mlp).astype(cfg.dtype)
-        y = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
-        x = x + y.astype(_F32) * gate_mlp
         return x, block_kv
+
+    def feed_forward(self, x: jax.Array, e0: jax.Array) -> jax.Array:
+        """The modulated GELU FFN with its residual."""
+        cfg = self.config
+        mod = self.modulation[...].astype(_F32) + e0
+        shift_mlp, scale_mlp, gate_mlp = (mod[..., i, :] for i in range(3, 6))
+        h = (_layer_norm(x, cfg.eps) * (1 + scale_mlp) + shift_mlp).astype(cfg.dtype)
+        y = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
+        return x + y.astype(_F32) * gate_mlp
+
+
+def _plain_linear(din: int, dout: int, dtype: str, param_dtype: str, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
+    # The action modules are small and replicated (no tensor-parallel annotations).
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)
+
+
+def _rotate_leading(x: jax.Array, cos: jax.Array, sin: jax.Array, rope_dim: int) -> jax.Array:
+    """Rotate the interleaved pairs of the first ``rope_dim`` channels of ``x [f, ..., H, D]`` by the per-frame
+    ``(cos, sin) f32[f, rope_dim/2]``; the other channels pass (the action RoPE's row/column axes are
+    degenerate, 1x1, so only the frame axis rotates)."""
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (rope_dim // 2,)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    head = x[..., :rope_dim].astype(_F32).reshape(*x.shape[:-1], rope_dim // 2, 2)
+    a, b = head[..., 0], head[..., 1]
+    rotated = jnp.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(*x.shape[:-1], rope_dim)
+    return jnp.concatenate([rotated.astype(x.dtype), x[..., rope_dim:]], axis=-1)
+
+
+def action_rotation(action: ActionConfig, frame_start: jax.Array, num_frames: int) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin) f32[f, rope_dim/2]``: the action RoPE of latent frames ``frame_start ..`` (absolute)."""
+    positions = jnp.asarray(frame_start, jnp.int32) + jnp.arange(num_frames)
+    return _rotation_at(positions, action.rope_dim, action.rope_theta)
+
+
+def _window_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, spec: str) -> jax.Array:
+    """Softmax attention (float32) over a key axis; ``visible bool[n]`` masks ring slots of the history."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores_spec, out_spec = spec.split("|")
+    scores = jnp.einsum(scores_spec, q, k.astype(q.dtype), preferred_element_type=_F32) * scale
+    scores = jnp.where(visible, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum(out_spec, weights.astype(v.dtype), v, preferred_element_type=_F32)
+
+
+class ActionModule(nnx.Module):
+    """Matrix-Game 2.0's action module of one block: the mouse path then the keyboard path, each a residual.
+
+    Mouse: every video token is concatenated with its latent frame's mouse window (flattened
+    ``rows * mouse_dim``), mapped by an MLP (Linear, GELU(tanh), Linear, LayerNorm) to
+    q/k/v; each spatial token attends over the latent frames the block sees (its own keys
+    in the session's ring plus the block's), q/k RMS-normalised and rotated by latent frame.
+    Keyboard: each raw row is embedded (Linear, SiLU, Linear), a frame's window is flattened
+    and projected to one key/value per latent frame; every token's query cross-attends to
+    the visible frames' keys. History frames are those the block's self-attention sees:
+    ``[max(0, start + f - W), start)``.
+    """
+
+    def __init__(self, config: CausalDiTConfig, rngs: nnx.Rngs) -> None:
+        action = config.action
+        assert action is not None
+        self.config = config
+        dt, pdt, dim = config.dtype, config.param_dtype, config.dim
+        self.keyboard_embed_in = _plain_linear(action.keyboard_dim, action.keyboard_embed_dim, dt, pdt, rngs)
+        self.keyboard_embed_out = _plain_linear(action.keyboard_embed_dim, action.keyboard_embed_dim, dt, pdt, rngs)
+        if action.mouse_dim:
+            hidden = action.mouse_hidden_dim
+            self.mouse_mlp_in = _plain_linear(action.rows * action.mouse_dim + dim, hidden, dt, pdt, rngs)
+            self.mouse_mlp_out = _plain_linear(hidden, hidden, dt, pdt, rngs)
+            self.mouse_mlp_norm = AffineLayerNorm(hidden, action.mlp_norm_eps, pdt)
+            self.mouse_qkv = _plain_linear(hidden, 3 * hidden, dt, pdt, rngs, bias=False)
+            self.mouse_q_norm = ReleaseRMSNorm(action.mouse_head_dim, action.norm_eps, pdt)
+            self.mouse_k_norm = ReleaseRMSNorm(action.mouse_head_dim, action.norm_eps, pdt)
+            self.mouse_proj = _plain_linear(hidden, dim, dt, pdt, rngs, bias=False)
+        hidden = action.keyboard_hidden_dim
+        self.keyboard_q = _plain_linear(dim, hidden, dt, pdt, rngs, bias=False)
+        self.keyboard_kv = _plain_linear(action.rows * action.keyboard_embed_dim, 2 * hidden, dt, pdt, rngs,
+                                         bias=False)
+        self.keyboard_q_norm = ReleaseRMSNorm(action.keyboard_head_dim, action.norm_eps, pdt)
+        self.keyboard_k_norm = ReleaseRMSNorm(action.keyboard_head_dim, action.norm_eps, pdt)
+        self.keyboard_proj = _plain_linear(hidden, dim, dt, pdt, rngs, bias=False)
+
+    def __call__(
+        self,
+        x: jax.Array,  # f32[f*S, dim]: the block's video tokens (frame-major) after cross-attention
+        inputs: ActionInputs,  # the block's windows: keyboard f32[f, rows, K], mouse f32[f, rows, M] or None
+        rotation: tuple[jax.Array, jax.Array],  # action RoPE (cos, sin) f32[f, rope_dim/2]
+        history: ActionKV,  # this layer's ring: mouse [W, S, Hm, Dm], keyboard [W, Hk, Dk]
+        visible: jax.Array,  # bool[W]: ring slots the block sees (action_history_mask)
+    ) -> tuple[jax.Array, ActionKV]:
+        """``(x + mouse + keyboard residuals, this block's keys/values [f, ...])``."""
+        cfg, action = self.config, self.config.action
+        frames = inputs.keyboard.shape[0]
+        tokens = cfg.tokens_per_frame
+        heads = action.heads
+        cos, sin = rotation
+        mouse_k = mouse_v = None
+        if action.mouse_dim:
+            if inputs.mouse is None:
+                raise ValueError("this action module has a mouse path: inputs.mouse is required")
+            h = x.reshape(frames, tokens, cfg.dim)
+            window = jnp.broadcast_to(inputs.mouse.reshape(frames, 1, -1).astype(_F32),
+                                      (frames, tokens, action.rows * action.mouse_dim))
+            feats = jnp.concatenate([h, window], axis=-1).astype(cfg.dtype)
+            feats = self.mouse_mlp_out(jax.nn.gelu(self.mouse_mlp_in(feats), approximate=True))
+            feats = self.mouse_mlp_norm(feats)
+            qkv = self.mouse_qkv(feats).reshape(frames, tokens, 3, heads, action.mouse_head_dim)
+            q = _rotate_leading(self.mouse_q_norm(qkv[:, :, 0]), cos, sin, action.rope_dim)
+            mouse_k = _rotate_leading(self.mouse_k_norm(qkv[:, :, 1]), cos, sin, action.rope_dim)
+            mouse_v = qkv[:, :, 2]
+            # Per spatial token, over frames: the ring's (masked) frames, then the block's own.
+            keys = jnp.concatenate([history.mouse_k.astype(mouse_k.dtype), mouse_k])
+            values = jnp.concatenate([history.mouse_v.astype(mouse_v.dtype), mouse_v])
+            mask = jnp.concatenate([visible, jnp.ones((frames,), bool)])
+            out = _window_attention(q, keys, values, mask, "fshd,gshd->shfg|shfg,gshd->fshd")
+            out = self.mouse_proj(out.reshape(frames * tokens, action.mouse_hidden_dim).astype(cfg.dtype))
+            x = x + out.astype(_F32)
+        embedded = self.keyboard_embed_out(jax.nn.silu(self.keyboard_embed_in(inputs.keyboard.astype(cfg.dtype))))
+        kv = self.keyboard_kv(embedded.reshape(frames, action.rows * action.keyboard_embed_dim))
+        kv = kv.reshape(frames, 2, heads, action.keyboard_head_dim)
+        keyboard_k = _rotate_leading(self.keyboard_k_norm(kv[:, 0]), cos, sin, action.rope_dim)
+        keyboard_v = kv[:, 1]
+        q = self.keyboard_q(x.astype(cfg.dtype)).reshape(frames, tokens, heads, action.keyboard_head_dim)
+        q = _rotate_leading(self.keyboard_q_norm(q), cos, sin, action.rope_dim)
+        keys = jnp.concatenate([history.keyboard_k.astype(keyboard_k.dtype), keyboard_k])
+        values = jnp.concatenate([history.keyboard_v.astype(keyboard_v.dtype), keyboard_v])
+        mask = jnp.concatenate([visible, jnp.ones((frames,), bool)])
+        out = _window_attention(q, keys, values, mask, "fshd,ghd->fshg|fshg,ghd->fshd")
+        out = self.keyboard_proj(out.reshape(frames * tokens, action.keyboard_hidden_dim).astype(cfg.dtype))
+        return x + out.astype(_F32), ActionKV(mouse_k, mouse_v, keyboard_k, keyboard_v)
+
+
+def _action_shapes(config: CausalDiTConfig, frames: int) -> ActionKV:
+    """Shapes of :class:`ActionKV` over ``frames`` latent frames (``[A, frames, ...]``)."""
+    action = config.action
+    assert action is not None
+    a, s = action.num_blocks, config.tokens_per_frame
+    mouse = (a, frames, s, action.heads, action.mouse_head_dim) if action.mouse_dim else None
+    keyboard = (a, frames, action.heads, action.keyboard_head_dim)
+    return ActionKV(mouse, mouse, keyboard, keyboard)
+
+
+def init_action_cache(config: CausalDiTConfig, dtype: Any = None) -> ActionKV:
+    """A session's empty action ring: :class:`ActionKV` of ``[A, window_frames, ...]`` zeros (``config.dtype``)."""
+    dtype = config.dtype if dtype is None else dtype
+    shapes = _action_shapes(config, config.window_frames)
+    return ActionKV(*(None if shape is None else jnp.zeros(shape, dtype) for shape in shapes))
+
+
+def action_cache_nbytes(config: CausalDiTConfig, dtype: Any = None) -> int:
+    """Bytes of one session's action ring (0 without action modules)."""
+    if config.action is None:
+        return 0
+    itemsize = jnp.dtype(config.dtype if dtype is None else dtype).itemsize
+    return sum(int(np.prod(shape)) * itemsize for shape in _action_shapes(config, config.window_frames)
+               if shape is not None)
+
+
+def action_history_mask(config: CausalDiTConfig, frame_start: jax.Array) -> jax.Array:
+    """``bool[W]``: the ring slots a block starting at latent frame ``frame_start`` sees.
+
+    Slot ``j`` holds the newest committed frame ``g <= start - 1`` with ``g % W == j``; the block
+    sees frames ``[max(0, start + f - W), start)`` (its self-attention window, current block
+    included in the ``W`` frames).
+    """
+    window, frames = config.window_frames, config.frames_per_block
+    last = jnp.asarray(frame_start, jnp.int32) - 1
+    held = last - jnp.mod(last - jnp.arange(window), window)
+    return (held >= 0) & (held >= last + 1 + frames - window)
+
+
+def commit_action_cache(config: CausalDiTConfig, cache: ActionKV, block: ActionKV, frame_start: jax.Array) -> ActionKV:
+    """``cache`` with the clean block's action keys/values (``[A, f, ...]``) written at slots ``(start + i) % W``."""
+    slots = jnp.mod(jnp.asarray(frame_start, jnp.int32) + jnp.arange(block.keyboard_k.shape[1]), config.window_frames)
+
+    def write(ring: jax.Array | None, new: jax.Array | None) -> jax.Array | None:
+        return None if ring is None else ring.at[:, slots].set(new.astype(ring.dtype))
+
+    return ActionKV(*(write(r, n) for r, n in zip(cache, block, strict=True)))
 
 
 class CausalDiT(nnx.Module):
@@ -387,9 +627,16 @@ class CausalDiT(nnx.Module):
             raise TypeError(f"config must be a CausalDiTConfig, got {type(config).__name__}")
         self.config = config
         dim = config.dim
-        self.patch_embedding = _linear(config, config.patch_dim, dim, rngs)
-        self.text_in = _linear(config, config.text_dim, dim, rngs)
-        self.text_out = _linear(config, dim, dim, rngs)
+        self.patch_embedding = _linear(config, config.input_patch_dim, dim, rngs)
+        if config.context_embedding == "text":
+            self.text_in = _linear(config, config.text_dim, dim, rngs)
+            self.text_out = _linear(config, dim, dim, rngs)
+        else:
+            # Wan I2V's img_emb MLPProj over CLIP tokens (torch LayerNorm's default eps 1e-5).
+            self.context_norm_in = AffineLayerNorm(config.text_dim, 1e-5, config.param_dtype)
+            self.context_in = _linear(config, config.text_dim, config.text_dim, rngs)
+            self.context_out = _linear(config, config.text_dim, dim, rngs)
+            self.context_norm_out = AffineLayerNorm(dim, 1e-5, config.param_dtype)
         self.time_in = _linear(config, config.freq_dim, dim, rngs)
         self.time_out = _linear(config, dim, dim, rngs)
         self.time_projection = _linear(config, dim, 6 * dim, rngs)
@@ -415,13 +662,26 @@ class CausalDiT(nnx.Module):
             return DiTBlock(config, rngs)
 
         self.blocks = make_blocks(rngs)
+        if config.action is not None:
+            # Stacked over the first action.num_blocks layers only: the release has action
+            # modules in those blocks alone (blocks.{i}.action_model for i < num_blocks).
+            @nnx.split_rngs(splits=config.action.num_blocks)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def make_action_blocks(rngs: nnx.Rngs) -> ActionModule:
+                return ActionModule(config, rngs)
+
+            self.action_blocks = make_action_blocks(rngs)
         self.head_modulation = nnx.Param(
             (jax.random.normal(rngs.params(), (2, dim), _F32) / math.sqrt(dim)).astype(config.param_dtype))
         self.head = _linear(config, dim, config.patch_dim, rngs)
 
     # -- context projections (run once per prompt / conditioning image) ----------------------
     def embed_text(self, text_features: jax.Array) -> jax.Array:
-        """``[N, text_dim]`` -> ``[N, dim]`` (Wan's text_embedding MLP)."""
+        """``[N, text_dim]`` -> ``[N, dim]``: Wan's text_embedding MLP, or for an image context
+        (``context_embedding == "image"``, Matrix-Game's CLIP tokens) Wan I2V's MLPProj."""
+        if self.config.context_embedding == "image":
+            h = self.context_in(self.context_norm_in(text_features))
+            return self.context_norm_out(self.context_out(jax.nn.gelu(h, approximate=False)))
         return self.text_out(jax.nn.gelu(self.text_in(text_features), approximate=True))
 
     def embed_image(self, image_features: jax.Array) -> jax.Array:
@@ -499,6 +759,45 @@ class CausalDiT(nnx.Module):
                 f"registers must be [..., {cfg.num_register_tokens}, {cfg.register_dim}], got {registers.shape}")
         return self.register_in(registers.astype(cfg.dtype)).astype(_F32) + self.register_pos[...].astype(_F32)
 
+    def _action_layers(self, x: jax.Array, e0: jax.Array, num_video: int, rotation: tuple[jax.Array, jax.Array],
+                       attention: SelfAttentionBackend, text_kv: tuple[jax.Array, jax.Array],
+                       actions: ActionInputs, history: ActionKV, frame_start: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, ActionKV]:
+        """:meth:`_layers` with the action module of block ``i < A`` between its cross-attention and FFN.
+
+        One scan over all layers (compile time stays flat); the action parameters and ring of
+        layer ``i`` are indexed dynamically inside a ``cond`` (no copy of either stack), and the
+        block's action keys/values come back ``[A, f, ...]``.
+        """
+        cfg = self.config
+        num_action = cfg.action.num_blocks
+        graphdef, stacked = nnx.split(self.blocks)
+        action_graphdef, action_stacked = nnx.split(self.action_blocks)
+        frames = actions.keyboard.shape[0]
+        action_rot = action_rotation(cfg.action, frame_start, frames)
+        visible = action_history_mask(cfg, frame_start)
+        empty = ActionKV(*(None if shape is None else jnp.zeros(shape[1:], cfg.dtype)
+                           for shape in _action_shapes(cfg, frames)))
+
+        def with_action(x: jax.Array, layer: jax.Array) -> tuple[jax.Array, ActionKV]:
+            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0, keepdims=False)
+            module = nnx.merge(action_graphdef, jax.tree.map(pick, action_stacked))
+            layer_history = ActionKV(*(None if h is None else pick(h) for h in history))
+            x, new = module(x, actions, action_rot, layer_history, visible)
+            return x, ActionKV(*(None if n is None else n.astype(cfg.dtype) for n in new))
+
+        def layer_step(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+            layer, state, layer_text = xs
+            block = nnx.merge(graphdef, state)
+            x, block_kv = block.attend(x, e0, num_video, rotation, layer, attention, layer_text, None)
+            x, action_kv = jax.lax.cond(layer < num_action, with_action, lambda x, _: (x, empty), x, layer)
+            return block.feed_forward(x, e0), (block_kv, action_kv)
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        x, ((block_k, block_v), action_kv) = jax.lax.scan(layer_step, x, (layers, stacked, text_kv))
+        action_kv = ActionKV(*(None if a is None else a[:num_action] for a in action_kv))
+        return x, block_k, block_v, action_kv
+
     def _layers(self, x: jax.Array, e0: jax.Array, num_video: int, rotation: tuple[jax.Array, jax.Array],
                 attention: SelfAttentionBackend, text_kv: tuple[jax.Array, jax.Array],
                 image_kv: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -534,11 +833,18 @@ class CausalDiT(nnx.Module):
         controls: jax.Array | None = None,  # f32[f, control_dim]: per-frame controls (control_dim > 0)
         *,
         attention: SelfAttentionBackend,
+        condition: jax.Array | None = None,  # f32[f, in_channels - C, H, W]: I2V channels after the latent's
+        actions: ActionInputs | None = None,  # the block's action windows (config.action)
+        action_history: ActionKV | None = None,  # the session's action ring [A, W, ...] (config.action)
     ) -> DiTOutput:
         """One AR block (inference): history comes from ``attention`` (the paged view or a dense reference).
 
         A per-frame ``timestep [f]`` modulates each frame's tokens by its own time (Wan's
-        ``t [B, F]``; Wan2.2-TI2V keeps a conditioning frame at ``t = 0``).
+        ``t [B, F]``; Wan2.2-TI2V keeps a conditioning frame at ``t = 0``). An I2V network
+        (``input_channels > latent_channels``) reads ``concat([latents, condition])`` over
+        channels (Matrix-Game: 4 mask + 16 image-condition channels). With action modules
+        (``config.action``) ``actions`` and ``action_history`` are required; the output's
+        ``action_kv`` is what :func:`commit_action_cache` stores for the clean block.
         """
         cfg = self.config
         self._check_latents(latents, 1)
@@ -546,7 +852,10 @@ class CausalDiT(nnx.Module):
         self._check_controls(controls, (frames,))
         if jnp.ndim(timestep) not in (0, 1) or (jnp.ndim(timestep) == 1 and jnp.shape(timestep)[0] != frames):
             raise ValueError(f"timestep must be a scalar or one per frame [{frames}], got shape {jnp.shape(timestep)}")
+        self._check_action_args(frames, condition, actions, action_history, image_kv, registers)
         num_video = frames * cfg.tokens_per_frame
+        if condition is not None:
+            latents = jnp.concatenate([latents.astype(_F32), condition.astype(_F32)], axis=1)
         x = self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
         if registers is not None:
             if registers.ndim != 2:
@@ -569,12 +878,51 @@ class CausalDiT(nnx.Module):
             e = jnp.repeat(e, counts, axis=0, total_repeat_length=int(counts.sum()))
             e0 = jnp.repeat(e0, counts, axis=0, total_repeat_length=int(counts.sum()))
         rotation = rope_rotation(cfg, frame_start, frames)
-        x, block_k, block_v = self._layers(x, e0, num_video, rotation, attention, text_kv, image_kv)
+        action_kv = None
+        if cfg.action is None:
+            x, block_k, block_v = self._layers(x, e0, num_video, rotation, attention, text_kv, image_kv)
+        else:
+            x, block_k, block_v, action_kv = self._action_layers(x, e0, num_video, rotation, attention, text_kv,
+                                                                 actions, action_history, frame_start)
         h = self._head(x, e)
         video = unpatchify(self.head(h[:num_video]).astype(_F32), frames, cfg.latent_channels, cfg.latent_height,
                            cfg.latent_width, cfg.patch_size)
         reg_out = self.register_head(h[num_video:]).astype(_F32) if registers is not None else None
-        return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v)
+        return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v, action_kv=action_kv)
+
+    def _check_action_args(self, frames: int, condition: jax.Array | None, actions: ActionInputs | None,
+                           history: ActionKV | None, image_kv: Any, registers: Any) -> None:
+        cfg = self.config
+        extra = cfg.in_channels - cfg.latent_channels
+        if extra:
+            want = (frames, extra, cfg.latent_height, cfg.latent_width)
+            if condition is None or tuple(condition.shape) != want:
+                raise ValueError(f"this CausalDiT reads {cfg.in_channels} channels: condition must be {list(want)} "
+                                 f"(the channels after the {cfg.latent_channels} latent ones), got "
+                                 f"{None if condition is None else list(condition.shape)}")
+        elif condition is not None:
+            raise ValueError("this CausalDiT reads the latent channels only; condition must be None")
+        if cfg.action is None:
+            if actions is not None or history is not None:
+                raise ValueError("this CausalDiT has no action modules; actions and action_history must be None")
+            return
+        if image_kv is not None or registers is not None:
+            raise ValueError("a CausalDiT with action modules takes no image_kv or registers")
+        action = cfg.action
+        if actions is None or history is None:
+            raise ValueError("this CausalDiT has action modules: actions (ActionInputs) and action_history "
+                             "(init_action_cache) are required")
+        if tuple(actions.keyboard.shape) != (frames, action.rows, action.keyboard_dim):
+            raise ValueError(f"actions.keyboard must be [{frames}, {action.rows}, {action.keyboard_dim}], got "
+                             f"{list(actions.keyboard.shape)}")
+        mouse_shape = None if actions.mouse is None else tuple(actions.mouse.shape)
+        if mouse_shape != ((frames, action.rows, action.mouse_dim) if action.mouse_dim else None):
+            raise ValueError(f"actions.mouse must be {[frames, action.rows, action.mouse_dim] if action.mouse_dim else None}"
+                             f", got {mouse_shape}")
+        want = _action_shapes(cfg, cfg.window_frames)
+        got = tuple(None if h is None else tuple(h.shape) for h in history)
+        if got != tuple(want):
+            raise ValueError(f"action_history must be shaped {tuple(want)} (init_action_cache), got {got}")
 
     def forward_blocks(
         self,
@@ -603,6 +951,9 @@ class CausalDiT(nnx.Module):
           None, ``k, v [L, B*f*T, H, D]``.
         """
         cfg = self.config
+        if cfg.action is not None or cfg.input_channels:
+            raise NotImplementedError("forward_blocks (training mode) does not run I2V or action-conditioned "
+                                      "networks; use __call__ block by block")
         self._check_latents(latents, 2)
         num_instances, frames = latents.shape[:2]
         self._check_controls(controls, (num_instances, frames))

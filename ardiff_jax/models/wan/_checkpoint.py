@@ -17,6 +17,12 @@ Formats (detected from the path; ``format=`` overrides):
 * ``"safetensors"``: one ``.safetensors`` file with Wan's names, with or without a
   ``model.`` prefix (Krea realtime ships ``model.``-prefixed keys).
 
+Matrix-Game 2.0 (SkyworkAI) loads through the same formats: the release's ``model.``-prefixed
+``.safetensors`` (``"safetensors"``) and FastVideo's diffusers directory (``"diffusers"``,
+``config.json`` with ``image_dim`` and ``action_config``): its ``img_emb.proj.*`` MLPProj
+replaces ``text_embedding.*`` and ``blocks.{i}.action_model.*`` fill the action modules of
+the first blocks (``ardiff_jax.models.matrix_game``).
+
 Every tensor maps to exactly one parameter of our model and every parameter is filled by
 exactly one tensor (asserted on every load): ``nnx.state(model, nnx.Param)`` has the 27
 per-layer tensors of Wan's blocks stacked ``[L, ...]`` plus 15 top-level ones, nn.Linear
@@ -133,6 +139,62 @@ def _mapping() -> list[_Entry]:
 _MAPPING = _mapping()
 _BY_PATH = {entry.path: entry for entry in _MAPPING}
 
+#: Matrix-Game 2.0's action module (``blocks.{i}.action_model.*``, ``i < action.num_blocks``): ours <- release.
+_ACTION_LINEAR = (("keyboard_embed_in", "keyboard_embed.0", True), ("keyboard_embed_out", "keyboard_embed.2", True),
+                  ("keyboard_q", "mouse_attn_q", False), ("keyboard_kv", "keyboard_attn_kv", False),
+                  ("keyboard_proj", "proj_keyboard", False))
+_MOUSE_LINEAR = (("mouse_mlp_in", "mouse_mlp.0", True), ("mouse_mlp_out", "mouse_mlp.2", True),
+                 ("mouse_qkv", "t_qkv", False), ("mouse_proj", "proj_mouse", False))
+
+
+def _action_entries(mouse: bool) -> list[_Entry]:
+    entries = []
+    linears = _ACTION_LINEAR + (_MOUSE_LINEAR if mouse else ())
+    norms = [("keyboard_q_norm", "key_attn_q_norm"), ("keyboard_k_norm", "key_attn_k_norm")]
+    if mouse:
+        norms += [("mouse_q_norm", "img_attn_q_norm"), ("mouse_k_norm", "img_attn_k_norm")]
+    for ours, theirs, bias in linears:
+        entries.append(_Entry(f"action_blocks.{ours}.kernel", f"blocks.{{i}}.action_model.{theirs}.weight", "linear"))
+        if bias:
+            entries.append(_Entry(f"action_blocks.{ours}.bias", f"blocks.{{i}}.action_model.{theirs}.bias", "copy"))
+    for ours, theirs in norms:
+        entries.append(_Entry(f"action_blocks.{ours}.weight", f"blocks.{{i}}.action_model.{theirs}.weight", "copy"))
+    if mouse:
+        entries += [_Entry("action_blocks.mouse_mlp_norm.scale", "blocks.{i}.action_model.mouse_mlp.3.weight", "copy"),
+                    _Entry("action_blocks.mouse_mlp_norm.bias", "blocks.{i}.action_model.mouse_mlp.3.bias", "copy")]
+    return entries
+
+
+def _entries(config: CausalDiTConfig) -> list[_Entry]:
+    """The mapping of ``config``'s network: Wan's, with Matrix-Game's image context (Wan I2V's ``img_emb``
+    MLPProj instead of the text MLP) and action modules when the config has them."""
+    if config.context_embedding == "text" and config.action is None:
+        return _MAPPING
+    entries = list(_MAPPING)
+    if config.context_embedding == "image":
+        entries = [e for e in entries if not e.source.startswith("text_embedding.")]
+        entries += [_Entry("context_norm_in.scale", "img_emb.proj.0.weight", "copy"),
+                    _Entry("context_norm_in.bias", "img_emb.proj.0.bias", "copy"),
+                    *_linear_entries("context_in", "img_emb.proj.1"), *_linear_entries("context_out", "img_emb.proj.3"),
+                    _Entry("context_norm_out.scale", "img_emb.proj.4.weight", "copy"),
+                    _Entry("context_norm_out.bias", "img_emb.proj.4.bias", "copy")]
+    if config.action is not None:
+        entries += _action_entries(bool(config.action.mouse_dim))
+    return entries
+
+
+def _by_path(config: CausalDiTConfig) -> dict[str, _Entry]:
+    return _BY_PATH if config.context_embedding == "text" and config.action is None else {
+        entry.path: entry for entry in _entries(config)}
+
+
+def _stack_size(entry: _Entry, config: CausalDiTConfig) -> int:
+    """How many per-layer tensors fill ``entry``'s stacked parameter (action modules: the first blocks only)."""
+    if ".action_model." in entry.source:
+        assert config.action is not None
+        return config.action.num_blocks
+    return config.num_layers
+
 
 def _source_shape(entry: _Entry, ours: tuple[int, ...], config: CausalDiTConfig) -> tuple[int, ...]:
     """The shape Wan stores for ``entry`` given our (per-layer) parameter shape."""
@@ -140,7 +202,7 @@ def _source_shape(entry: _Entry, ours: tuple[int, ...], config: CausalDiTConfig)
     if entry.kind in ("linear", "head_weight"):
         return (ours[1], ours[0])
     if entry.kind == "conv":
-        return (config.dim, config.latent_channels, 1, p, p)
+        return (config.dim, config.in_channels, 1, p, p)
     if entry.kind == "squeeze":
         return (1, *ours)
     return ours
@@ -151,8 +213,8 @@ def _transform(entry: _Entry, x: np.ndarray, config: CausalDiTConfig) -> np.ndar
     p, c, dim = config.patch_size, config.latent_channels, config.dim
     if entry.kind == "linear":
         return x.T
-    if entry.kind == "conv":  # [dim, C, 1, p, p] -> [C*p*p (c, ph, pw), dim]
-        return x.reshape(dim, c * p * p).T
+    if entry.kind == "conv":  # [dim, C_in, 1, p, p] -> [C_in*p*p (c, ph, pw), dim]
+        return x.reshape(dim, config.input_patch_dim).T
     if entry.kind == "squeeze":
         return x[0]
     if entry.kind == "head_weight":  # rows (ph, pw, c) with c fastest -> (c, ph, pw); then transpose
@@ -166,11 +228,11 @@ def wan_names(config: CausalDiTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of Wan's state dict for ``config`` and its shape (what a checkpoint must hold)."""
     shapes = _our_shapes(config)
     out: dict[str, tuple[int, ...]] = {}
-    for entry in _MAPPING:
+    for entry in _entries(config):
         ours = shapes[entry.path]
         if entry.per_layer:
             per_layer = _source_shape(entry, ours[1:], config)
-            for i in range(config.num_layers):
+            for i in range(_stack_size(entry, config)):
                 out[entry.source.format(i=i)] = per_layer
         else:
             out[entry.source] = _source_shape(entry, ours, config)
@@ -180,7 +242,7 @@ def wan_names(config: CausalDiTConfig) -> dict[str, tuple[int, ...]]:
 def _our_shapes(config: CausalDiTConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter shapes, computed arithmetically (no model is built)."""
     d, f, L, p = config.dim, config.ffn_dim, config.num_layers, config.patch_dim
-    shapes = {"patch_embedding.kernel": (p, d), "patch_embedding.bias": (d,),
+    shapes = {"patch_embedding.kernel": (config.input_patch_dim, d), "patch_embedding.bias": (d,),
               "text_in.kernel": (config.text_dim, d), "text_in.bias": (d,), "text_out.kernel": (d, d),
               "text_out.bias": (d,), "time_in.kernel": (config.freq_dim, d), "time_in.bias": (d,),
               "time_out.kernel": (d, d), "time_out.bias": (d,), "time_projection.kernel": (d, 6 * d),
@@ -194,6 +256,30 @@ def _our_shapes(config: CausalDiTConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"blocks.{attn}.{proj}.bias"] = (L, d)
         for norm in ("norm_q", "norm_k"):
             shapes[f"blocks.{attn}.{norm}.weight"] = (L, d)
+    if config.context_embedding == "image":
+        c = config.text_dim
+        shapes.update({"context_norm_in.scale": (c,), "context_norm_in.bias": (c,), "context_in.kernel": (c, c),
+                       "context_in.bias": (c,), "context_out.kernel": (c, d), "context_out.bias": (d,),
+                       "context_norm_out.scale": (d,), "context_norm_out.bias": (d,)})
+    if config.action is not None:
+        a = config.action
+        n, kh, mh, e = a.num_blocks, a.keyboard_hidden_dim, a.mouse_hidden_dim, a.keyboard_embed_dim
+        shapes.update({"action_blocks.keyboard_embed_in.kernel": (n, a.keyboard_dim, e),
+                       "action_blocks.keyboard_embed_in.bias": (n, e),
+                       "action_blocks.keyboard_embed_out.kernel": (n, e, e), "action_blocks.keyboard_embed_out.bias": (n, e),
+                       "action_blocks.keyboard_q.kernel": (n, d, kh),
+                       "action_blocks.keyboard_kv.kernel": (n, a.rows * e, 2 * kh),
+                       "action_blocks.keyboard_proj.kernel": (n, kh, d),
+                       "action_blocks.keyboard_q_norm.weight": (n, a.keyboard_head_dim),
+                       "action_blocks.keyboard_k_norm.weight": (n, a.keyboard_head_dim)})
+        if a.mouse_dim:
+            shapes.update({"action_blocks.mouse_mlp_in.kernel": (n, a.rows * a.mouse_dim + d, mh),
+                           "action_blocks.mouse_mlp_in.bias": (n, mh), "action_blocks.mouse_mlp_out.kernel": (n, mh, mh),
+                           "action_blocks.mouse_mlp_out.bias": (n, mh), "action_blocks.mouse_mlp_norm.scale": (n, mh),
+                           "action_blocks.mouse_mlp_norm.bias": (n, mh), "action_blocks.mouse_qkv.kernel": (n, mh, 3 * mh),
+                           "action_blocks.mouse_proj.kernel": (n, mh, d),
+                           "action_blocks.mouse_q_norm.weight": (n, a.mouse_head_dim),
+                           "action_blocks.mouse_k_norm.weight": (n, a.mouse_head_dim)})
     return shapes
 
 
@@ -207,6 +293,11 @@ _DIFFUSERS_TOP = {
     "condition_embedder.time_embedder.linear_2": "time_embedding.2",
     "condition_embedder.time_proj": "time_projection.1",
     "proj_out": "head.head",
+    # Wan I2V / Matrix-Game's image MLPProj (FastVideo's conversion).
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
 }
 _DIFFUSERS_BLOCK = {"norm2": "norm3", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
 for _theirs, _ours in (("attn1", "self_attn"), ("attn2", "cross_attn")):
@@ -220,6 +311,8 @@ def _diffusers_module(module: str) -> str | None:
     """A diffusers module name -> Wan's (``None``: no Wan counterpart)."""
     match = _BLOCK_NAME.fullmatch(module)
     if match:
+        if match.group(2).startswith("action_model."):  # Matrix-Game's action modules keep their names
+            return module
         rest = _DIFFUSERS_BLOCK.get(match.group(2))
         return None if rest is None else f"blocks.{match.group(1)}.{rest}"
     return _DIFFUSERS_TOP.get(module)
@@ -405,6 +498,17 @@ class _JsonConfig:
     path: Path
     values: dict[str, Any]  # our field -> value
     spelled: dict[str, str]  # our field -> the JSON field name
+    #: Matrix-Game 2.0's ``action_config`` (keyboard_dim_in, enable_mouse, blocks, ...), or None.
+    action: dict[str, Any] | None = None
+
+
+def _action_json(path: Path, data: dict[str, Any]) -> dict[str, Any] | None:
+    action = data.get("action_config")
+    if action is None:
+        return None
+    if not isinstance(action, dict):
+        raise CheckpointError(f"{path}: action_config must be a JSON object, got {action!r}")
+    return action
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -438,24 +542,32 @@ def _patch(value: Any, path: Path, field: str) -> int:
 
 def _wan_json(path: Path, data: dict[str, Any]) -> _JsonConfig:
     model_type = data.get("model_type", "t2v")
-    if model_type not in ("t2v", "ti2v"):
+    action = _action_json(path, data)
+    # Matrix-Game 2.0 is i2v with action_config: image tokens are its only context (no k_img/v_img).
+    if model_type not in ("t2v", "ti2v") and not (model_type == "i2v" and action is not None):
         raise CheckpointError(f"{path}: model_type {model_type!r} has an image (or other conditioning) branch; "
-                              "CausalDiT loads text-to-video networks (model_type t2v or ti2v)")
+                              "CausalDiT loads text-to-video networks (model_type t2v or ti2v) and Matrix-Game 2.0 "
+                              "(model_type i2v with an action_config)")
     for flag in ("qk_norm", "cross_attn_norm"):
         if data.get(flag, True) is not True:
             raise CheckpointError(f"{path}: {flag}={data[flag]!r} is not supported (CausalDiT has q/k RMS norms and "
                                   "an affine norm before cross-attention, as the published Wan networks)")
     spelled = {"dim": "dim", "num_heads": "num_heads", "num_layers": "num_layers", "ffn_dim": "ffn_dim",
-               "latent_channels": "in_dim", "out_channels": "out_dim", "text_dim": "text_dim",
+               "in_channels": "in_dim", "out_channels": "out_dim", "text_dim": "text_dim",
                "freq_dim": "freq_dim", "eps": "eps", "text_len": "text_len"}
+    if action is not None:  # text_dim / text_len are unused leftovers in Matrix-Game's configs
+        del spelled["text_dim"], spelled["text_len"]
     values = {ours: data[theirs] for ours, theirs in spelled.items() if theirs in data}
     if "patch_size" in data:
         values["patch_size"], spelled["patch_size"] = _patch(data["patch_size"], path, "patch_size"), "patch_size"
-    return _JsonConfig(path, values, spelled)
+    return _JsonConfig(path, values, spelled, action)
 
 
 def _diffusers_json(path: Path, data: dict[str, Any]) -> _JsonConfig:
-    for field in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+    action = _action_json(path, data)
+    # FastVideo's Matrix-Game conversion: image_dim is its CLIP context width (no text, no k_img/v_img).
+    for field in ("added_kv_proj_dim", "pos_embed_seq_len") if action is not None else (
+            "image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
         if data.get(field) is not None:
             raise CheckpointError(f"{path}: {field}={data[field]!r} means an image branch; CausalDiT loads "
                                   "text-to-video networks (image_dim and added_kv_proj_dim null)")
@@ -466,8 +578,8 @@ def _diffusers_json(path: Path, data: dict[str, Any]) -> _JsonConfig:
         raise CheckpointError(f"{path}: qk_norm={data['qk_norm']!r} is not supported (CausalDiT normalises q and k "
                               "with 'rms_norm_across_heads')")
     spelled = {"num_heads": "num_attention_heads", "num_layers": "num_layers", "ffn_dim": "ffn_dim",
-               "latent_channels": "in_channels", "out_channels": "out_channels", "text_dim": "text_dim",
-               "freq_dim": "freq_dim", "eps": "eps"}
+               "in_channels": "in_channels", "out_channels": "out_channels",
+               "text_dim": "image_dim" if action is not None else "text_dim", "freq_dim": "freq_dim", "eps": "eps"}
     values = {ours: data[theirs] for ours, theirs in spelled.items() if theirs in data}
     if "num_attention_heads" in data and "attention_head_dim" in data:
         values["dim"] = data["num_attention_heads"] * data["attention_head_dim"]
@@ -476,7 +588,7 @@ def _diffusers_json(path: Path, data: dict[str, Any]) -> _JsonConfig:
         values["patch_size"], spelled["patch_size"] = _patch(data["patch_size"], path, "patch_size"), "patch_size"
     if values.get("out_channels") is None:
         values.pop("out_channels", None)  # diffusers: out_channels null = in_channels
-    return _JsonConfig(path, values, spelled)
+    return _JsonConfig(path, values, spelled, action)
 
 
 # -- the opened checkpoint -----------------------------------------------------------------------------
@@ -616,13 +728,13 @@ def _geometry(ckpt: _Checkpoint) -> dict[str, tuple[int, str]]:
     patch = shape("patch_embedding.weight")
     if patch is not None and len(patch) == 5:
         out["dim"] = (patch[0], where("patch_embedding.weight"))
-        out["latent_channels"] = (patch[1], where("patch_embedding.weight"))
+        out["in_channels"] = (patch[1], where("patch_embedding.weight"))
         if patch[2] != 1 or patch[3] != patch[4]:
             raise CheckpointError(f"{ckpt.path}: patch_embedding.weight {list(patch)} has patch {list(patch[2:])}; "
                                   "CausalDiT patches each frame with a square p x p patch ([1, p, p])")
         out["patch_size"] = (patch[3], where("patch_embedding.weight"))
-    for field, name, axis in (("text_dim", "text_embedding.0.weight", 1), ("freq_dim", "time_embedding.0.weight", 1),
-                              ("ffn_dim", "blocks.0.ffn.0.weight", 0)):
+    for field, name, axis in (("text_dim", "text_embedding.0.weight", 1), ("text_dim", "img_emb.proj.1.weight", 1),
+                              ("freq_dim", "time_embedding.0.weight", 1), ("ffn_dim", "blocks.0.ffn.0.weight", 0)):
         s = shape(name)
         if s is not None and len(s) == 2:
             out[field] = (s[axis], where(name))
@@ -634,7 +746,20 @@ def _geometry(ckpt: _Checkpoint) -> dict[str, tuple[int, str]]:
     layers = sorted({int(m.group(1)) for m in map(_BLOCK_NAME.fullmatch, t) if m})
     if layers:
         out["num_layers"] = (layers[-1] + 1, f"the highest block index, blocks.{layers[-1]}.*")
+    keyboard = shape("blocks.0.action_model.keyboard_embed.0.weight")
+    if keyboard is not None and len(keyboard) == 2:
+        out["keyboard_dim"] = (keyboard[1], where("blocks.0.action_model.keyboard_embed.0.weight"))
     return out
+
+
+def _action_geometry(ckpt: _Checkpoint) -> tuple[int, bool, int] | None:
+    """Matrix-Game's action modules as the tensors show them: (keyboard_dim, mouse, blocks), or None."""
+    t = ckpt.tensors
+    blocks = {int(m.group(1)) for m in map(_BLOCK_NAME.fullmatch, t) if m and m.group(2).startswith("action_model.")}
+    keyboard = t.get("blocks.0.action_model.keyboard_embed.0.weight")
+    if not blocks or keyboard is None or len(keyboard.shape) != 2:
+        return None
+    return keyboard.shape[1], "blocks.0.action_model.mouse_mlp.0.weight" in t, max(blocks) + 1
 
 
 def _check_json(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]]) -> None:
@@ -649,17 +774,43 @@ def _check_json(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]]) -> None
     if heads is not None and dim is not None and (not isinstance(heads, int) or heads <= 0 or dim % heads):
         raise CheckpointError(f"{js.path} disagrees with the tensors: {js.spelled['num_heads']} = {heads!r} does not "
                               f"divide dim {dim}")
-    channels, out = js.values.get("latent_channels"), js.values.get("out_channels")
-    if channels is not None and out is not None and channels != out:
+    channels, out = js.values.get("in_channels"), js.values.get("out_channels")
+    if channels is not None and out is not None and channels != out and js.action is None:
         raise CheckpointError(f"{js.path}: {js.spelled['out_channels']} = {out} differs from "
-                              f"{js.spelled['latent_channels']} = {channels}; CausalDiT predicts the channels it reads")
+                              f"{js.spelled['in_channels']} = {channels}; CausalDiT predicts the channels it reads")
+    if js.action is not None and "keyboard_dim" in geometry:
+        value, where = geometry["keyboard_dim"]
+        if js.action.get("keyboard_dim_in", value) != value:
+            raise CheckpointError(f"{js.path} disagrees with the tensors: action_config.keyboard_dim_in = "
+                                  f"{js.action['keyboard_dim_in']!r} but {where} says {value}")
 
 
-_GEOMETRY_FIELDS = ("num_layers", "dim", "ffn_dim", "latent_channels", "patch_size", "text_dim", "freq_dim")
+_GEOMETRY_FIELDS = ("num_layers", "dim", "ffn_dim", "in_channels", "patch_size", "text_dim", "freq_dim")
+
+#: Matrix-Game 2.0's presets by (keyboard_dim, mouse).
+_MATRIX_GAME = {(4, True): "matrix-game-2-universal", (2, True): "matrix-game-2-gta-drive",
+                (7, False): "matrix-game-2-templerun"}
+
+
+def _matrix_game_config(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]],
+                        action: tuple[int, bool, int]) -> CausalDiTConfig:
+    keyboard, mouse, blocks = action
+    name = _MATRIX_GAME.get((keyboard, mouse))
+    preset = None if name is None else dit_preset(name)
+    if preset is None or blocks != preset.action.num_blocks or any(
+            getattr(preset, field) != value for field, (value, _) in geometry.items()
+            if field in _GEOMETRY_FIELDS):
+        raise CheckpointError(f"{ckpt.path}: a Matrix-Game network (action modules in {blocks} blocks, keyboard "
+                              f"{keyboard}, {'with' if mouse else 'without'} mouse) that matches none of the "
+                              f"published ones ({', '.join(_MATRIX_GAME.values())}): pass config=")
+    return preset
 
 
 def _build_config(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]]) -> CausalDiTConfig:
-    needed = {"num_layers": "blocks.0.*", "dim": "patch_embedding.weight", "latent_channels": "patch_embedding.weight",
+    action = _action_geometry(ckpt)
+    if action is not None:
+        return _matrix_game_config(ckpt, geometry, action)
+    needed = {"num_layers": "blocks.0.*", "dim": "patch_embedding.weight", "in_channels": "patch_embedding.weight",
               "patch_size": "patch_embedding.weight", "text_dim": "text_embedding.0.weight",
               "freq_dim": "time_embedding.0.weight", "ffn_dim": "blocks.0.ffn.0.weight"}
     absent = sorted({tensor for field, tensor in needed.items() if field not in geometry})
@@ -678,6 +829,7 @@ def _build_config(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]]) -> Ca
             raise CheckpointError(f"{ckpt.path}: dim {values['dim']} matches no published network and no config.json "
                                   "gives num_heads (Wan's heads are 128 wide; dim is no multiple of 128): pass config=")
         heads = values["dim"] // 128
+    values["latent_channels"] = values.pop("in_channels")  # text-to-video: it predicts what it reads
     base = next((dit_preset(n) for n in _PUBLISHED if dit_preset(n).latent_channels == values["latent_channels"]),
                 dit_preset(_PUBLISHED[0]))
     extra = {"eps": js["eps"]} if "eps" in js else {}
@@ -701,9 +853,17 @@ def _resolve_config(ckpt: _Checkpoint, config: CausalDiTConfig | str | None, dty
                                   "text-to-video checkpoint has no image branch, register tokens or controls; use a "
                                   f"config with {field}=0")
     for field, (value, where) in geometry.items():
-        ours = config.latent_channels if field == "out_channels" else getattr(config, field)
+        if field == "keyboard_dim":
+            if config.action is None:
+                raise CheckpointError(f"config {config.name!r} has no action modules, but {ckpt.path} is a "
+                                      f"Matrix-Game checkpoint ({where}): use a Matrix-Game config")
+            ours = config.action.keyboard_dim
+        else:
+            ours = config.latent_channels if field == "out_channels" else getattr(config, field)
         if ours != value:
-            shown = "latent_channels (output)" if field == "out_channels" else field
+            shown = {"out_channels": "latent_channels (output)", "keyboard_dim": "action.keyboard_dim",
+                     "in_channels": "in_channels (input)" if config.input_channels else "latent_channels",
+                     }.get(field, field)
             raise CheckpointError(f"config {config.name!r} disagrees with the checkpoint {ckpt.path}: {shown} = {ours} "
                                   f"but {where} says {value}")
     if ckpt.json is not None:
@@ -966,9 +1126,10 @@ def load_checkpoint(
     else:
         shardings = [None] * len(flat)
     paths = [_path_name(p) for p, _ in flat]
-    if sorted(paths) != sorted(_BY_PATH):  # pragma: no cover - CausalDiT and this table changed apart
+    by_path = _by_path(config)
+    if sorted(paths) != sorted(by_path):  # pragma: no cover - CausalDiT and this table changed apart
         raise RuntimeError(f"CausalDiT's parameters no longer match the Wan mapping: "
-                           f"{sorted(set(paths) ^ set(_BY_PATH))}")
+                           f"{sorted(set(paths) ^ set(by_path))}")
 
     used: Counter[str] = Counter()
     bar = _progress_bar(progress, sum(t.nbytes for t in ckpt.tensors.values())
@@ -992,11 +1153,11 @@ def load_checkpoint(
     leaves = []
     try:
         for name, (_, spec), sharding in zip(paths, flat, shardings):
-            entry = _BY_PATH[name]
+            entry = by_path[name]
             target = jnp.dtype(spec.dtype)
             if entry.per_layer:
                 host = np.empty(spec.shape, target)
-                for i in range(config.num_layers):
+                for i in range(_stack_size(entry, config)):
                     host[i] = _transform(entry, read(entry.source.format(i=i)), config)
             else:
                 host = np.array(_transform(entry, read(entry.source), config), dtype=target)
