@@ -197,17 +197,17 @@ def test_a_pipeline_without_the_protocol_runs_batches_one_by_one(modules):
 
 
 def test_no_compilation_after_warmup_across_batch_compositions(modules):
-    pipeline, engine = _engine(modules, capacity=4, warmup=True)
-    assert engine.batch_buckets == (2, 4)
+    pipeline, engine = _engine(modules, capacity=3, warmup=True)
+    assert engine.batch_buckets == (2, 3)
     assert not engine.sessions and not pipeline.session_ids  # warmup sessions released
-    ticks = [
+    ticks = [  # sizes 1-3 in buckets 2 and 3; new sessions evict the least recent one outside the batch
         [("a", True)],
         [("a", False), ("b", True)],
         [("b", False), ("c", True), ("a", False)],
-        [("d", True), ("c", False), ("b", False), ("a", False)],
-        [("a", False), ("d", False)],
-        [("e", True), ("b", False), ("c", False)],  # a new session evicts one outside the batch
-        [("c", False), ("e", False), ("b", False), ("f", True)],
+        [("d", True), ("c", False), ("b", False)],  # evicts a
+        [("a", True), ("d", False)],  # a starts over; evicts c
+        [("e", True), ("b", False), ("a", False)],  # evicts d
+        [("c", True), ("e", False)],
     ]
     with count_compiles() as compiles:
         for tick, rows in enumerate(ticks):
