@@ -338,3 +338,35 @@ def test_the_demo_drive_batched_equals_one_by_one(modules):
         assert g.restarts == w.restarts == 0
     batched.close()
     sequential.close()
+
+
+# -- the CFG pipeline: sessions x branches in one program ------------------------------------------
+
+
+def test_cfg_batches_equal_the_same_requests_one_by_one():
+    from ardiff_jax.models import CFGPipelineConfig, CFGWorldActionPipeline
+
+    base = CFGWorldActionPipeline("tiny", CFGPipelineConfig(session_capacity=2))
+    engines = [ARDiffusionEngine(CFGWorldActionPipeline("tiny", CFGPipelineConfig(session_capacity=2),
+                                                        modules=base.modules),
+                                 EngineConfig(**CONFIG, warmup=False)) for _ in range(2)]
+    sequential, batched = engines
+    assert batched.runner.supports_batched_forward
+    schedule = [  # (session, prompt, observed frames): new sessions, a 4-frame prefill, a prompt switch (a reset)
+        [("c0", "pick up the cup", 1), ("c1", "open the door", 1)],
+        [("c1", None, 1), ("c0", None, 4)],
+        [("c0", "put it down", 1), ("c1", None, 1)],
+    ]
+    pipeline = sequential.runner.pipeline
+    for tick, rows in enumerate(schedule):
+        requests = [DiffusionRequest(f"{sid}-{tick}", prompt=prompt, extra_args={"session_id": sid},
+                                     inputs={"observation": pipeline.schema.example(frames, seed=10 * tick + i)})
+                    for i, (sid, prompt, frames) in enumerate(rows)]
+        want = [sequential.generate(request) for request in requests]
+        got = batched.generate_batch(requests)
+        for g, w in zip(got, want, strict=True):
+            for key in ("video", "actions"):
+                np.testing.assert_allclose(np.asarray(g[key]), np.asarray(w[key]), rtol=0, atol=1e-5)
+    assert _cursors(batched) == _cursors(sequential)
+    for engine in engines:
+        engine.close()

@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -80,7 +80,9 @@ from ardiff_jax.models._common import (
     nbytes,
     noise_key,
     renoise,
+    stack_rows,
     step_noise_key,
+    unstack_rows,
     with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
@@ -399,6 +401,50 @@ def _cfg_commit_parallel(
 
 #: One CFG denoise step over both branches: ``-> (x_next, x0, a_next, a0)``.
 cfg_step = jax.jit(_cfg_step, static_argnums=0)
+
+
+def _cfg_step_batch(
+    graphdef: Any,
+    params: Any,
+    pos_attention: Any,  # batched PagedKVCaches of the positive branch: cursor i32[B, 3]
+    neg_attention: Any,  # batched PagedKVCaches of the negative branch
+    x_t: jax.Array,  # f32[B, f, C, H, W]
+    a_t: jax.Array,  # f32[B, A, action_dim]
+    state_features: jax.Array,  # f32[B, S, register_dim]
+    t: jax.Array,  # f32[]
+    sigma: jax.Array,  # f32[]
+    sigma_next: jax.Array,  # f32[]
+    session_keys: jax.Array,  # key[B]
+    block_index: jax.Array,  # i32[B]
+    step_index: jax.Array,  # i32[]
+    frame_start: jax.Array,  # i32[B]
+    pos_cross: tuple[Any, Any],  # stacked over B
+    neg_cross: tuple[Any, Any],
+    guidance_scale: jax.Array,  # f32[]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    modules = nnx.merge(graphdef, params)
+    dit = modules.transformer
+
+    def both_branches(pos_att: Any, neg_att: Any, x: jax.Array, a: jax.Array, features: jax.Array, start: jax.Array,
+                      pos_c: Any, neg_c: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        registers = _register_features(dit.config, a, features)
+        pos = dit(x, t, start, pos_c[0], pos_c[1], registers, attention=pos_att)
+        neg = dit(x, t, start, neg_c[0], neg_c[1], registers, attention=neg_att)
+        return pos.video, neg.video, pos.registers
+
+    pos_video, neg_video, pos_registers = jax.vmap(
+        both_branches, in_axes=(pos_attention.vmap_axes(), neg_attention.vmap_axes(), 0, 0, 0, 0, 0, 0))(
+        pos_attention, neg_attention, x_t, a_t, state_features, frame_start, pos_cross, neg_cross)
+    # The combine and re-noise row by row: "rbg" draws under vmap differ from a lone session's.
+    return jax.lax.map(
+        lambda row: _guided_update(row[0], row[1], row[2], row[3], row[4], sigma, sigma_next, row[5], row[6],
+                                   step_index, guidance_scale),
+        (x_t, a_t, pos_video, neg_video, pos_registers, session_keys, block_index))
+
+
+#: :func:`cfg_step` for a batch of sessions (sessions x both branches in one program): every
+#: per-session argument has a leading axis ``B``; row ``i`` equals ``cfg_step`` on session ``i``.
+cfg_step_batch = jax.jit(_cfg_step_batch, static_argnums=0)
 #: The same with the branches on separate ``"cfg"`` device groups (one SPMD program).
 cfg_step_parallel = jax.jit(_cfg_step_parallel, static_argnums=0)
 cfg_commit_parallel = jax.jit(_cfg_commit_parallel, static_argnums=0)
@@ -582,6 +628,64 @@ class CFGWorldActionPipeline(PipelineBase):
         session.last_video, session.last_actions = video, actions
         session.block_index += 1
         return with_tick_metadata({"actions": actions, "video": video}, request)
+
+    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[dict[str, jax.Array]]:
+        """:meth:`forward` for each request's session, the denoise steps batched (``SupportsARDiffusionBatch``).
+
+        Per session, as :meth:`forward`: the prompt check (a changed prompt resets the
+        session), the cross caches and the observation's commit on both branches. Then every
+        denoise step of every session and both branches is one program
+        (:data:`cfg_step_batch`). Model state is staged and installed after the last device
+        call (all or nothing).
+        """
+        batch = self._bound_batch()
+        states = batch.states
+        cfg = self.config
+        staged: dict[str, _CFGSession] = {}
+        rows = []
+        for request, state in zip(requests, states, strict=True):
+            session_id = state.session_id
+            views, robot_state, _, prompt = self._parse(session_id, request)
+            session = self._sessions.get(session_id)
+            if session is not None and prompt is not None and prompt != session.prompt:
+                state.reset()  # as forward: history and every cross cache go (restored by the runtime on failure)
+                session = None
+            session = self._create_session(session_id, request, prompt) if session is None \
+                else dataclasses.replace(session)
+            staged[session_id] = session
+            latents = self._encoder(views)
+            self._kv_populate_cross(state, session, latents[0])
+            self._commit_observation(state, self._to_device(latents))
+            block_index = np.int32(session.block_index)
+            x, a = initial_noise(session.key, block_index, cfg.block_shape,
+                                 (self.num_action_tokens, self.pipeline_config.action_dim))
+            features = np.zeros((self.pipeline_config.num_state_tokens, cfg.register_dim), np.float32)
+            features[:, : robot_state.shape[0]] = robot_state
+            rows.append((x, a, self._to_device(features), session.key, block_index,
+                         np.int32(state.adapter(POSITIVE).committed_frames), self._kv_get_cross(state, False),
+                         self._kv_get_cross(state, True)))
+        x, a, features, keys, block_index, frame_start, pos_cross, neg_cross = stack_rows(rows, batch.bucket_size)
+        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+        scale = np.float32(self.pipeline_config.guidance_scale)
+        x0 = a0 = None
+        for step in range(self.schedule.num_steps):
+            pos = batch.get_kv_caches(POSITIVE, seq_len=seq_len, commit_current=False)
+            neg = batch.get_kv_caches(NEGATIVE, seq_len=seq_len, commit_current=False)
+            t, sigma, sigma_next = self.schedule.step_args(step)
+            x, x0, a, a0 = cfg_step_batch(self._graphdef, self._params, pos, neg, x, a, features, t, sigma,
+                                          sigma_next, keys, block_index, np.int32(step), frame_start, pos_cross,
+                                          neg_cross, scale)
+        batch.commit_paged_context(POSITIVE)  # denoise contexts never write: nothing stays pending
+        batch.commit_paged_context(NEGATIVE)
+        outputs = []
+        for request, state, (video, actions) in zip(requests, states, unstack_rows((x0, a0), batch.size),
+                                                    strict=True):
+            session = staged[state.session_id]
+            session.last_video, session.last_actions = video, actions
+            session.block_index += 1
+            outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
+        self._publish_staged(staged)
+        return outputs
 
     @staticmethod
     def _cfg_parallel(view: Any) -> bool:
