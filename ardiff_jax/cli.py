@@ -627,17 +627,25 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="shipped weights: the trained SpriteWorld model")
     model.add_argument("--pipeline", choices=("world",), default=None,
                        help="a random-weights WorldPipeline (with --preset)")
-    model.add_argument("--model", choices=("wan",), default=None,
-                       help="text-to-video with a causal Wan (--weights, --vae, --text-encoder, --tokenizer; or "
-                            "--random-weights)")
+    model.add_argument("--model", choices=("wan", "matrix-game"), default=None,
+                       help="wan: text-to-video with a causal Wan (--weights, --vae, --text-encoder, --tokenizer); "
+                            "matrix-game: Matrix-Game 2.0, played with keys and the mouse from a start picture "
+                            "(--weights, --vae, --clip, --variant); either with --random-weights instead")
     serve.add_argument("--preset", default=None,
                        help="CausalDiT preset of --pipeline world (default: tiny) or --model wan (default: read from "
                             "the checkpoint)")
     _add_wan_arguments(serve, required=False)
     serve.add_argument("--text-encoder", type=_existing_path, default=None,
                        help="--model wan: models_t5_umt5-xxl-enc-bf16.pth or a transformers UMT5 encoder")
+    serve.add_argument("--variant", choices=("universal", "gta-drive", "templerun"), default=None,
+                       help="--model matrix-game: which release (default universal; the keys and mouse it takes)")
+    serve.add_argument("--clip", type=_existing_path, default=None,
+                       help="--model matrix-game: the CLIP vision weights (open-clip .pth or a CLIPVisionModel)")
+    serve.add_argument("--image", type=_existing_path, default=None,
+                       help="--model matrix-game: the picture a session starts from when its session.start has no "
+                            "image_reference")
     serve.add_argument("--dtype", type=_kv_dtype, default="bfloat16",
-                       help="--model wan: weights and KV dtype (default: bf16)")
+                       help="--model wan / matrix-game: weights and KV dtype (default: bf16)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     serve.add_argument("--capacity", type=_positive_int, default=4,
@@ -647,8 +655,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                             "default 0: off)")
     serve.add_argument("--available-bytes", type=_memory_bytes, default=2**28,
                        help="device memory to plan the KV pools against (default: 256 MiB)")
-    serve.add_argument("--max-message-bytes", type=_positive_int, default=64 * 1024,
-                       help="largest client message read (default: 65536)")
+    serve.add_argument("--max-message-bytes", type=_positive_int, default=None,
+                       help="largest client message read (default: 65536; 16 MiB for --model matrix-game, whose "
+                            "session.start may carry the start picture)")
     serve.add_argument("--start-timeout", type=_seconds, default=10.0,
                        help="seconds a connection has to send session.start (default: 10)")
     serve.add_argument("--stall-timeout", type=_seconds, default=60.0,
@@ -718,9 +727,20 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ardiff_jax.types import EngineConfig
 
     if args.model is None and (args.weights or args.random_weights or args.vae or args.text_encoder):
-        return _refuse("serve", "--weights, --random-weights, --vae and --text-encoder are for --model wan")
+        return _refuse("serve", "--weights, --random-weights, --vae and --text-encoder are for --model wan or "
+                                "matrix-game")
+    if args.model != "matrix-game" and (args.variant or args.clip or args.image):
+        return _refuse("serve", "--variant, --clip and --image are for --model matrix-game")
+    if args.model == "matrix-game" and args.text_encoder:
+        return _refuse("serve", "--text-encoder is for --model wan: Matrix-Game is conditioned on a picture")
+    if args.max_message_bytes is None:
+        args.max_message_bytes = 16 * 2**20 if args.model == "matrix-game" else 64 * 1024
     if args.model == "wan":
         problem = _check_wan_arguments("serve", args, embeds_allowed=False)
+        if problem is not None:
+            return _refuse("serve", problem)
+    elif args.model == "matrix-game":
+        problem = _check_matrix_game_serve(args)
         if problem is not None:
             return _refuse("serve", problem)
     elif args.preset is None:
@@ -744,13 +764,25 @@ def _run_serve(args: argparse.Namespace) -> int:
                 pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=args.capacity))
             except (ValueError, OSError, ImportError) as error:
                 return _refuse("serve", str(error))
+        elif args.model == "matrix-game":
+            from ardiff_jax.models.matrix_game import build_matrix_game
+
+            try:
+                pipeline = build_matrix_game(weights=args.weights, preset=args.preset, vae=args.vae, clip=args.clip,
+                                             dtype=args.dtype, random_weights=args.random_weights,
+                                             session_capacity=args.capacity)
+            except (ValueError, OSError, ImportError) as error:
+                return _refuse("serve", str(error))
+            if args.random_weights:
+                print("random weights: the video is noise-like; this server measures speed", file=sys.stderr)
         else:
             pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
         try:
-            world = ServedWorld.for_pipeline(pipeline, fps=args.fps)
-        except TypeError as error:
+            start_image = None if args.image is None else _read_image(args.image)
+            world = ServedWorld.for_pipeline(pipeline, fps=args.fps, start_image=start_image)
+        except (TypeError, ValueError, OSError) as error:
             return _refuse("serve", str(error))
-        config = EngineConfig(dtype=args.dtype if args.model == "wan" else "float32",
+        config = EngineConfig(dtype=args.dtype if args.model in ("wan", "matrix-game") else "float32",
                               available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
                               host_offload_bytes=args.host_offload_bytes)
         try:
@@ -773,6 +805,44 @@ def _run_serve(args: argparse.Namespace) -> int:
         finally:
             engine.close()
     return 0
+
+
+def _check_matrix_game_serve(args: argparse.Namespace) -> str | None:
+    """The first problem with ``serve --model matrix-game``'s arguments, or None (host only, nothing built)."""
+    from ardiff_jax.models import DIT_PRESETS, dit_preset
+
+    variant = "matrix-game-2-" + (args.variant or "universal")
+    if args.preset is not None:
+        if args.preset not in DIT_PRESETS or dit_preset(args.preset).action is None:
+            choices = sorted(n for n in DIT_PRESETS if dit_preset(n).action is not None)
+            return f"argument --preset: {args.preset!r} is not a Matrix-Game preset; choose from {', '.join(choices)}"
+        if args.variant is not None:
+            return "give --variant or --preset, not both"
+    else:
+        args.preset = variant
+    if args.random_weights:
+        if args.vae or args.clip or args.lora or args.policy:
+            return "--random-weights builds every part itself: drop --vae, --clip, --lora and --policy"
+        return None
+    if args.weights is None:
+        return "give --weights (the release's .safetensors or FastVideo's directory) or --random-weights"
+    if args.vae is None:
+        return "argument --vae: needed to encode the start picture and decode video (Wan2.1_VAE.pth)"
+    if args.clip is None:
+        return "argument --clip: needed to encode the start picture (the open-clip ViT-H/14 .pth)"
+    return None
+
+
+def _read_image(path: str) -> Any:
+    """``u8[h, w, 3]`` of a picture file (the server's default start picture)."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as picture:
+            return np.asarray(picture.convert("RGB"), dtype=np.uint8)
+    except UnidentifiedImageError:
+        raise ValueError(f"argument --image: {path} is not a picture") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -303,3 +303,43 @@ def test_stepwise_equals_tick(parts):
     assert calls == 2 * pipeline.schedule.num_steps  # one denoise step per call
     for a, b in zip(expected, outputs, strict=True):
         assert np.array_equal(a, b)
+
+
+def test_an_image_encoder_computes_the_clip_tokens_in_the_engine_call(parts):
+    """With image_encoder=, a session's first request may carry the picture alone (what the server sends): the
+    tokens computed inside the engine call equal passing the encoder's tokens as image_embeds."""
+    from ardiff_jax.models.matrix_game import ClipVisionConfig, ClipVisionEncoder
+
+    side = int(round((CONFIG.text_len - 1) ** 0.5))  # tokens = side^2 patches + the class token
+    encoder = ClipVisionEncoder(ClipVisionConfig(image_size=14 * side, patch_size=14, dim=CONFIG.text_dim, heads=2,
+                                                 layers=2, output_blocks=2), rngs=nnx.Rngs(5))
+    modules, vae = parts
+    player = Player(11, blocks=2)
+    tokens = np.asarray(encoder.encode_image(jnp.asarray(player.image.astype(np.float32).transpose(2, 0, 1)
+                                                         / 127.5 - 1.0)))
+    outputs = {}
+    for label, use_encoder in (("tokens", False), ("encoder", True)):
+        pipeline = MatrixGamePipeline(CONFIG, modules=modules, vae=vae,
+                                      image_encoder=encoder if use_encoder else None)
+        with ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
+                                                      gpu_memory_fraction=1.0, warmup=False)) as engine:
+            player.sent = 0
+            first = player.inputs()
+            if use_encoder:
+                del first["image_embeds"]
+            else:
+                first["image_embeds"] = tokens
+            videos = [np.asarray(engine.generate(player.request("s", first)).video)]
+            videos.append(np.asarray(engine.generate(player.request("s")).video))
+        outputs[label] = videos
+    for ours, theirs in zip(outputs["encoder"], outputs["tokens"], strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=2)
+    # Without an encoder the picture alone is refused before anything runs, naming the way out.
+    pipeline = MatrixGamePipeline(CONFIG, modules=modules, vae=vae)
+    with ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
+                                                  gpu_memory_fraction=1.0, warmup=False)) as engine:
+        player.sent = 0
+        first = player.inputs()
+        del first["image_embeds"]
+        with pytest.raises(ValueError, match="image_encoder="):
+            engine.generate(player.request("t", first))

@@ -125,3 +125,87 @@ def test_unknown_keys_targets_and_prompts_are_rejected():
                                 (SessionInteraction("d", prompt="a castle"), "not text-conditioned")]:
         with pytest.raises(ProtocolError, match=needle):
             world.event_update(interaction)
+
+
+# -- a tiny random Matrix-Game served end to end ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def matrix_game_engine():
+    from ardiff_jax import ARDiffusionEngine, EngineConfig
+    from ardiff_jax.models.matrix_game import build_matrix_game
+
+    pipeline = build_matrix_game(preset="matrix-game-tiny", random_weights=True, dtype="float32", session_capacity=2)
+    with ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
+                                                  gpu_memory_fraction=1.0)) as engine:
+        yield engine
+
+
+def test_a_served_matrix_game_session_plays_from_its_picture_with_keys_and_mouse(matrix_game_engine):
+    import json
+
+    from starlette.testclient import TestClient
+
+    from ardiff_jax.serve import ServerSettings, create_app
+
+    engine = matrix_game_engine
+    world = ServedWorld.for_pipeline(engine.runner.pipeline)
+    assert (world.kind, world.fps, world.first_chunk_frames, world.frames_per_chunk) == ("matrix-game", 25, 9, 12)
+    seen: list = []
+    original = engine.generate
+
+    def recording(request):
+        seen.append({k: np.asarray(v) for k, v in request.inputs.items() if k in ("keyboard", "mouse", "image")})
+        return original(request)
+
+    engine.generate = recording
+    picture = np.random.default_rng(0).integers(0, 256, (world.frame_height * 2, world.frame_width * 2, 3), np.uint8)
+    try:
+        app = create_app(engine, world=world, settings=ServerSettings(paced=False, max_message_bytes=2**22))
+        with TestClient(app) as client, client.websocket_connect("/v1/realtime/video") as ws:
+            ws.send_json({"type": "session.start", "format": "jpeg", "seed": 1,
+                          "image_reference": {"image_url": _data_url(picture)}})
+            reply = ws.receive_json()
+            assert reply["type"] == "video.start" and reply["config"]["mouse_look"] is True
+            assert reply["config"]["actions"] == ["no-op", "key-1", "key-2", "key-3"]
+            assert reply["config"]["key_bindings"] == {"Digit1": "key-1", "Digit2": "key-2", "Digit3": "key-3"}
+
+            def chunk() -> dict:
+                while True:
+                    message = json.loads(ws.receive_text())
+                    if message["type"] == "video.chunk_metadata":
+                        ws.receive_bytes()
+                        return message
+
+            assert chunk()["num_frames"] == 9
+            ws.send_json({"type": "session.interaction", "interaction": {"event_id": "keys", "event": {
+                "multi_modal_data": {"action": {"value": "key-1+key-3"}}}}})
+            ws.send_json({"type": "session.interaction", "interaction": {"event_id": "look", "event": {
+                "multi_modal_data": {"camera": {"mode": "velocity", "data": {"translation": [0, 0, 0],
+                                                                             "rotation": list(_turn(0.0, 0.1))}}}}}})
+            meta = chunk()
+            while "look" not in meta["active_event_ids"]:
+                meta = chunk()
+            assert meta["num_frames"] == 12 and set(meta["active_event_ids"]) == {"keys", "look"}
+            ws.send_json({"type": "session.stop"})
+    finally:
+        del engine.generate
+    assert seen[0]["image"].shape == (world.frame_height, world.frame_width, 3) and seen[0]["keyboard"].shape[0] == 9
+    last = seen[-1]
+    assert (last["keyboard"] == [1, 0, 1]).all() and last["keyboard"].shape == (12, 3)  # the tiny net's 3 keys
+    np.testing.assert_allclose(last["mouse"], np.tile([0.0, 0.1], (12, 1)), atol=1e-6)
+    assert engine.sessions == ()
+
+
+def test_serve_matrix_game_arguments_are_checked_before_building(capsys):
+    from ardiff_jax.cli import main
+
+    for argv, needle in [
+        (["serve", "--model", "matrix-game"], "--weights"),
+        (["serve", "--model", "matrix-game", "--random-weights", "--preset", "tiny"], "not a Matrix-Game preset"),
+        (["serve", "--model", "matrix-game", "--random-weights", "--variant", "templerun", "--preset",
+          "matrix-game-tiny"], "not both"),
+        (["serve", "--model", "wan", "--random-weights", "--variant", "universal"], "for --model matrix-game"),
+    ]:
+        assert main(argv) == 2
+        assert needle in capsys.readouterr().err

@@ -86,8 +86,6 @@ PROMPT_FIELD = "prompt"
 #: Largest integer upscale of the native frame size a session may ask for (``width``/``height``).
 MAX_SCALE = 32
 WORLD_KINDS = ("sprite", "latent", "wan", "matrix-game")
-#: Matrix-Game 2.0's native rate (its release reports real-time play at 25 frames/s).
-MATRIX_GAME_FPS = 25
 #: The release's interactive camera step: a mouse row of 0.1 (pitch or yaw) per video frame.
 MATRIX_GAME_CAMERA_STEP = 0.1
 #: Largest decoded ``image_reference`` (bytes of the data URL's payload).
@@ -313,9 +311,10 @@ class ServedWorld:
                              f"{self.first_chunk_frames!r}")
         if self.fps > MAX_FPS:
             raise ValueError(f"ServedWorld fps must be at most {MAX_FPS}, got {self.fps!r}")
-        if self.kind == "matrix-game" and self.keyboard_dim not in MATRIX_GAME_KEYS:
-            raise ValueError(f"ServedWorld keyboard_dim of a matrix-game world must be one of "
-                             f"{sorted(MATRIX_GAME_KEYS)} (a published variant), got {self.keyboard_dim!r}")
+        if self.kind == "matrix-game" and (isinstance(self.keyboard_dim, bool) or not isinstance(
+                self.keyboard_dim, int) or not 1 <= self.keyboard_dim <= 9):
+            raise ValueError(f"ServedWorld keyboard_dim of a matrix-game world must be an integer in [1, 9], got "
+                             f"{self.keyboard_dim!r}")
         if self.start_image is not None and (self.start_image.dtype != np.uint8 or self.start_image.shape != (
                 self.frame_height, self.frame_width, 3)):
             raise ValueError(f"ServedWorld start_image must be uint8[{self.frame_height}, {self.frame_width}, 3], "
@@ -331,7 +330,7 @@ class ServedWorld:
         the model's frames); TypeError for any other pipeline. ``fps`` defaults to the model's rate
         (25 for Matrix-Game, 16 for Wan, 10 otherwise)."""
         from ardiff_jax.models import SpriteWorldPipeline, WorldPipeline
-        from ardiff_jax.models.matrix_game import MatrixGamePipeline
+        from ardiff_jax.models.matrix_game import MATRIX_GAME_FPS, MatrixGamePipeline
         from ardiff_jax.models.wan import VIDEO_FPS, CausalWanPipeline
 
         config = getattr(pipeline, "config", None)
@@ -390,11 +389,17 @@ class ServedWorld:
         if self.kind == "sprite":
             return tuple(ACTION_NAMES)
         if self.kind == "matrix-game":
-            keys = MATRIX_GAME_KEYS[self.keyboard_dim]
+            keys = self.key_names
             if self.keyboard_dim == 7:
                 return keys
             return ("no-op",) + keys + (("steer-left", "steer-right") if self.keyboard_dim == 2 else ())
         return ()
+
+    @property
+    def key_names(self) -> tuple[str, ...]:
+        """A Matrix-Game world's keys in keyboard-row order: the published variant's, else ``key-1`` ... (a test
+        network of another width; the page binds them to the digit keys)."""
+        return MATRIX_GAME_KEYS.get(self.keyboard_dim) or tuple(f"key-{i + 1}" for i in range(self.keyboard_dim))
 
     @property
     def camera_modes(self) -> tuple[str, ...]:
@@ -409,7 +414,8 @@ class ServedWorld:
             return {"ArrowUp": "up", "KeyW": "up", "ArrowDown": "down", "KeyS": "down", "ArrowLeft": "left",
                     "KeyA": "left", "ArrowRight": "right", "KeyD": "right"}
         if self.kind == "matrix-game":
-            return dict(MATRIX_GAME_BINDINGS[self.keyboard_dim])
+            return dict(MATRIX_GAME_BINDINGS.get(self.keyboard_dim) or {
+                f"Digit{index + 1}": name for index, name in enumerate(self.key_names)})
         return {}
 
     def plan_start(self, start: SessionStart) -> StartPlan:
@@ -562,7 +568,7 @@ class ServedWorld:
 
     def _matrix_game_inputs(self, tick: ARDiffusionTickRequest, plan: StartPlan) -> dict[str, Any]:
         rows = self.chunk_frames(tick.chunk_index)
-        names = MATRIX_GAME_KEYS[self.keyboard_dim]
+        names = self.key_names
         keyboard = np.zeros((rows, self.keyboard_dim), np.float32)
         mouse = np.zeros((rows, 2), np.float32)
         held: list[str] = []

@@ -39,6 +39,7 @@ from ardiff_jax.models.matrix_game._clip import (
 from ardiff_jax.models.matrix_game._generate import (
     MATRIX_GAME_FPS,
     ActionScript,
+    build_matrix_game,
     generate_matrix_game,
     prepare_image,
     run_generate_cli,
@@ -66,6 +67,7 @@ __all__ = [
     "action_history_mask",
     "action_windows",
     "bicubic_matrix",
+    "build_matrix_game",
     "check_action_rows",
     "clip_vision_names",
     "commit_action_cache",

@@ -23,7 +23,7 @@ import numpy as np
 from ardiff_jax.models.wan import write_mp4
 from ardiff_jax.types import DiffusionRequest
 
-__all__ = ["MATRIX_GAME_FPS", "ActionScript", "generate_matrix_game", "prepare_image"]
+__all__ = ["MATRIX_GAME_FPS", "ActionScript", "build_matrix_game", "generate_matrix_game", "prepare_image"]
 
 #: The release's real-time rate (its demos and FastVideo's default).
 MATRIX_GAME_FPS = 25
@@ -148,45 +148,17 @@ def _play(args: Any, actions: ActionScript) -> int:
     import sys
 
     import jax.numpy as jnp
-    from flax import nnx
 
-    from ardiff_jax.models import dit_preset
-    from ardiff_jax.models.matrix_game._clip import load_clip_vision
-    from ardiff_jax.models.matrix_game._pipeline import (
-        MatrixGamePipeline,
-        MatrixGamePipelineConfig,
-    )
-    from ardiff_jax.models.wan import WanVAE, WanVAEConfig, load_vae, warped_schedule
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 
-    def pipeline_config(config: Any) -> MatrixGamePipelineConfig:
-        if config.action.keyboard_dim == 7 and config.action.mouse_dim == 0:  # Temple Run: 4 steps
-            return MatrixGamePipelineConfig(session_capacity=1, schedule=warped_schedule())
-        return MatrixGamePipelineConfig(session_capacity=1)
-
+    pipeline = build_matrix_game(weights=args.weights, preset=args.preset, vae=args.vae, clip=args.clip,
+                                 dtype=args.dtype, random_weights=args.random_weights, session_capacity=1)
     if args.random_weights:
-        config = dit_preset(args.preset or "matrix-game-2-universal", dtype=args.dtype, param_dtype=args.dtype)
-        channels = config.latent_channels
-        vae_config = WanVAEConfig(dtype=args.dtype) if channels == WanVAEConfig().z_dim else WanVAEConfig.tiny(
-            base_dim=8, z_dim=channels, latents_mean=(0.0,) * channels, latents_std=(1.0,) * channels,
-            dtype=args.dtype)
-        pipeline = MatrixGamePipeline(config, pipeline_config(config), vae=WanVAE(vae_config, rngs=nnx.Rngs(0)))
         print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
-        encoder = None
-    else:
-        from ardiff_jax.models.wan import checkpoint_config
-
-        config = dit_preset(args.preset) if args.preset else checkpoint_config(args.weights)
-        pipeline = MatrixGamePipeline.from_checkpoint(args.weights, config, vae=load_vae(args.vae, dtype=args.dtype),
-                                                      pipeline_config=pipeline_config(config), dtype=args.dtype)
-        encoder = load_clip_vision(args.clip)
     image = prepare_image(args.image, *pipeline.pixel_hw)
-    if encoder is None:
-        embeds = np.zeros((pipeline.config.text_len, pipeline.config.text_dim), np.float32)
-    else:
-        pixels = jnp.asarray(image.astype(np.float32).transpose(2, 0, 1) / 127.5 - 1.0)
-        embeds = np.asarray(encoder.encode_image(pixels), np.float32)
+    pixels = jnp.asarray(image.astype(np.float32).transpose(2, 0, 1) / 127.5 - 1.0)
+    embeds = np.asarray(pipeline.image_encoder.encode_image(pixels), np.float32)
     available = None if args.available_gib is None else int(args.available_gib)
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=args.dtype, available_memory_bytes=available,
                                                       gpu_memory_fraction=0.9))
@@ -197,3 +169,58 @@ def _play(args: Any, actions: ActionScript) -> int:
     print(f"{frames} frames ({frames / MATRIX_GAME_FPS:.2f} s at {MATRIX_GAME_FPS} fps) in {seconds:.1f} s, "
           f"{frames / max(seconds, 1e-9):.2f} frames/s: {args.out}")
     return 0
+
+
+def _random_vae(config: Any, seed: int = 0) -> Any:
+    """A random :class:`~ardiff_jax.models.wan.WanVAE`, filled on the host after a shape evaluation: building it
+    eagerly runs every initializer op by op (minutes on a 2-core CPU), this takes a second. Kernels are scaled
+    by ``1/sqrt(fan-in)`` and vectors kept small, so activations stay in range through the decoder."""
+    import jax
+    from flax import nnx
+
+    from ardiff_jax.models.wan import WanVAE
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAE(config, rngs=nnx.Rngs(seed))))
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf: Any) -> np.ndarray:
+        scale = 0.02 if len(leaf.shape) <= 1 else 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
+        return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(fill, abstract))
+
+
+def build_matrix_game(*, weights: Any = None, preset: str | None = None, vae: Any = None, clip: Any = None,
+                      dtype: str = "bfloat16", random_weights: bool = False, session_capacity: int = 1) -> Any:
+    """The :class:`MatrixGamePipeline` of released weights (``weights``, ``vae``, ``clip``: their files) or, with
+    ``random_weights``, of random ones for ``preset`` (default ``matrix-game-2-universal``): a VAE of the
+    preset's channels and a CLIP encoder whose tokens fit its context. Temple Run samples 4 steps, the other
+    variants 3, as released. Used by ``generate`` and ``serve``."""
+    from flax import nnx
+
+    from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.matrix_game._clip import ClipVisionConfig, ClipVisionEncoder, load_clip_vision
+    from ardiff_jax.models.matrix_game._pipeline import MatrixGamePipeline, MatrixGamePipelineConfig
+    from ardiff_jax.models.wan import WanVAEConfig, checkpoint_config, load_vae, warped_schedule
+
+    def pipeline_config(config: Any) -> MatrixGamePipelineConfig:
+        if config.action.keyboard_dim == 7 and config.action.mouse_dim == 0:  # Temple Run: 4 steps
+            return MatrixGamePipelineConfig(session_capacity=session_capacity, schedule=warped_schedule())
+        return MatrixGamePipelineConfig(session_capacity=session_capacity)
+
+    if random_weights:
+        config = dit_preset(preset or "matrix-game-2-universal", dtype=dtype, param_dtype=dtype)
+        channels = config.latent_channels
+        vae_config = WanVAEConfig(dtype=dtype) if channels == WanVAEConfig().z_dim else WanVAEConfig.tiny(
+            base_dim=8, z_dim=channels, latents_mean=(0.0,) * channels, latents_std=(1.0,) * channels, dtype=dtype)
+        clip_config = ClipVisionConfig()
+        if (clip_config.num_tokens, clip_config.dim) != (config.text_len, config.text_dim):  # a small test network
+            side = round((config.text_len - 1) ** 0.5)
+            clip_config = ClipVisionConfig(image_size=14 * side, patch_size=14, dim=config.text_dim,
+                                           heads=max(1, config.text_dim // 8), layers=2, output_blocks=2)
+        return MatrixGamePipeline(config, pipeline_config(config), vae=_random_vae(vae_config),
+                                  image_encoder=ClipVisionEncoder(clip_config, rngs=nnx.Rngs(1)))
+    config = dit_preset(preset) if preset else checkpoint_config(weights)
+    return MatrixGamePipeline.from_checkpoint(weights, config, vae=load_vae(vae, dtype=dtype),
+                                              image_encoder=load_clip_vision(clip),
+                                              pipeline_config=pipeline_config(config), dtype=dtype)

@@ -31,6 +31,7 @@ with ``.video`` (9 frames for the first block, 12 after) decoded by the streamin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -72,6 +73,27 @@ __all__ = ["MatrixGamePipeline", "MatrixGamePipelineConfig", "matrix_game_step"]
 
 #: Mask channels in front of the image-condition latent (the release slices 4 of its mask).
 MASK_CHANNELS = 4
+
+
+class _ImagePrompt(NamedTuple):
+    """A session's start image whose CLIP tokens the pipeline's image encoder computes in the engine call."""
+
+    digest: str
+    embeds: None
+    image: np.ndarray  # f32[1, 3, H, W] in [-1, 1]
+
+
+def _jitted_encode_image(encoder: Any) -> Any:
+    """``encoder.encode_image`` compiled once (an NNX module is split so its weights are arguments)."""
+    if not isinstance(encoder, nnx.Module):
+        return encoder.encode_image
+    graphdef, params = nnx.split(encoder)
+
+    @jax.jit
+    def encode(params: Any, image: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params).encode_image(image)
+
+    return lambda image: encode(params, image)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +168,11 @@ class MatrixGamePipeline(CausalWanPipeline):
       modules: the weights (``WanModules(load_checkpoint(path))``); default random ones.
       vae: the Wan 2.1 VAE (:func:`~ardiff_jax.models.wan.load_vae`): required, it encodes the
         reference image (and the black frames after it) and decodes every block.
+      image_encoder: the CLIP vision encoder (:class:`~ardiff_jax.models.matrix_game.ClipVisionEncoder`, or
+        anything with ``encode_image(f32[3, H, W] in [-1, 1]) -> f32[257, 1280]``). With it a session's
+        first request may carry the image alone: its tokens are computed inside the engine call, on the
+        session's first block (a server never runs CLIP on its event loop). Without it, or to reuse
+        tokens, ``inputs["image_embeds"]`` gives them.
       device: where inputs and weights live.
     """
 
@@ -155,25 +182,35 @@ class MatrixGamePipeline(CausalWanPipeline):
 
     def __init__(self, config: CausalDiTConfig | str = "matrix-game-2-universal",
                  pipeline_config: MatrixGamePipelineConfig | None = None, *, modules: Any = None,
-                 vae: WanVAE | None = None, device: jax.Device | None = None) -> None:
+                 vae: WanVAE | None = None, image_encoder: Any = None, device: jax.Device | None = None) -> None:
         config = resolve_config(config)
         if vae is None:
             raise ValueError("MatrixGamePipeline needs vae= (a WanVAE): it encodes the reference image into the "
                              "condition channels and decodes every block")
+        if image_encoder is not None and not callable(getattr(image_encoder, "encode_image", None)):
+            raise TypeError(f"image_encoder must have encode_image(f32[3, H, W]) -> f32[tokens, dim], got "
+                            f"{type(image_encoder).__name__}")
         super().__init__(config, pipeline_config, modules=modules, vae=vae, device=device)
+        self.image_encoder = image_encoder
+        self._encode_image = None if image_encoder is None else _jitted_encode_image(image_encoder)
         self._pending_action_kv: ActionKV | None = None
 
     @classmethod
     def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, vae: Any = None,
-                        pipeline_config: MatrixGamePipelineConfig | None = None, device: jax.Device | None = None,
-                        **load_options: Any) -> MatrixGamePipeline:
-        """A pipeline on the weights at ``path`` (the release's ``.safetensors`` or FastVideo's directory)."""
+                        image_encoder: Any = None, pipeline_config: MatrixGamePipelineConfig | None = None,
+                        device: jax.Device | None = None, **load_options: Any) -> MatrixGamePipeline:
+        """A pipeline on the weights at ``path`` (the release's ``.safetensors`` or FastVideo's directory);
+        ``vae`` and ``image_encoder`` may be loaded modules or their weight files."""
+        from ardiff_jax.models.matrix_game._clip import load_clip_vision
         from ardiff_jax.models.wan import WanModules, load_checkpoint, load_vae
 
         transformer = load_checkpoint(path, config, **load_options)
         if vae is not None and not isinstance(vae, WanVAE):
             vae = load_vae(vae, dtype=load_options.get("dtype"))
-        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), vae=vae, device=device)
+        if image_encoder is not None and not callable(getattr(image_encoder, "encode_image", None)):
+            image_encoder = load_clip_vision(image_encoder)
+        return cls(transformer.config, pipeline_config, modules=WanModules(transformer), vae=vae,
+                   image_encoder=image_encoder, device=device)
 
     @classmethod
     def check_compatible(cls, config: CausalDiTConfig, pipeline_config: Any) -> None:
@@ -313,11 +350,15 @@ class MatrixGamePipeline(CausalWanPipeline):
         elif request.inputs.get("mouse") is not None:
             raise ValueError(f"config {cfg.name!r} has no mouse input; inputs['mouse'] must be absent")
         image, embeds = request.inputs.get("image"), request.inputs.get("image_embeds")
+        encode_here = False
         if first:
-            if image is None or embeds is None:
+            if image is None or (embeds is None and self.image_encoder is None):
                 raise ValueError(f"MatrixGamePipeline session {session_id!r} is new: its first request needs "
                                  f"inputs['image'] (uint8[{self.pixel_hw[0]}, {self.pixel_hw[1]}, 3]) and "
-                                 f"inputs['image_embeds'] (the CLIP tokens, f32[{cfg.text_len}, {cfg.text_dim}])")
+                                 f"inputs['image_embeds'] (the CLIP tokens, f32[{cfg.text_len}, {cfg.text_dim}]; "
+                                 "or build the pipeline with image_encoder= to compute them)")
+            encode_here = embeds is None
+            raw = np.asarray(image)
             image = self._parse_image(image)
         elif image is not None and not starts_session:
             raise ValueError("inputs['image'] starts a session; this session already has its reference image")
@@ -330,7 +371,15 @@ class MatrixGamePipeline(CausalWanPipeline):
                 raise ValueError(f"inputs['image_embeds'] must be f32[{cfg.text_len}, {cfg.text_dim}] (the CLIP image "
                                  f"tokens), got {list(array.shape)}")
             prompt = self._check_embeds(array)
+        elif encode_here:  # the tokens are computed on the engine's device when the session's context is filled
+            prompt = _ImagePrompt("image:" + hashlib.sha256(raw.tobytes()).hexdigest(), None, image)
         return prompt, _Inputs(image, keyboard, mouse)
+
+    def _sync_prompt(self, state: Any, session: Any, prompt: Any) -> None:
+        if isinstance(prompt, _ImagePrompt):
+            tokens = self._encode_image(jnp.asarray(prompt.image[0]))
+            prompt = self._check_embeds(np.asarray(tokens, np.float32))  # a new digest: the first block fills it
+        super()._sync_prompt(state, session, prompt)
 
     # -- device work ------------------------------------------------------------------------------------
     def _start_block(self, state: Any, session: _MatrixGameSession, block: Any) -> Any:
