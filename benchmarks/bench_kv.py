@@ -20,7 +20,8 @@ XLA:CPU stores as uint16 bit patterns):
     so the working set is the whole run of every layer, not one layer hot in L3):
 
     * ``read_path``: exactly ``paged_attention``'s read (:func:`history_read`:
-      ``run_visibility`` + ``read_run(..., page_visible)``), reduced by a float32 sum;
+      ``read_visible_history``, a gather of the pages that can be visible), reduced by a
+      float32 sum;
     * ``read_floor``: ``dynamic_slice`` of the same bytes from a contiguous array + the same sum;
     * ``gather``: ``gather_pages`` of the visible table in time order (the reference path),
       for context;
@@ -80,21 +81,19 @@ _DEFAULT_REPS = dict(commit=(3, 10, 3), read=(3, 10, 3), attend=(1, 3, 1))
 # -- the programs measured -------------------------------------------------------------------------
 def history_read(layout: Any, pools: Any, cursor: jax.Array, layer: jax.Array, num_current_frames: int
                  ) -> tuple[jax.Array, jax.Array]:
-    """The history read of ``paged_attention`` (``ardiff_jax/kv/_attention.py``), line for line.
+    """The history read of ``paged_attention`` (``ardiff_jax/kv/_attention.py``): the same function.
 
-    ``run_visibility`` of the cursor, then ``read_run(..., page_visible)``: one contiguous
-    ``dynamic_slice`` of the session's sink + ring run with the invisible pages zeroed in the
-    storage dtype before the bitcast. The scores mask that follows in ``paged_attention`` is
-    attention math, not the read. A copy (``paged_attention`` fuses the read into its score
-    einsum, so it cannot be called on its own); ``tests/test_benchmarks_smoke.py`` checks
-    that the core still reads this way, so the copy cannot drift silently.
+    ``read_visible_history``: a gather of the ``sink + window - f`` entries of the ordered
+    visible table (the only pages that can be visible), null pages reading as zeros. The
+    mask and the concatenation with the current block that follow in ``paged_attention``
+    are attention math, not the read; ``tests/test_benchmarks_smoke.py`` checks that the
+    core still reads this way.
     """
-    from ardiff_jax.kv import read_run, run_visibility
+    from ardiff_jax.kv._attention import read_visible_history
 
-    run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
     layer = jnp.where(jnp.asarray(layer) < 0, jnp.asarray(layer) + layout.num_layers, layer)
-    page_visible = run_visibility(layout, committed, visible_start, num_current_frames, jnp)
-    return read_run(layout, pools, layer, run_base, page_visible)
+    k, v, _ = read_visible_history(layout, pools, cursor, layer, num_current_frames)
+    return k, v
 
 
 def _floor_write(layout: Any, pools: Any, start: jax.Array, k: jax.Array, v: jax.Array) -> Any:

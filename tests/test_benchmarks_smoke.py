@@ -39,8 +39,7 @@ def test_benchmark_read_is_paged_attentions_read():
     from ardiff_jax.kv import _attention
 
     source = inspect.getsource(_attention.paged_attention)
-    assert "page_visible = run_visibility(layout, committed, visible_start, num_frames, jnp)" in source
-    assert "read_run(layout, pools, layer, run_base, page_visible)" in source
+    assert "read_visible_history(layout, pools, cursor, layer, num_frames)" in source
 
 
 def test_bench_kv_quick(tmp_path):
@@ -145,6 +144,20 @@ def test_bench_e2e_quick(tmp_path):
     assert math.isfinite(record["summary"]["max |cached - recompute| latents"])
     assert all(math.isfinite(v) and v >= 0 for v in record["compile"].values())
     assert (tmp_path / "e2e_tiny.json").is_file()
+
+
+def test_bench_batch_quick(tmp_path):
+    from benchmarks import bench_batch
+
+    record = bench_batch.run(quick=True, out_dir=tmp_path)
+    for workload in ("sprite", "medium"):
+        for size, entry in record["results"][workload].items():
+            assert entry["compiles_during_timed_ticks"] == 0, (workload, size)
+            for kind in ("batched", "sequential"):
+                _stats_ok(entry[kind]["tick_ms"])
+                assert _positive(entry[kind]["frames_per_s"]) and _positive(entry[kind]["session_latency_ms_median"])
+    assert all(_positive(v) for v in record["summary"].values())
+    assert (tmp_path / "batch.json").is_file()
 
 
 def test_report_renders_every_result(tmp_path):

@@ -70,6 +70,7 @@ class Geometry:
                     D=layout.head_size, K=K, W=W, f=f, E=self.num_extra, S=self.num_queries,
                     n=K + W,  # gather_pages reads a whole visible table
                     R=2,  # the slot-copy cases copy two runs
+                    B=2,  # the batched-write cases write two rows (one of them padding)
                     N=f * T,  # ref_attention attends to one block
                     # visible_frames of the setup cursor (past one lap): the sink plus the newest W - f
                     # frames, or only the sink right after a reset boundary.
@@ -202,6 +203,8 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
     layer_args = dict(attention, scale=scale)
     pages = kv.block_pages(layout, s["run_base"], s["committed"], f)
     table, _ = kv.visible_table(layout, s["cursor"], f)
+    row_pages = np.stack([pages, np.full_like(pages, layout.null_page)])  # a real row and a padded one
+    rows_k, rows_v = np.stack([s["block_k"]] * 2), np.stack([s["block_v"]] * 2)
     page_mask = kv.run_visibility(layout, s["committed"], np.int32(0), f)
     logical = np.asarray(jnp.asarray(s["block_k"]).astype(layout.dtype))
     run_pages = kv.read_pages(layout, s["pools"], 0, layout.run_pages)
@@ -222,6 +225,13 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
                              lambda a, c, xp: {"returns": kv.commit_block(layout, jax.tree.map(jnp.copy, a["pools"]),
                                                                           a["pages"], a["k"], a["v"])},
                              jittable=False),
+        "write_blocks": Case(kv.write_blocks, dict(pools=s["pools"], pages=row_pages, k=rows_k, v=rows_v),
+                             lambda a, c, xp: {"returns": kv.write_blocks(layout, a["pools"], a["pages"], a["k"],
+                                                                          a["v"])}),
+        "commit_blocks": Case(kv.commit_blocks, dict(pools=s["pools"], pages=row_pages, k=rows_k, v=rows_v),
+                              lambda a, c, xp: {"returns": kv.commit_blocks(layout, jax.tree.map(jnp.copy, a["pools"]),
+                                                                            a["pages"], a["k"], a["v"])},
+                              jittable=False),
         "gather_pages": Case(kv.gather_pages, dict(pools=s["pools"], layer=layer, pages=table),
                              lambda a, c, xp: {"returns": kv.gather_pages(layout, a["pools"], a["layer"], a["pages"])}),
         "read_run": Case(kv.read_run, dict(pools=s["pools"], layer=layer, run_base=s["run_base"], page_mask=page_mask),

@@ -379,8 +379,9 @@ def test_lost_pools_fail_closed_and_recover():
 
 def test_batch_and_stepwise_rejections():
     runner = make_runner()
-    with pytest.raises(RuntimeError, match="request-batch execution"):
-        runner.execute_model_batch([request("s")])
+    # Batches run now (tests/test_batch.py); a pipeline without SupportsARDiffusionBatch runs them one by one.
+    assert not runner.supports_batched_forward
+    assert len(runner.execute_model_batch([request("s")])) == 1 and runner.sessions == ("s",)
     with pytest.raises(RuntimeError, match="step execution"):
         runner.execute_stepwise(StepSchedulerOutput((request("s"),)))
 

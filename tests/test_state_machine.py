@@ -32,6 +32,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ from hypothesis.stateful import (
 
 from ardiff_jax import ARDiffusionEngine, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec, DiffusionRequest, EngineConfig
 from ardiff_jax.kv import PagedKVCaches
-from ardiff_jax.runtime import branch_cursor_array
+from ardiff_jax.runtime import ARDiffusionBatchError, branch_cursor_array
 from ardiff_jax.runtime import _runner as runner_module
 from ardiff_jax.types import StepResult, StepSchedulerOutput
 
@@ -74,6 +75,7 @@ class MachinePipeline:
 
     def __init__(self) -> None:
         self.state = None
+        self.batch = None
         self.hooks: list[tuple[str, str]] = []
         self.fail_next_hook = False
         self.steps_done: dict[str, int] = {}
@@ -121,6 +123,35 @@ class MachinePipeline:
         if kind == "fail_after":
             raise RuntimeError("forward failed after its commit")
         return out
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_batch(self, batch):
+        self.batch = batch
+        try:
+            yield
+        finally:
+            self.batch = None
+
+    def forward_batch(self, requests):
+        """All rows in one vmapped attend and one commit; any failing row fails the whole batch (then rerun)."""
+        kinds = [request.inputs["kind"] for request in requests]
+        if "fail_before" in kinds:
+            raise RuntimeError("batched forward failed before KV")
+        commit = any(kind in ("commit", "fail_after") for kind in kinds)
+        rows = [request.inputs["kv"] for request in requests]
+        rows += [rows[0]] * (self.batch.bucket_size - len(rows))  # padding rows
+        k = jnp.asarray(np.stack([kv[0][:, None, :] for kv in rows]))  # [B, FRAMES*T, H=1, D]
+        v = jnp.asarray(np.stack([kv[1][:, None, :] for kv in rows]))
+        caches = self.batch.get_kv_caches("main", seq_len=FRAMES, commit_current=commit)
+        q = jnp.broadcast_to(jnp.asarray(QUERY[:, None, :]), (len(rows), 1, 1, D))
+        out = jax.vmap(lambda c, q, k, v: c.attend(0, q, k, v), in_axes=(caches.vmap_axes(), 0, 0, 0))(caches, q, k, v)
+        if commit:
+            self.batch.commit_paged_context("main", kv=(k[:, None], v[:, None]))
+        else:
+            self.batch.commit_paged_context("main")
+        if "fail_after" in kinds:
+            raise RuntimeError("batched forward failed after its commit")
+        return [out[i] for i in range(len(requests))]
 
     def step(self, request):
         done = self.steps_done.get(request.request_id, 0) + 1
@@ -222,6 +253,53 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             with pytest.raises(expect_error):
                 self.engine.generate(request)
+
+    @precondition(lambda self: not self.fail_pending)
+    @rule(session_ids=st.lists(st.sampled_from(TICK_IDS), min_size=1, max_size=3, unique=True),
+          kind=st.sampled_from(["commit", "probe"]),
+          fault=st.sampled_from([None, None, "fail_before", "fail_after"]), fault_at=st.integers(0, 2))
+    def batch(self, session_ids: list[str], kind: str, fault: str | None, fault_at: int) -> None:
+        """generate_batch: admission without evicting the batch's own sessions, one forward, a fault reruns."""
+        kinds = [kind] * len(session_ids)
+        if fault is not None:
+            kinds[fault_at % len(session_ids)] = fault
+        kvs = [self._fresh_kv() for _ in session_ids]
+        requests = [DiffusionRequest(f"b{i}", extra_args={"session_id": sid}, inputs={"kind": k, "kv": kv})
+                    for i, (sid, k, kv) in enumerate(zip(session_ids, kinds, kvs, strict=True))]
+        if len(session_ids) > CAPACITY:
+            with pytest.raises(ValueError, match="exceeds the session capacity"):
+                self.engine.generate_batch(requests)
+            return
+        for session_id in session_ids:  # admission: the batch's sessions are pinned, older others evicted
+            if session_id in self.resident:
+                self.resident.move_to_end(session_id)
+                continue
+            while len(self.resident) >= CAPACITY:
+                victim = next(sid for sid in self.resident if sid not in session_ids)
+                self._release(victim, "close", suppress=False)
+            self.resident[session_id] = []
+        expected, failed = {}, set()
+        for session_id, k, kv in zip(session_ids, kinds, kvs, strict=True):  # the one-by-one outcome
+            if k.startswith("fail"):
+                self._release(session_id, "close", suppress=True)
+                failed.add(session_id)
+                continue
+            expected[session_id] = self._expect_output(session_id, kv)
+            if k == "commit":
+                self.resident[session_id].extend(zip(kv[0], kv[1]))
+        if failed:
+            with pytest.raises(ARDiffusionBatchError) as raised:
+                self.engine.generate_batch(requests)
+            assert set(raised.value.errors) == failed
+            outputs = raised.value.outputs
+        else:
+            outputs = self.engine.generate_batch(requests)
+        for session_id, out in zip(session_ids, outputs, strict=True):
+            if session_id in failed:
+                assert out is None
+            else:
+                np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), expected[session_id], rtol=2e-5,
+                                           atol=2e-6)
 
     @rule(session_id=st.sampled_from(TICK_IDS + STEP_IDS), kind=st.sampled_from(["close", "reset"]))
     def release_by_call(self, session_id: str, kind: str) -> None:
