@@ -35,7 +35,7 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     out = tmp_path / "nested" / "gpu_check.json"
     env = dict(os.environ, PYTHON=sys.executable)
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--smoke", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"gpu_check JSON: {out}" in done.stdout
     record = json.loads(out.read_text())
@@ -45,6 +45,12 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     assert record["device"]["platform"] == "cpu" and record["machine"]["jax_backend"] == "cpu"
     assert record["hardware_floors"]["bandwidth_bytes_per_s"] == 4.8e12
     assert record["hardware_floors"]["bf16_dense_flops_per_s"] == 989e12
+
+    game = record["matrix_game"]  # (d): the tiny Matrix-Game network through the engine
+    assert game["preset"] == "matrix-game-tiny" and game["video_frames_per_block"] == 12
+    assert _positive(game["frames_per_s"]) and game["release_reported_fps"] == 25.0
+    assert all(_positive(game["split_ms_median"][k]) for k in ("transformer", "vae_decode", "synced_block"))
+    assert game["transformer_calls_per_block"] == 4  # 3 denoise steps + the commit pass
 
     commit = record["commit"]
     assert set(commit["stats"]) == {"commit_block", "floor"} and _positive(commit["commit_block/floor"])
