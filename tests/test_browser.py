@@ -315,3 +315,59 @@ def test_a_page_of_another_origin_is_refused_and_the_index_page_with_the_token_p
     browser.find_element(By.ID, "start").click()
     wait_for(lambda: stats(browser)["state"] == "closed", 20, "the page's refused connection")
     assert stats(browser)["chunks"] == 0 and len(created) == 1
+
+
+@pytest.fixture(scope="module")
+def matrix_game_url():
+    """A tiny random Matrix-Game served with a start picture (its keys are key-1..key-3 on the digit keys)."""
+    import uvicorn
+
+    from ardiff_jax.models.matrix_game import build_matrix_game
+
+    pipeline = build_matrix_game(preset="matrix-game-tiny", random_weights=True, dtype="float32", session_capacity=1)
+    start_image = np.random.default_rng(0).integers(0, 256, (64, 96, 3), np.uint8)
+    with ARDiffusionEngine(pipeline, CONFIG) as engine:
+        keyboards: list[np.ndarray] = []
+        original = engine.generate
+
+        def recording(request):
+            keyboards.append(np.asarray(request.inputs["keyboard"]).copy())
+            return original(request)
+
+        engine.generate = recording
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        app = create_app(engine, world=ServedWorld.for_pipeline(pipeline, start_image=start_image))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda: server.started, what="uvicorn to start")
+            yield f"http://127.0.0.1:{port}/", keyboards
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+            del engine.generate
+
+
+def test_the_page_plays_matrix_game_with_held_keys_from_the_worlds_bindings(matrix_game_url, browser):
+    url, keyboards = matrix_game_url
+    browser.get(url)
+    browser.find_element(By.ID, "start").click()
+    wait_for(lambda: stats(browser)["framesShown"] >= 1 or stats(browser)["errors"], 60, "the first frame drawn")
+    first = stats(browser)
+    assert first["errors"] == [] and first["config"]["mouse_look"] is True
+    assert first["config"]["key_bindings"] == {"Digit1": "key-1", "Digit2": "key-2", "Digit3": "key-3"}
+    assert "Click the picture to look around" in browser.find_element(By.ID, "keys").text
+    # Hold two keys together: one action joining them, and the engine's keyboard rows press both.
+    before = len(keyboards)
+    ActionChains(browser).key_down("1").key_down("3").perform()
+    wait_for(lambda: any((k == [1, 0, 1]).all() for k in keyboards[before:]), 30, "rows pressing key-1 and key-3")
+    assert stats(browser)["actionsSent"][-1] == "key-1+key-3"
+    ActionChains(browser).key_up("1").key_up("3").perform()
+    wait_for(lambda: stats(browser)["lastActionSent"] == "no-op", 10, "no-op once both keys are up")
+    released = len(keyboards)
+    wait_for(lambda: any(not k.any() for k in keyboards[released:]), 30, "rows with no key pressed")
+    browser.find_element(By.ID, "stop").click()
+    wait_for(lambda: stats(browser)["state"] in ("done", "closed"), 20, "session.done after Stop")
