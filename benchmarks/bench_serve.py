@@ -99,7 +99,8 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 class EngineClock:
-    """Wraps ``engine.generate``: per session id, (returned-at, seconds) of every call, in order."""
+    """Wraps ``engine.generate`` and ``engine.generate_batch``: per session id, (returned-at, seconds) of every
+    block made for it, in order (a batched call's blocks all return at its end and take its time)."""
 
     def __init__(self, engine: Any) -> None:
         from ardiff_jax.types import ARDiffusionTickRequest
@@ -107,22 +108,37 @@ class EngineClock:
         self._tick = ARDiffusionTickRequest
         self.engine = engine
         self.original = engine.generate
+        self.original_batch = engine.generate_batch
         self.calls: dict[str, list[tuple[float, float]]] = {}
+        self.batch_sizes: list[int] = []
         self.lock = threading.Lock()
         engine.generate = self
+        engine.generate_batch = self.batch
+
+    def _session(self, request: Any) -> str:
+        tick = self._tick.from_extra_args(request.extra_args)
+        return tick.session_id if tick is not None else str(request.extra_args.get("session_id", ""))
 
     def __call__(self, request: Any) -> Any:
-        tick = self._tick.from_extra_args(request.extra_args)
-        session = tick.session_id if tick is not None else str(request.extra_args.get("session_id", ""))
         start = time.perf_counter()
         out = self.original(request)
         end = time.perf_counter()
         with self.lock:
-            self.calls.setdefault(session, []).append((end, end - start))
+            self.calls.setdefault(self._session(request), []).append((end, end - start))
         return out
 
+    def batch(self, requests: Any) -> Any:
+        start = time.perf_counter()
+        outs = self.original_batch(requests)
+        end = time.perf_counter()
+        with self.lock:
+            self.batch_sizes.append(len(requests))
+            for request in requests:
+                self.calls.setdefault(self._session(request), []).append((end, end - start))
+        return outs
+
     def restore(self) -> None:
-        self.engine.generate = self.original
+        del self.engine.generate, self.engine.generate_batch
 
 
 class Server:

@@ -26,8 +26,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    """Start the mesh suite's subprocess now, so it runs alongside the rest (see tests/test_mesh.py)."""
+    """Start the mesh suite's subprocess now, so it runs alongside the rest (see tests/test_mesh.py).
+
+    Under pytest-xdist (``-n 2`` in pyproject.toml) every worker collects everything, so the worker
+    that runs tests/test_mesh.py starts the subprocess itself; the file goes first, so that happens
+    at the start and the other worker runs the rest meanwhile."""
     if os.environ.get("ARDIFF_MESH_SUITE") == "1" or config.option.collectonly:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.path.name != "test_mesh.py")  # stable: the rest keep their order
         return
     if any(item.path.name == "test_mesh.py" for item in items):
         from test_mesh import start_mesh_suite

@@ -135,10 +135,10 @@ def test_time_guard_skips_sections_and_still_writes(tmp_path):
     record = gpu_check.run(smoke=True, out=out, budget_s=0.0)
     written = json.loads(out.read_text())
     assert written["complete"] is False and record["complete"] is False
-    for section in ("commit", "attend", "world"):
+    for section in ("commit", "attend", "world", "matrix_game"):
         assert written[section]["skipped"].startswith(f"{section}: "), written[section]
         assert "left of 0 s" in written[section]["skipped"]
-    assert len(written["time_guard"]["skipped"]) == 3
+    assert len(written["time_guard"]["skipped"]) == 4
 
 
 def test_hard_deadline_aborts_an_overrunning_section(tmp_path, monkeypatch):

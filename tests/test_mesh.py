@@ -25,7 +25,8 @@ def start_mesh_suite() -> tuple[subprocess.Popen, Path]:
     env = dict(os.environ, ARDIFF_MESH_SUITE="1", XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip())
     log = Path(tempfile.mkstemp(prefix="ardiff-mesh-suite-", suffix=".log")[1])
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mesh"],
+        process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                    "tests/mesh"],
                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     return process, log
 

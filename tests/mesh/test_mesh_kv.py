@@ -185,7 +185,11 @@ def test_geometry_that_does_not_split_is_refused():
 
 
 def test_the_check_catches_the_pool_gather_a_naive_program_makes():
-    """Why the shard_map paths exist: the one-device write and read, left to XLA on a cfg-split pool, gather it."""
+    """Why the shard_map paths exist: the one-device write, left to XLA on a cfg-split pool, gathers it.
+
+    The one-device read gathers only the pages that can be visible (``paged_attention`` reads the
+    ordered visible table, not the whole ring), so XLA no longer moves the pool for it: the check
+    must pass on it, and still catches the write's gather."""
     sharding = KVSharding(make_mesh((2, 2)))
     pools = _sharded_pools(LAYOUT, sharding)
     block = jnp.ones((2, 8, 8, 8), jnp.float32)
@@ -193,9 +197,9 @@ def test_the_check_catches_the_pool_gather_a_naive_program_makes():
                                                                block).compile().as_text()
     naive_read = jax.jit(paged_attention, static_argnums=0).lower(
         LAYOUT, pools, jnp.asarray(make_cursor(5, 3, 0)), 0, jnp.ones((4, 8, 8)), block[0], block[0]).compile().as_text()
-    for hlo in (naive_write, naive_read):
-        with pytest.raises(AssertionError):
-            assert_no_pool_collective(hlo, LAYOUT.num_pages, 2)
+    with pytest.raises(AssertionError):
+        assert_no_pool_collective(naive_write, LAYOUT.num_pages, 2)
+    assert_no_pool_collective(naive_read, LAYOUT.num_pages, 2)
 
 
 def test_eager_calls_compile_once_and_equal_the_jitted_ones():
