@@ -371,14 +371,7 @@ class ARDiffusionModelRunner:
             if reset:
                 self._release_session(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
-            state = self._get_or_create_session(session_id)
-            try:
-                with self._bound(session_id, state, stepwise=False):
-                    output = self._pipeline.forward(request)
-                self._synchronize(output)
-            except BaseException as error:
-                self._fail_closed(session_id, error)
-                raise
+            output = self._execute_admitted(session_id, request)
             self._perf_e2e_times.append(time.perf_counter() - start)
             if close_after:
                 self._release_session(session_id, reset_model=False, reason="close")
