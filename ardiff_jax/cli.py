@@ -402,7 +402,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(f"one-step accuracy on {accuracy['transitions']} held-out transitions (true context): agent cell "
           f"{accuracy['agent']:.1%}, ball cell {accuracy['ball']:.1%}, whole frame {accuracy['frame']:.1%}")
     print(f"speed: {speed['frames_per_second_one_session']:.1f} frames/s one session, "
-          f"{speed['frames_per_second_interleaved']:.1f} frames/s over {speed['interleaved_sessions']} interleaved; "
+          f"{speed['frames_per_second_interleaved']:.1f} frames/s over {speed['interleaved_sessions']} interleaved, "
+          f"{speed['frames_per_second_batched']:.1f} frames/s over {speed['batched_sessions']} batched; "
           f"latency p50 {speed['latency_ms']['p50']:.1f} ms, p99 {speed['latency_ms']['p99']:.1f} ms")
     print(f"wrote GIFs, contact_sheet.png, summary.json and session_*.npz to {args.out} "
           f"({summary['wall_seconds']:.1f} s)")
