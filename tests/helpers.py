@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,3 +158,13 @@ def scan_pool_operands(jaxpr: Any, pool_shape: tuple[int, ...]) -> list[str]:
             if tuple(getattr(var.aval, "shape", ())) == pool_shape:
                 found.append(f"scan ys[{i}] {var.aval}")
     return found
+
+
+def next_chunk_metadata(ws: Any) -> dict[str, Any]:
+    """The next ``video.chunk_metadata`` on a Starlette test WebSocket (its binary frame read and dropped);
+    control messages on the way are skipped."""
+    while True:
+        payload = json.loads(ws.receive_text())
+        if payload["type"] == "video.chunk_metadata":
+            ws.receive_bytes()
+            return payload

@@ -35,6 +35,7 @@ from ardiff_jax.models.matrix_game import (
     MatrixGamePipelineConfig,
     action_windows,
 )
+from ardiff_jax.models.matrix_game._generate import _random_vae
 from ardiff_jax.models.wan import WanVAE, WanVAEConfig
 
 CONFIG = dit_preset("matrix-game-tiny", dtype="float32", param_dtype="float32")
@@ -45,16 +46,9 @@ TOLERANCE = 1e-4  # float32, the paged vs the dense path (measured ~1e-6)
 
 
 def random_vae(seed: int = 3) -> WanVAE:
-    """A random tiny VAE filled on the host: ``WanVAE(...)``'s eager initialisation takes minutes on a loaded
-    2-core CPU, its shape evaluation under a second. Kernels ~1/sqrt(fan-in), vectors small."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAE(VAE, rngs=nnx.Rngs(seed))))
-    rng = np.random.default_rng(seed)
-
-    def fill(leaf):
-        scale = 0.02 if len(leaf.shape) <= 1 else 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
-        return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree.map(fill, abstract))
+    """A random tiny VAE filled on the host (``WanVAE(...)``'s eager initialisation takes minutes on a loaded
+    2-core CPU): the one ``build_matrix_game`` uses for random weights."""
+    return _random_vae(VAE, seed)
 
 
 @pytest.fixture(scope="module")

@@ -142,8 +142,7 @@ def matrix_game_engine():
 
 
 def test_a_served_matrix_game_session_plays_from_its_picture_with_keys_and_mouse(matrix_game_engine):
-    import json
-
+    from helpers import next_chunk_metadata
     from starlette.testclient import TestClient
 
     from ardiff_jax.serve import ServerSettings, create_app
@@ -171,11 +170,7 @@ def test_a_served_matrix_game_session_plays_from_its_picture_with_keys_and_mouse
             assert reply["config"]["key_bindings"] == {"Digit1": "key-1", "Digit2": "key-2", "Digit3": "key-3"}
 
             def chunk() -> dict:
-                while True:
-                    message = json.loads(ws.receive_text())
-                    if message["type"] == "video.chunk_metadata":
-                        ws.receive_bytes()
-                        return message
+                return next_chunk_metadata(ws)
 
             assert chunk()["num_frames"] == 9
             ws.send_json({"type": "session.interaction", "interaction": {"event_id": "keys", "event": {

@@ -10,13 +10,12 @@ player sees.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
 
+from helpers import next_chunk_metadata
 from starlette.testclient import TestClient
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
@@ -32,14 +31,6 @@ def _engine(modules, capacity: int, host_offload_bytes: int = 0) -> ARDiffusionE
                                    modules=modules)
     return ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
                                                     gpu_memory_fraction=1.0, host_offload_bytes=host_offload_bytes))
-
-
-def _next_chunk(ws) -> dict:
-    while True:
-        payload = json.loads(ws.receive_text())
-        if payload["type"] == "video.chunk_metadata":
-            ws.receive_bytes()
-            return payload
 
 
 def test_players_beyond_the_device_swap_through_host_memory_and_resume_exactly():
@@ -70,7 +61,7 @@ def test_players_beyond_the_device_swap_through_host_memory_and_resume_exactly()
                         if round_ == 2:
                             ws.send_json({"type": "session.interaction", "interaction": {"event": {
                                 "multi_modal_data": {"action": {"value": ("left", "right", "up")[index]}}}}})
-                        _next_chunk(ws)
+                        next_chunk_metadata(ws)
                 metrics = client.get("/metrics").text
             finally:
                 for ws in sockets:

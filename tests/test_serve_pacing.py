@@ -10,7 +10,6 @@ told so, and when the engine cannot keep up every session slows evenly and repor
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -20,14 +19,15 @@ import pytest
 
 pytest.importorskip("starlette")
 
+from helpers import next_chunk_metadata
 from starlette.testclient import TestClient
 
 from ardiff_jax import ARDiffusionEngine, EngineConfig
 from ardiff_jax.envs import ACTION_NAMES, cell_codes, cell_templates
 from ardiff_jax.models import DiTModules, SpriteWorldPipeline, dit_preset, pretrained
 from ardiff_jax.serve import ServedWorld, ServerSettings, create_app
-from ardiff_jax.serve._protocol import CameraUpdate, SessionInteraction
 from ardiff_jax.serve._pacing import UNDERRUN_TOLERANCE_S, PlaybackClock
+from ardiff_jax.serve._protocol import CameraUpdate, SessionInteraction
 from ardiff_jax.serve._world import DEFAULT_TRANSITION_CHUNKS, target_actions
 from ardiff_jax.types import ARDiffusionTickRequest
 
@@ -169,13 +169,7 @@ def start(ws, **fields) -> dict:
     return reply
 
 
-def next_chunk(ws) -> dict:
-    """The next chunk's metadata (its binary frame is read and dropped); control messages are skipped."""
-    while True:
-        payload = json.loads(ws.receive_text())
-        if payload["type"] == "video.chunk_metadata":
-            ws.receive_bytes()
-            return payload
+next_chunk = next_chunk_metadata
 
 
 def test_a_paced_session_never_runs_more_than_its_lookahead_ahead_of_playback(engine, slowed):

@@ -56,7 +56,6 @@ class PlaybackClock:
         self.lookahead_chunks = lookahead_chunks
         self.paced = paced
         self.anchor: float | None = None  # wall time frame 0 plays, moved later by every underrun
-        self.first_ready: float | None = None
         self.chunks = 0  # chunks generated
         self.frames = 0  # frames generated
         self.underruns = 0
@@ -97,7 +96,7 @@ class PlaybackClock:
             raise ValueError(f"frames must be a non-negative integer, got {frames!r}")
         late = 0.0
         if self.anchor is None:
-            self.anchor = self.first_ready = now
+            self.anchor = now
         else:
             late = now - self._play_time(self.frames)
             if late > UNDERRUN_TOLERANCE_S:

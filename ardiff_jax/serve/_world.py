@@ -467,15 +467,13 @@ class ServedWorld:
             "seed": plan.seed, "prompt": plan.prompt, "controls": list(self.controls),
             "actions": list(self.action_values), "ignored_fields": list(plan.ignored_fields),
         }
+        config["camera_modes"] = list(self.camera_modes)
         if self.kind == "sprite":
-            config["camera_modes"] = ["velocity", "target"]
             config["camera_velocity_actions"] = {"+x": "right", "-x": "left", "+z": "up", "-z": "down",
                                                  "zero": "no-op"}
             config["camera_target"] = {"x": "column from the left", "z": "row from the bottom", "unit": "cell",
                                        "grid": [self.frame_height // CELL_SIZE, self.frame_width // CELL_SIZE],
                                        "default_transition_chunks": DEFAULT_TRANSITION_CHUNKS}
-        else:
-            config["camera_modes"] = list(self.camera_modes)
         config["key_bindings"] = self.key_bindings
         if self.kind == "matrix-game":
             config["mouse_look"] = self.mouse  # the page locks the pointer and sends its motion as camera velocity
