@@ -171,6 +171,65 @@ def test_interleaved_evicted_offloaded_sessions_equal_a_dense_recomputation(part
     print(f"MatrixGamePipeline through the engine vs dense recomputation: max |diff| = {worst:.3g}")
 
 
+class _FaultyMatrixGame(MatrixGamePipeline):
+    """Fails the chosen sessions' blocks after their commit: a batch as a whole, one by one per session."""
+
+    bad: frozenset[str] = frozenset()
+
+    def _denoise_batch(self, batch, sessions):
+        x0 = super()._denoise_batch(batch, sessions)  # every row encoded, denoised and committed already
+        if self.bad & set(batch.session_ids):
+            raise RuntimeError("injected fault in the batch")
+        return x0
+
+    def _advance(self, state, session):
+        block = super()._advance(state, session)
+        if block is not None and state.session_id in self.bad:
+            raise RuntimeError(f"injected fault in session {state.session_id}")
+        return block
+
+
+def _assert_same_blocks(batched, sequential):
+    for got, want in zip(batched, sequential, strict=True):
+        np.testing.assert_allclose(np.asarray(got.latents), np.asarray(want.latents), rtol=0, atol=TOLERANCE)
+        assert int(np.max(np.abs(np.asarray(got.video, int) - np.asarray(want.video, int)))) <= 1
+        assert (got.first_frame, got.block_index) == (want.first_frame, want.block_index)
+
+
+def test_batched_ticks_equal_one_by_one_and_a_fault_releases_only_its_session(parts):
+    """Fresh and continuing sessions in one batch (condition encode, action windows and ring, decode);
+    then a fault after the batch's commit: the others were encoded without donating their installed
+    encoder caches, so the one-by-one rerun gives them exactly the unbatched blocks."""
+    from ardiff_jax.runtime import ARDiffusionBatchError
+
+    modules, vae = parts
+
+    def engine(cls):
+        pipeline = cls(CONFIG, MatrixGamePipelineConfig(session_capacity=3), modules=modules, vae=vae)
+        return pipeline, ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
+                                                                  gpu_memory_fraction=1.0, warmup=False))
+
+    pipeline, batched = engine(_FaultyMatrixGame)
+    _, sequential = engine(MatrixGamePipeline)
+    assert batched.runner.supports_batched_forward
+    players = {sid: Player(seed, blocks=4) for sid, seed in (("a", 31), ("b", 32), ("c", 33))}
+    for rows in (["a", "b"], ["b", "a", "c"]):
+        requests = [players[sid].request(sid) for sid in rows]
+        _assert_same_blocks(batched.generate_batch(requests), [sequential.generate(r) for r in requests])
+    pipeline.bad = frozenset({"c"})
+    requests = [players[sid].request(sid) for sid in ("a", "b", "c")]
+    with pytest.raises(ARDiffusionBatchError) as raised:
+        batched.generate_batch(requests)
+    assert set(raised.value.errors) == {"c"} and "injected fault in session c" in str(raised.value.errors["c"])
+    _assert_same_blocks(raised.value.outputs[:2], [sequential.generate(r) for r in requests[:2]])
+    assert set(batched.sessions) == {"a", "b"}
+    pipeline.bad = frozenset()
+    requests = [players[sid].request(sid) for sid in ("b", "a")]
+    _assert_same_blocks(batched.generate_batch(requests), [sequential.generate(r) for r in requests])
+    batched.close()
+    sequential.close()
+
+
 def test_actions_steer_only_the_blocks_that_read_them(parts):
     engine = _engine(parts, capacity=2)
     one, two = Player(5), Player(5)

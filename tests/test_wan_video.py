@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
+from ardiff_jax.runtime import ARDiffusionBatchError
 from ardiff_jax.models import CausalDiTConfig
 from ardiff_jax.models.wan import CausalWanPipeline, CausalWanPipelineConfig, WanVAE, WanVAEConfig
 
@@ -113,6 +114,88 @@ def test_a_malformed_vae_cache_is_refused_before_anything_changes(parts):
     assert "S" not in pipeline.session_ids
     pipeline.import_ar_diffusion_session("S", state)  # the good one still goes in
     assert "S" in pipeline.session_ids
+
+
+# -- batched ticks ---------------------------------------------------------------------------------------
+
+
+class _FaultyDecode(CausalWanPipeline):
+    """Fails the VAE decode of the chosen sessions, batched or not (after the others in its batch decoded)."""
+
+    bad: frozenset[str] = frozenset()
+    _order: list[str] = []
+
+    def _advance_batch(self, batch, sessions):
+        self._order = list(batch.session_ids)
+        return super()._advance_batch(batch, sessions)
+
+    def _advance(self, state, session):
+        self._order = [state.session_id]
+        return super()._advance(state, session)
+
+    def _finish_wan_block(self, session, block, *, donate):
+        session_id = self._order.pop(0)
+        if session_id in self.bad:
+            raise RuntimeError(f"injected decode fault in session {session_id}")
+        return super()._finish_wan_block(session, block, donate=donate)
+
+
+def _batch_engine(parts, *, warmup: bool = False, cls=CausalWanPipeline):
+    modules, vae = parts
+    pipeline = cls(TINY_WAN, CausalWanPipelineConfig(session_capacity=3, recache_on_prompt_switch=True),
+                   modules=modules, vae=vae)
+    return pipeline, ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
+                                                              gpu_memory_fraction=1.0, warmup=warmup))
+
+
+def _assert_same_blocks(batched, sequential):
+    for got, want in zip(batched, sequential, strict=True):
+        np.testing.assert_allclose(np.asarray(got.latents), np.asarray(want.latents), rtol=0, atol=1e-5)
+        assert got.video.shape == want.video.shape
+        assert int(np.max(np.abs(np.asarray(got.video, int) - np.asarray(want.video, int)))) <= ONE_LEVEL
+        assert (got.first_frame, got.block_index) == (want.first_frame, want.block_index)
+
+
+def test_batched_ticks_decode_and_recache_as_one_by_one_without_compiling_after_warmup(parts):
+    """Fresh and continuing sessions (first and later VAE decodes) in one batch, a prompt switch with
+    LongLive's recache inside a batch: every block and frame equals the same requests one by one."""
+    from helpers import count_compiles
+
+    _, batched = _batch_engine(parts, warmup=True)
+    _, sequential = _batch_engine(parts)
+    assert batched.runner.supports_batched_forward and batched.batch_buckets == (2, 3)
+    ticks = [[("a", 0), ("b", 1)], [("a", None), ("b", None), ("c", 2)], [("c", None), ("a", None)]]
+    with count_compiles() as compiles:
+        for rows in ticks:
+            requests = [_request(sid, None if seed is None else _embeds(seed)) for sid, seed in rows]
+            _assert_same_blocks(batched.generate_batch(requests), [sequential.generate(r) for r in requests])
+    assert compiles == []  # warmup ran every bucket with a first and a later block
+    switch = [_request("b", _embeds(7)), _request("a", None), _request("c", _embeds(8))]  # b and c recache
+    _assert_same_blocks(batched.generate_batch(switch), [sequential.generate(r) for r in switch])
+    batched.close()
+    sequential.close()
+
+
+def test_a_decode_fault_in_a_batch_releases_only_its_session(parts):
+    """The last session's decode fails after the others decoded: their installed decoder caches were kept
+    (not donated), so the one-by-one rerun gives them exactly the unbatched blocks."""
+    pipeline, batched = _batch_engine(parts, cls=_FaultyDecode)
+    _, sequential = _batch_engine(parts)
+    ids = ("s1", "s2", "s3")
+    first = [_request(sid, _embeds(index)) for index, sid in enumerate(ids)]
+    _assert_same_blocks(batched.generate_batch(first), [sequential.generate(r) for r in first])
+    pipeline.bad = frozenset({"s3"})
+    requests = [_request(sid) for sid in ids]
+    with pytest.raises(ARDiffusionBatchError) as raised:
+        batched.generate_batch(requests)
+    assert set(raised.value.errors) == {"s3"} and "decode fault in session s3" in str(raised.value.errors["s3"])
+    _assert_same_blocks(raised.value.outputs[:2], [sequential.generate(r) for r in requests[:2]])
+    assert set(batched.sessions) == {"s1", "s2"}
+    pipeline.bad = frozenset()
+    again = [_request("s1"), _request("s2")]
+    _assert_same_blocks(batched.generate_batch(again), [sequential.generate(r) for r in again])
+    batched.close()
+    sequential.close()
 
 
 # -- prompt to pixels ----------------------------------------------------------------------------------

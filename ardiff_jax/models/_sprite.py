@@ -265,10 +265,10 @@ class SpriteWorldPipeline(WorldPipeline):
             state.commit_paged_context(MAIN, kv=(k, v))
             session.last_block = block  # a "delta" prediction continues from the newest observed frame
 
-    def _start_block(self, state: Any, session: _WorldSession, parsed: Any) -> Any:
+    def _start_block(self, state: Any, session: _WorldSession, parsed: Any, *, staged: bool = False) -> Any:
         if parsed.observation is not None:
             self._prefill(state, session, parsed.observation, parsed.observation_controls)
-        return super()._start_block(state, session, parsed.block)
+        return super()._start_block(state, session, parsed.block, staged=staged)
 
     def _finish_block(self, x0: jax.Array) -> jax.Array:
         # Commit the frame the user sees: decoding before the t = 0 forward keeps small

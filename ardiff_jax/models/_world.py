@@ -281,7 +281,8 @@ class WorldPipeline(PipelineBase):
     supports_step_execution = True
     #: Whether :meth:`forward_batch` computes what :meth:`forward` computes. A subclass that
     #: changes a block's computation (``forward``, ``_advance``, ``_new_session``) without a
-    #: ``forward_batch`` of its own is not batchable: ``forward_batch`` is removed from it
+    #: batched counterpart of its own (``forward_batch``, ``_advance_batch`` or
+    #: ``_denoise_batch``) is not batchable: ``forward_batch`` is removed from it
     #: (``__init_subclass__``), so the engine runs its batches one request at a time.
     supports_batched_forward = True
     #: What the transformer's video output is: ``"flow"`` (``v``, Wan's convention) or ``"x0"``.
@@ -298,7 +299,7 @@ class WorldPipeline(PipelineBase):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         changed = [name for name in ("forward", "_advance", "_new_session") if name in vars(cls)]
-        if changed and "forward_batch" not in vars(cls):
+        if changed and not {"forward_batch", "_advance_batch", "_denoise_batch"} & set(vars(cls)):
             # A protocol method set to None is not implemented: isinstance(pipeline,
             # SupportsARDiffusionBatch) is False, and the engine runs its batches one by one.
             cls.supports_batched_forward = False
@@ -377,7 +378,13 @@ class WorldPipeline(PipelineBase):
             k, v = self._text_kv(session.prompt)
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
 
-    def _start_block(self, state: Any, session: _WorldSession, block: _BlockInputs) -> _InFlightBlock:
+    def _start_block(self, state: Any, session: _WorldSession, block: _BlockInputs, *,
+                     staged: bool = False) -> _InFlightBlock:
+        """Put the session's next block in flight (its initial noise and inputs on the device).
+
+        ``staged``: ``session`` is a batched tick's private copy (:meth:`_staged_session`); a
+        subclass must then not donate device state it shares with the installed session.
+        """
         block_index = np.int32(session.block_index)
         x_t = block_noise(session.key, block_index, self.config.block_shape)
         registers = None if block.registers is None else self._to_device(block.registers)
@@ -481,7 +488,7 @@ class WorldPipeline(PipelineBase):
             prompt, block_inputs = self._parse_new_block(session_id, request)
             session = self._staged_session(session_id, request, prompt)
             self._sync_prompt(state, session, prompt)
-            self._start_block(state, session, block_inputs)
+            self._start_block(state, session, block_inputs, staged=True)
             staged[session_id] = session
         blocks = self._advance_batch(batch, [staged[state.session_id] for state in states])
         self._publish_staged(staged)
@@ -489,6 +496,23 @@ class WorldPipeline(PipelineBase):
 
     def _advance_batch(self, batch: Any, sessions: list[_WorldSession]) -> list[WorldBlock]:
         """Every denoise step and the clean commit of the sessions' in-flight blocks, batched."""
+        x0 = self._denoise_batch(batch, sessions)
+        blocks = []
+        for session, latents in zip(sessions, unstack_rows(x0, batch.size), strict=True):
+            inflight = session.inflight
+            session.inflight = None
+            session.last_block = latents
+            session.block_index += 1
+            blocks.append(WorldBlock(latents=latents, first_frame=inflight.frame_start,
+                                     block_index=inflight.block_index))
+        return blocks
+
+    def _denoise_batch(self, batch: Any, sessions: list[_WorldSession]) -> jax.Array:
+        """The clean in-flight blocks ``f32[bucket, f, C, H, W]``, committed to every session's pages.
+
+        Each denoise step and the commit forward is one :data:`world_step_batch` call over
+        the batch; the blocks' K/V go to the pools in one donated write.
+        """
         cfg = self.config
         seq_len = cfg.frames_per_block * cfg.tokens_per_frame
         rows = [(session.key, session.inflight.x_t, np.int32(session.inflight.block_index),
@@ -510,15 +534,7 @@ class WorldPipeline(PipelineBase):
         x0 = self._finish_block(x0)
         _, _, k, v = forward(x0, self.schedule.num_steps, commit=True)
         batch.commit_paged_context(MAIN, kv=(k, v))
-        blocks = []
-        for session, latents in zip(sessions, unstack_rows(x0, batch.size), strict=True):
-            inflight = session.inflight
-            session.inflight = None
-            session.last_block = latents
-            session.block_index += 1
-            blocks.append(WorldBlock(latents=latents, first_frame=inflight.frame_start,
-                                     block_index=inflight.block_index))
-        return blocks
+        return x0
 
     def step(self, request: DiffusionRequest) -> StepResult:
         """One denoise step of the streaming request (session id = request id)."""

@@ -1090,25 +1090,30 @@ class ARDiffusionModelRunner:
 
 
     def _warmup_batches(self) -> None:
-        """Compile every batch bucket: one batch of warmup sessions per bucket, each session's first warmup request.
+        """Compile every batch bucket: per bucket, a batch of warmup sessions runs the warmup requests in turn.
 
-        After it, batches of any composition (sizes, fill levels, fresh and restored
-        sessions) reuse the compiled programs. Failures are logged, as any warmup's.
+        Batch ``k`` of a bucket holds every warmup session's ``k``-th warmup request, so the
+        programs of a session's first block and of its later ones (which differ, e.g. for a
+        streaming VAE) are both compiled at every bucket. After it, batches of any
+        composition (sizes, fill levels, fresh and restored sessions) reuse the compiled
+        programs. Failures are logged, as any warmup's.
         """
         if self._batcher is None or not self._batch_buckets:
             return
         for bucket in self._batch_buckets:
             session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(bucket)]
             try:
-                requests = []
-                for session_id in session_ids:
-                    request = next(iter(self._pipeline.ar_diffusion_warmup_requests(session_id)), None)
-                    if not isinstance(request, DiffusionRequest) or self._request_session(request)[0] != session_id:
+                sequences = [list(self._pipeline.ar_diffusion_warmup_requests(session_id))
+                             for session_id in session_ids]
+                for requests in zip(*sequences, strict=False):
+                    bad = [(request, session_id) for request, session_id in zip(requests, session_ids, strict=True)
+                           if not isinstance(request, DiffusionRequest)
+                           or self._request_session(request)[0] != session_id]
+                    if bad:
                         logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session "
-                                       "%r", request, session_id)
+                                       "%r", *bad[0])
                         return
-                    requests.append(request)
-                self.execute_model_batch(requests)
+                    self.execute_model_batch(list(requests))
             except Exception as error:
                 logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
             finally:

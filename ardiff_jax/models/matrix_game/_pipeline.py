@@ -45,7 +45,9 @@ from ardiff_jax.models._common import (
     check_seed,
     renoise,
     resolve_config,
+    stack_rows,
     step_noise_key,
+    unstack_rows,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import (
@@ -69,7 +71,7 @@ from ardiff_jax.models.wan import (
 )
 from ardiff_jax.types import DiffusionRequest
 
-__all__ = ["MatrixGamePipeline", "MatrixGamePipelineConfig", "matrix_game_step"]
+__all__ = ["MatrixGamePipeline", "MatrixGamePipelineConfig", "matrix_game_step", "matrix_game_step_batch"]
 
 #: Mask channels in front of the image-condition latent (the release slices 4 of its mask).
 MASK_CHANNELS = 4
@@ -121,8 +123,43 @@ def _matrix_game_step(graphdef: Any, params: Any, attention: Any, x_t: jax.Array
 matrix_game_step = jax.jit(_matrix_game_step, static_argnums=0)
 
 
+def _matrix_game_step_batch(graphdef: Any, params: Any, attention: Any, x_t: jax.Array, t: jax.Array,
+                            sigma: jax.Array, sigma_next: jax.Array, session_keys: jax.Array, block_index: jax.Array,
+                            step_index: jax.Array, frame_start: jax.Array, context_kv: tuple[jax.Array, jax.Array],
+                            condition: jax.Array, actions: ActionInputs, ring: ActionKV) -> tuple[Any, ...]:
+    model = nnx.merge(graphdef, params).transformer
+
+    def one_session(attention: Any, x_t: jax.Array, frame_start: jax.Array, context_kv: Any, condition: jax.Array,
+                    actions: ActionInputs, ring: ActionKV) -> tuple[Any, ...]:
+        out = model(x_t, t, frame_start, context_kv, attention=attention, condition=condition, actions=actions,
+                    action_history=ring)
+        return x_t - sigma * out.video, out.k, out.v, out.action_kv
+
+    x0, k, v, action_kv = jax.vmap(one_session, in_axes=(attention.vmap_axes(), 0, 0, 0, 0, 0, 0))(
+        attention, x_t, frame_start, context_kv, condition, actions, ring)
+    # Row by row, as world_step_batch: a vmapped draw differs from the unbatched one.
+    noise = jax.lax.map(lambda row: jax.random.normal(step_noise_key(row[0], row[1], step_index), x_t.shape[1:],
+                                                      jnp.float32), (session_keys, block_index))
+    return renoise(x0, sigma_next, noise), x0, k, v, action_kv
+
+
+#: :data:`matrix_game_step` for a batch of sessions in one program: ``attention`` is a batched paged
+#: view, every per-session argument (keys, block index, frame start, context K/V, condition, action
+#: windows, action ring) has a leading batch axis; row ``i`` equals ``matrix_game_step`` on session ``i``.
+matrix_game_step_batch = jax.jit(_matrix_game_step_batch, static_argnums=0)
+
+
 #: ``(config, ring, block_kv, frame_start) -> ring``: the committed block's action keys/values written (ring donated).
 _commit_ring = jax.jit(commit_action_cache, static_argnums=0, donate_argnums=1)
+
+
+def _commit_rings(config: CausalDiTConfig, rings: ActionKV, block_kv: ActionKV, frame_starts: jax.Array) -> ActionKV:
+    return jax.vmap(lambda ring, block, start: commit_action_cache(config, ring, block, start))(
+        rings, block_kv, frame_starts)
+
+
+#: :data:`_commit_ring` over a batch's stacked rings (a stacked copy: the installed rings stay as they were).
+_commit_rings_jit = jax.jit(_commit_rings, static_argnums=0, donate_argnums=1)
 
 
 class _Inputs(NamedTuple):
@@ -382,9 +419,9 @@ class MatrixGamePipeline(CausalWanPipeline):
         super()._sync_prompt(state, session, prompt)
 
     # -- device work ------------------------------------------------------------------------------------
-    def _start_block(self, state: Any, session: _MatrixGameSession, block: Any) -> Any:
+    def _start_block(self, state: Any, session: _MatrixGameSession, block: Any, *, staged: bool = False) -> Any:
         cfg, action = self.config, self.config.action
-        inflight = super()._start_block(state, session, _BlockInputs(None, None))
+        inflight = super()._start_block(state, session, _BlockInputs(None, None), staged=staged)
         start = inflight.frame_start
         h, w = self.pixel_hw
         if session.encode_cache is None:
@@ -397,7 +434,9 @@ class MatrixGamePipeline(CausalWanPipeline):
             video = np.concatenate([block.image, zeros])
         else:
             video = np.zeros((per_latent * cfg.frames_per_block, 3, h, w), np.float32)
-        latents, session.encode_cache = encode_step(self.vae, self._to_device(video), session.encode_cache)
+        # A staged session shares its encoder cache with the installed one: keep that one intact.
+        latents, session.encode_cache = encode_step(self.vae, self._to_device(video), session.encode_cache,
+                                                    donate=not staged)
         mask = np.zeros((cfg.frames_per_block, MASK_CHANNELS, cfg.latent_height, cfg.latent_width), np.float32)
         if start == 0:
             mask[0] = 1.0  # the reference frame is given; every later frame is to be generated
@@ -444,6 +483,37 @@ class MatrixGamePipeline(CausalWanPipeline):
         session.action_cache = _commit_ring(self.config, session.action_cache, pending, np.int32(start))
         session.block_condition = session.block_keyboard = session.block_mouse = None
         return block
+
+    def _denoise_batch(self, batch: Any, sessions: list[_MatrixGameSession]) -> jax.Array:
+        """As the base with Matrix-Game's conditioning: one :data:`matrix_game_step_batch` per denoise step
+        and for the commit, the blocks' K/V in one write, the action rings updated in one call."""
+        cfg = self.config
+        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+        rows = [(session.key, session.inflight.x_t, np.int32(session.inflight.block_index),
+                 np.int32(session.inflight.frame_start), tuple(state.get_cross_attention_kv(MAIN, TEXT)),
+                 session.block_condition, ActionInputs(session.block_keyboard, session.block_mouse),
+                 session.action_cache)
+                for state, session in zip(batch.states, sessions, strict=True)]
+        keys, x, block_index, frame_start, context_kv, condition, actions, rings = stack_rows(rows, batch.bucket_size)
+
+        def forward(x: jax.Array, step: int, commit: bool) -> tuple[Any, ...]:
+            caches = batch.get_kv_caches(MAIN, seq_len=seq_len, commit_current=commit)
+            t, sigma, sigma_next = self.schedule.step_args(step)
+            return matrix_game_step_batch(self._graphdef, self._params, caches, x, t, sigma, sigma_next, keys,
+                                          block_index, np.int32(step), frame_start, context_kv, condition, actions,
+                                          rings)
+
+        for step in range(self.schedule.num_steps):
+            x, x0, *_ = forward(x, step, commit=False)
+        x0 = self._finish_block(x0)
+        _, _, k, v, action_kv = forward(x0, self.schedule.num_steps, commit=True)
+        batch.commit_paged_context(MAIN, kv=(k, v))
+        # The commit pass's action keys/values join each ring, as its K/V joined the pages.
+        rings = _commit_rings_jit(cfg, rings, action_kv, frame_start)
+        for session, ring in zip(sessions, unstack_rows(rings, batch.size), strict=True):
+            session.action_cache = ring
+            session.block_condition = session.block_keyboard = session.block_mouse = None
+        return x0
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """Two blocks (a session's first block and a later one are different programs for the VAE)."""

@@ -41,7 +41,14 @@ from ardiff_jax.kv import page_of_frame, visible_history
 from ardiff_jax.models._attention import MaskedAttention, block_causal_mask
 from ardiff_jax.models._common import nbytes
 from ardiff_jax.models._world import MAIN, TEXT, WorldBlock, WorldPipeline, WorldPipelineConfig, _BlockInputs, _WorldSession
-from ardiff_jax.models.wan._vae import VAEDecodeCache, WanVAE, _decode_step_jit, cache_nbytes, init_decode_cache
+from ardiff_jax.models.wan._vae import (
+    VAEDecodeCache,
+    WanVAE,
+    _decode_step_jit,
+    _decode_step_keep_jit,
+    cache_nbytes,
+    init_decode_cache,
+)
 from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest
 
 __all__ = ["CausalWanPipeline", "CausalWanPipelineConfig", "CAUSAL_WAN_POLICIES", "WanBlock", "WanModules",
@@ -464,15 +471,36 @@ class CausalWanPipeline(WorldPipeline):
         block = super()._advance(state, session)
         if block is None:
             return None
+        return self._finish_wan_block(session, block, donate=True)
+
+    def _advance_batch(self, batch: Any, sessions: list[_WanSession]) -> list[WanBlock]:
+        """As the base (the transformer batched), then each session's resident latents and VAE decode.
+
+        The decode runs per session: Wan's decoder cache is per session (1.8 GiB in bf16 at
+        480x832), so stacking caches to batch it would copy every one of them each tick, while
+        one session's decode already convolves a block's 9-12 full-resolution frames. It keeps
+        the installed cache (no donation) until the batch has succeeded.
+        """
+        blocks = super()._advance_batch(batch, sessions)
+        return [self._finish_wan_block(session, block, donate=False)
+                for session, block in zip(sessions, blocks, strict=True)]
+
+    def _finish_wan_block(self, session: _WanSession, block: WorldBlock, *, donate: bool) -> WanBlock:
+        """The committed ``block`` as a :class:`WanBlock`: remembered for recache, decoded with a VAE.
+
+        ``donate``: the session's decoder cache may be donated (an unbatched call); a batched
+        tick's staged session shares it with the installed one, which must stay usable.
+        """
         self._remember_resident(session, block)
         video = None
         if self.vae is not None:
             if session.vae_cache is None:
                 session.vae_cache = jax.device_put(init_decode_cache(self.vae.config, self.config.block_shape[2:]),
                                                    self.device)
-            # The cache is donated: the session holds only the returned one.
-            decoded, session.vae_cache = _decode_step_jit(self._vae_graphdef, self._vae_params, block.latents,
-                                                          session.vae_cache)
+            decode = _decode_step_jit if donate else _decode_step_keep_jit
+            # Donated or not, the session holds only the returned cache from here on.
+            decoded, session.vae_cache = decode(self._vae_graphdef, self._vae_params, block.latents,
+                                                session.vae_cache)
             video = _to_uint8_frames(decoded)
         return WanBlock(block.latents, video, block.first_frame, block.block_index)
 

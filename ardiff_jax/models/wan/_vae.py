@@ -728,12 +728,14 @@ def decode_step(vae: WanVAE, z: jax.Array, cache: VAEDecodeCache) -> tuple[jax.A
     return _decode_step_jit(graphdef, params, jnp.asarray(z), cache)
 
 
-def encode_step(vae: WanVAE, video: jax.Array, cache: VAEEncodeCache) -> tuple[jax.Array, VAEEncodeCache]:
+def encode_step(vae: WanVAE, video: jax.Array, cache: VAEEncodeCache, *, donate: bool = True
+                ) -> tuple[jax.Array, VAEEncodeCache]:
     """Encode one chunk of a session: ``f32[F, 3, H, W]`` in ``[-1, 1]`` -> ``(f32[f, z_dim, H/8, W/8], cache)``.
 
     A session's first chunk is ``1 + 4k`` frames (``1 + k`` latents: e.g. one image for
     image-to-video), later ones ``4k`` frames (``k`` latents). Returns normalised latent
-    means; the input cache is donated.
+    means; the input cache is donated unless ``donate=False`` (a batched tick keeps a
+    session's cache intact until the whole batch has succeeded).
     """
     _check_frames("encode_step's video", video, 3, tuple(cache.convs[0].shape[1:3]) if cache.convs else None)
     f, t = video.shape[0], vae.config.temporal_factor
@@ -742,7 +744,8 @@ def encode_step(vae: WanVAE, video: jax.Array, cache: VAEEncodeCache) -> tuple[j
     if not cache.started and (f - 1) % t:
         raise ValueError(f"encode_step takes 1 + {t}k frames for a session's first chunk, got {f}")
     graphdef, params = nnx.split(vae)
-    return _encode_step_jit(graphdef, params, jnp.asarray(video), cache)
+    program = _encode_step_jit if donate else _encode_step_keep_jit
+    return program(graphdef, params, jnp.asarray(video), cache)
 
 
 def _decode_impl(vae: WanVAE, z: jax.Array, cache: VAEDecodeCache) -> tuple[jax.Array, VAEDecodeCache]:
@@ -778,6 +781,10 @@ def _encode_step_split(graphdef: Any, params: Any, video: jax.Array, cache: VAEE
 #: ``(graphdef, params, z, cache) -> (video, cache)``: :func:`decode_step`'s program, the cache donated.
 _decode_step_jit = jax.jit(_decode_step_split, static_argnums=0, donate_argnums=3)
 _encode_step_jit = jax.jit(_encode_step_split, static_argnums=0, donate_argnums=3)
+#: The same programs keeping the input cache: a batched tick is all or nothing, so until every session of
+#: the batch has its block, each session's installed cache must stay usable (the one-by-one rerun reads it).
+_decode_step_keep_jit = jax.jit(_decode_step_split, static_argnums=0)
+_encode_step_keep_jit = jax.jit(_encode_step_split, static_argnums=0)
 
 
 def _decode_clip(vae: WanVAE, z: jax.Array) -> jax.Array:
