@@ -45,8 +45,10 @@ HOST = 10**8  # plenty: every offloaded session fits
 
 
 def _config(host_offload_bytes: int = 0, **fields) -> EngineConfig:
+    """No warmup: nothing here is about compiling, and warmup would compile every batch bucket (2, 4, 6 at
+    capacity 6) of programs these tests never run. The programs they use compile on their first request."""
     return EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0,
-                        host_offload_bytes=host_offload_bytes, **fields)
+                        host_offload_bytes=host_offload_bytes, **{"warmup": False, **fields})
 
 
 @pytest.fixture(scope="module")
