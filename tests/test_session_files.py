@@ -48,7 +48,10 @@ REPO = TESTS.parent
 
 
 def _config(dtype: str = "float32", **fields) -> EngineConfig:
-    return EngineConfig(dtype=dtype, available_memory_bytes=10**9, gpu_memory_fraction=1.0, **fields)
+    """No warmup (here and in the fresh process): nothing here is about compiling, and warmup would compile
+    the batch programs of every bucket, which no test runs; each program used compiles on first use."""
+    return EngineConfig(dtype=dtype, available_memory_bytes=10**9, gpu_memory_fraction=1.0,
+                        **{"warmup": False, **fields})
 
 
 def _ring_frames(engine: ARDiffusionEngine) -> int:
