@@ -1,4 +1,4 @@
-"""One short check for a GPU machine: KV commit, attention backends and the causal Wan2.1-1.3B rollout.
+"""One short check for a GPU machine: KV commit, attention, the causal Wan2.1-1.3B rollout and its batched ticks.
 
 Meant to run once when a GPU is available (``benchmarks/gpu_check.sh``, under five minutes
 on one H200) and to write ONE JSON. (a) and (b) use the Wan2.1-1.3B KV geometry (30 layers,
@@ -45,15 +45,30 @@ branch):
     (``bench_wan.matrix_game_blocks``): per block the transformer, the VAE decode and the runtime,
     and end-to-end video frames/s next to the release's reported 25 (one A100/H100-class GPU).
 
-``--smoke`` runs the same code at the ``tiny`` KV geometry, a 2-layer Wan-shaped model
-(``bench_wan.smoke_config``), a width-8 VAE and a 2-layer width-16 umT5, so it finishes on a CPU in
-~30-50 s, nearly all compiles (cuDNN is then recorded as
-skipped, with the reason). A time guard bounds the whole run: each section starts only with
-enough time left, the world rollout stops between blocks and the split between rounds at the
-deadline, a SIGALRM at the hard deadline ends whatever runs, and the JSON is rewritten after
-every section, so an interrupted run still leaves what it measured.
+(e) **wan_batch**: players per device. (c)'s network, policy and VAE (random weights, every block
+    decoded) behind ONE ``ARDiffusionEngine`` at session capacity 8 (its warmup compiles batch buckets
+    2, 4 and 8; ``engine_load_s`` times it), 8 sessions with their own random prompts filled with
+    batched ticks until a block sees a full window, then for ``B`` = 8, 4, 2, 1 (largest first, each
+    asked of the guard): timed ticks of ``engine.generate_batch`` over ``B`` sessions (``generate`` at
+    ``B = 1``), reporting the tick median, aggregate video frames/s (``B`` x 12 / tick), per-session
+    latency (the tick) and frames/s, players at 16 fps (``floor(aggregate / 16)``, Wan's native rate)
+    and compiles during the timed ticks (0 expected: every bucket compiled at warmup), plus the memory
+    plan's bytes per session and how many sessions fit at this engine's ``gpu_memory_fraction`` (0.9:
+    (c)'s 0.3 admits only ~3 such sessions), at (c)'s and in all free memory. It is last and the
+    longest (an estimated ~170-380 s, mostly compiles), so after (a)-(d) the guard usually skips it:
+    ``--sections wan_batch`` runs it alone (``--budget-s`` past the wrapper's 290 s gives it more).
 
-Run: ``bash benchmarks/gpu_check.sh`` or ``python -m benchmarks.gpu_check [--smoke] [--out PATH]``.
+``--smoke`` runs the same code at the ``tiny`` KV geometry, a 2-layer Wan-shaped model
+(``bench_wan.smoke_config``), a width-8 VAE, a 2-layer width-16 umT5 and (e) at ``B`` = 2, 1 (capacity
+2), so it runs on a CPU, nearly all compiles (cuDNN is then recorded as skipped, with the reason):
+~210-235 s on 2 cores shared with a training job, (e) ~50-60 s of it. A time guard bounds the whole run:
+each section starts only with enough time left, the world rollout stops between blocks, the split
+between rounds and (e) between ticks at the deadline, a SIGALRM at the hard deadline ends whatever
+runs, and the JSON is rewritten after every section (with each section's seconds), so an interrupted
+run still leaves what it measured.
+
+Run: ``bash benchmarks/gpu_check.sh`` or ``python -m benchmarks.gpu_check [--smoke] [--out PATH]
+[--sections commit,attend,world,matrix_game,wan_batch]``.
 """
 
 from __future__ import annotations
@@ -72,10 +87,19 @@ from typing import Any
 import numpy as np
 
 from benchmarks.bench_wan import GOAL_E2E_VIDEO_FRAMES_PER_S, REFERENCE_FPS, REFERENCE_LABEL
-from benchmarks.common import RESULTS_DIR, Case, bench_spec, machine_info, ratio, run_interleaved, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    Case,
+    bench_spec,
+    format_table,
+    machine_info,
+    ratio,
+    run_interleaved,
+    write_json,
+)
 
 __all__ = ["GOAL_TRANSFORMER_VIDEO_FRAMES_PER_S", "GOAL_VIDEO_FRAMES_PER_S", "H200_BANDWIDTH_BYTES_PER_S",
-           "H200_BF16_FLOPS", "REFERENCE_FPS", "TimeGuard", "main", "run"]
+           "H200_BF16_FLOPS", "PLAYER_FPS", "REFERENCE_FPS", "SECTIONS", "TimeGuard", "main", "run"]
 
 #: H200 SXM spec sheet: HBM3e bandwidth (bytes/s) and dense BF16 tensor-core throughput (FLOP/s).
 H200_BANDWIDTH_BYTES_PER_S = 4.8e12
@@ -106,6 +130,10 @@ class Mode:
     text_encoder: str = "xxl"  # bench_wan.text_encoder_config kind of the text encode
     text_rounds: int = 5  # timed text encodes (after one untimed warmup)
     text_needed_s: float = 60.0  # the time guard's estimate for the text encode (init, compiles, rounds)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)  # (e): sessions per tick; the engine's capacity is the largest
+    batch_timed_ticks: int = 3  # (e): timed ticks per batch size
+    batch_memory_fraction: float = 0.9  # (e): the engine's gpu_memory_fraction on an accelerator (see below)
+    batch_needed_s: float = 150.0  # (e): the time guard's estimate (init, load with every bucket, fill, one size)
 
 
 # Time budget of the full run on one H200 (the wrapper's `timeout 290`; guard 270 s + 10 s grace).
@@ -147,11 +175,39 @@ class Mode:
 #   and the second backend (XLA) will usually find less than 1.2x the first's time left and be
 #   skipped with its reason (`--world-backend xla` runs it alone). Where the guard has no time
 #   for the text encode, it is skipped and the reason recorded.
+#
+# (e) wan_batch (estimates, not measured on a GPU yet). It comes last and needs ~150 s, so after (a)-(d) the
+# guard will usually skip it with its reason; `--sections wan_batch` runs it alone inside the same guard,
+# which may still be too short for every size (see below).
+# * Init: the transformer's random init is the program (c) compiled (cached in the process; ~10-20 s of
+#   compile when (e) runs alone), the VAE is drawn on the host (~2-5 s).
+# * Engine load at capacity 8 compiles (measured in the smoke run, where the same programs compile): the
+#   one-session programs again (the pools' shapes depend on the capacity: world_step, the first and later
+#   decodes unless (c) compiled them), one batched world_step per bucket 2, 4, 8, and the two decodes that
+#   keep the session's cache (a batch keeps the old cache until it succeeds): 6 programs after (c), 8 alone,
+#   of ~20-40 s each with autotuning: ~120-300 s, each bucket then running a first and a later block.
+# * Memory: the plan at (c)'s fraction (0.3 of the free memory, ~100 GB under JAX's default 75%
+#   preallocation) admits only ~3 sessions of ~8 GB (21 pages of 274 MiB, the 94 MB text cache and the
+#   1801 MiB VAE cache), so this engine plans at 0.9 of it; it allocates 8 sessions' pages and caches, ~64 GB,
+#   and the rest holds the batched forward's temporaries (and the 8 old decoder caches a batch keeps until
+#   it succeeds: +15 GB at B = 8).
+# * A steady tick: B x (~0.4-1 s transformer + ~0.1 s decode) unbatched; batching should cut the transformer's
+#   share. Filling 8 windows (6 ticks at B = 8) ~15-50 s; then B = 8, 4, 2, 1 (largest first, see
+#   measure_wan_batch), 3 timed ticks each (+1 warm below 8): ~30 s. So ~170-380 s alone: when time runs short
+#   the guard skips the sizes left (the smallest, which run last); `python -m benchmarks.gpu_check --sections
+#   wan_batch --budget-s 500` (no wrapper timeout) gives it more.
+# * Smoke (CPU, B = 2, 1): the same 4 extra programs at the tiny sizes, ~9 s of compile each; the section took
+#   51-62 s of 208-232 s smoke runs on 2 cores shared with a training job (load average ~8), hence the smoke
+#   budget of 250 s (was 200).
 FULL = Mode("full", "wan_1_3b", "wan2.1-t2v-1.3b", commit_reps=(3, 10, 3), attend_reps=(2, 5, 2),
             world_warmup_blocks=1, world_timed_blocks=8, budget_s=270.0, world_split_rounds=6)
 SMOKE = Mode("smoke", "tiny", "wan-smoke", commit_reps=(1, 2, 2), attend_reps=(1, 2, 1),
-             world_warmup_blocks=1, world_timed_blocks=2, budget_s=200.0, world_split_rounds=2,
-             text_encoder="smoke", text_rounds=2, text_needed_s=1.0)
+             world_warmup_blocks=1, world_timed_blocks=2, budget_s=250.0, world_split_rounds=2,
+             text_encoder="smoke", text_rounds=2, text_needed_s=1.0, batch_sizes=(1, 2), batch_timed_ticks=2,
+             batch_needed_s=1.0)
+
+#: Section keys in run order; ``--sections`` picks a subset (the order stays this one).
+SECTIONS = ("commit", "attend", "world", "matrix_game", "wan_batch")
 
 #: Our goal for the causal Wan2.1-1.3B on one H200: end-to-end (transformer + VAE) video frames/s at 480x832.
 GOAL_VIDEO_FRAMES_PER_S = GOAL_E2E_VIDEO_FRAMES_PER_S
@@ -421,28 +477,26 @@ def _world_backends(layout: Any, requested: str) -> tuple[list[str], str]:
 
 
 def world_config(mode: Mode) -> Any:
-    """The transformer config of (c): the ``wan2.1-t2v-1.3b`` preset at its full 60x104 latent (Self-Forcing
-    policy, bf16), or ``bench_wan.smoke_config()`` for ``--smoke``."""
+    """The transformer config of (c) and (e): the ``wan2.1-t2v-1.3b`` preset at its full 60x104 latent with
+    Self-Forcing's policy (the preset's own, stated) in bf16, or ``bench_wan.smoke_config()`` for ``--smoke``."""
     from benchmarks.bench_wan import wan_config
 
     if mode.preset == "wan-smoke":
         return wan_config(smoke=True)
     from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.wan import with_policy
 
-    return dit_preset(mode.preset, dtype="bfloat16", param_dtype="bfloat16")
+    return with_policy(dit_preset(mode.preset, dtype="bfloat16", param_dtype="bfloat16"), "self-forcing")
 
 
 def measure_world(mode: Mode, layout: Any, guard: TimeGuard, requested: str = "auto") -> dict[str, Any]:
     """The causal-Wan pipeline with its VAE through the engine, per backend: blocks/s after warmup, then the
     block split; after the first backend, the text encode of one prompt."""
-    from ardiff_jax.models.wan import with_policy
     from benchmarks.bench_wan import make_pipeline, make_vae, vae_config, vae_summary
 
     backends, reason = _world_backends(layout, requested)
     config = world_config(mode)
     smoke = mode.preset == "wan-smoke"
-    if not smoke:
-        config = with_policy(config, "self-forcing")  # the preset's own policy, stated
     frames = config.frames_per_block
     record: dict[str, Any] = {
         "preset": mode.preset, "pipeline": "CausalWanPipeline", "policy": "self-forcing", "weights": "random",
@@ -614,6 +668,258 @@ def _roll_out(name: str, config: Any, modules: Any, vae: Any, mode: Mode, guard:
     }
 
 
+# -- (e) wan_batch -----------------------------------------------------------------------------------------
+#: Wan2.1's native video frame rate: a player is served in real time at 16 video frames/s.
+PLAYER_FPS = 16
+
+
+#: What the runtime logs when a batched forward raised and its requests were rerun one by one.
+BATCH_FALLBACK_LOG = "rerunning them one by one"
+
+
+@contextmanager
+def _runtime_warnings() -> Iterator[list[str]]:
+    """The runtime's warnings while the block runs: a failed bucket warmup or a batched forward rerun one by
+    one is only logged (the tick still returns), and (e) must not report such a tick as a batched one."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger("ardiff_jax.runtime")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _sessions_fit(plan: Any, fraction: float) -> int:
+    """The most resident sessions the plan's terms admit in ``fraction`` of the free memory it saw (no cap).
+
+    The plan itself stops at the requested capacity; this is its own arithmetic, ``required(c) <=
+    floor(available * fraction)``, carried past that cap. It counts what the plan counts (pages, cross
+    caches, model-owned state such as the VAE cache, scratch), not the batched forward's temporaries.
+    """
+    budget = math.floor(plan.available_bytes * fraction)
+    fixed = plan.required_bytes(0)
+    per_session = plan.required_bytes(1) - fixed
+    count = max(0, (budget - fixed) // per_session)
+    while count > 0 and plan.required_bytes(count) > budget:
+        count -= 1
+    while plan.required_bytes(count + 1) <= budget:
+        count += 1
+    return int(count)
+
+
+def _memory_summary(plan: Any, fractions: dict[str, float]) -> dict[str, Any]:
+    """The plan's per-session and fixed bytes, and how many sessions fit at each named fraction."""
+    fixed = plan.required_bytes(0)
+    return {
+        "available_bytes": plan.available_bytes, "memory_source": plan.memory_source,
+        "gpu_memory_fraction": plan.gpu_memory_fraction, "budget_bytes": plan.budget_bytes,
+        "requested_session_capacity": plan.requested_session_capacity, "session_capacity": plan.session_capacity,
+        "page_bytes": plan.page_bytes, "run_pages": plan.run_pages, "pool_bytes": plan.pool_bytes,
+        "cross_attention_bytes_per_session": plan.cross_attention_bytes_per_session,
+        "model_owned_bytes_per_session": plan.model_owned_bytes_per_session,
+        "per_session_bytes": plan.required_bytes(1) - fixed,
+        "fixed_bytes": fixed,
+        "sessions_fit": {name: {"gpu_memory_fraction": fraction, "sessions": _sessions_fit(plan, fraction)}
+                         for name, fraction in fractions.items()},
+        "note": "per_session_bytes = required(c + 1) - required(c) of the plan (the session's pages, its text "
+                "cross-attention cache and its model-owned state, the VAE decoder cache included); sessions_fit = "
+                "the largest c with required(c) <= floor(available_bytes * fraction), past the requested "
+                "capacity; the batched forward's temporaries are not in the plan",
+    }
+
+
+def measure_wan_batch(mode: Mode, guard: TimeGuard) -> dict[str, Any]:
+    """Players per device: (c)'s causal Wan with its VAE, one engine serving ``B`` sessions per tick.
+
+    One engine at capacity ``max(mode.batch_sizes)`` (its warmup compiles every batch bucket, timed as
+    part of the load); that many sessions, each with its own random prompt, get full windows from
+    batched fill ticks; then per ``B``: ticks of ``generate_batch`` over sessions ``0 .. B-1``
+    (``generate`` for ``B = 1``), each tick synced on every session's latents and decoded video.
+    Sizes run largest first: the sessions' windows are already full after the fill, the largest is
+    the figure a player count needs, and a size's time is bounded by the larger one measured before
+    it (a smaller batch is not slower), which is what the guard is asked for before each size.
+    Compiles after the load are counted (every bucket was compiled by the warmup, so expected 0).
+    """
+    import jax
+
+    from ardiff_jax import ARDiffusionEngine
+    from benchmarks.bench_batch import _count_compiles
+    from benchmarks.bench_wan import engine_config, make_pipeline, make_vae, vae_config
+
+    config = world_config(mode)
+    smoke = mode.preset == "wan-smoke"
+    frames = config.frames_per_block
+    visible = config.sink_frames + config.window_frames
+    # A block sees at most visible - frames history frames beside its own: full from this many committed blocks on.
+    fill_blocks = max(1, math.ceil((visible - frames) / frames))
+    requested = max(mode.batch_sizes)
+    world_engine_config = engine_config()  # (c)'s: on an accelerator 0.3 of the free memory
+    on_cpu = jax.default_backend() == "cpu"
+    config_e = world_engine_config if on_cpu else dataclasses.replace(
+        world_engine_config, gpu_memory_fraction=mode.batch_memory_fraction)
+    record: dict[str, Any] = {
+        "preset": mode.preset, "pipeline": "CausalWanPipeline", "policy": "self-forcing", "weights": "random",
+        "dtype": "bfloat16", "num_layers": config.num_layers, "dim": config.dim,
+        "latent": [config.latent_height, config.latent_width],
+        "video_resolution": [8 * config.latent_height, 8 * config.latent_width], "frames_per_block": frames,
+        "visible_frames": visible, "with_vae": True, "batch_sizes_planned": list(mode.batch_sizes),
+        "session_capacity_requested": requested, "fill_blocks": fill_blocks,
+        "player_fps": PLAYER_FPS,
+        "note": (f"one tick = the next block of B sessions (generate_batch; generate at B = 1), transformer + each "
+                 f"session's VAE decode + runtime, synced; every session's block arrives at the end of the tick, so "
+                 f"per-session latency = the tick; aggregate video frames/s = B x decoded frames per block / tick; "
+                 f"players_at_{PLAYER_FPS}fps = floor(aggregate / {PLAYER_FPS}) (Wan's native frame rate); "
+                 f"all_players_real_time: each of the B sessions gets >= {PLAYER_FPS} frames/s at that B"),
+        "results": {},
+    }
+    start = time.perf_counter()
+    vae = make_vae(vae_config(config, smoke=smoke))
+    record["vae_init_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    pipeline = make_pipeline(config, session_capacity=requested, vae=vae)  # random weights, one jitted init
+    record["weights_init_s"] = time.perf_counter() - start
+    with _count_compiles() as load_compiles, _runtime_warnings() as load_warnings:
+        start = time.perf_counter()
+        engine = ARDiffusionEngine(pipeline, config_e)
+        record["engine_load_s"] = time.perf_counter() - start  # plan, pools and the warmup of every bucket
+    record["engine_load_compiles"] = len(load_compiles)
+    record["engine_load_warnings"] = load_warnings[:10]
+    try:
+        plan = engine.memory_plan
+        record.update({
+            "session_capacity": engine.session_capacity, "batch_buckets": list(engine.batch_buckets),
+            "supports_batched_forward": engine.runner.supports_batched_forward,
+            "attention_backend": engine.runner.kv_cache.attention_backend,
+            "memory": _memory_summary(plan, {
+                "this_engine": plan.gpu_memory_fraction,
+                "world_section": world_engine_config.gpu_memory_fraction,
+                "all_free_memory": 1.0}),
+        })
+        sizes = sorted((size for size in mode.batch_sizes if size <= engine.session_capacity), reverse=True)
+        for size in mode.batch_sizes:
+            if size > engine.session_capacity:
+                record["results"][str(size)] = {"skipped": (
+                    f"the memory plan admits {engine.session_capacity} sessions at gpu_memory_fraction "
+                    f"{plan.gpu_memory_fraction}")}
+        if sizes:
+            _batch_ticks(engine, config, sizes, fill_blocks, mode, guard, record)
+    except TimeGuardExpired as error:  # keep the sizes measured so far; the guard skips what follows
+        record["aborted"] = str(error)
+        guard.skipped.append(f"wan_batch: {error}")
+    except Exception as error:  # noqa: BLE001 - e.g. out of memory at a batch size: keep the sizes measured
+        record["error"] = f"{type(error).__name__}: {error}"
+    finally:
+        engine.close()
+    record["results"] = {str(size): record["results"][str(size)] for size in mode.batch_sizes
+                         if str(size) in record["results"]}
+    measured = [r for r in record["results"].values() if "aggregate_video_frames_per_s" in r]
+    record["batch_sizes_measured"] = [r["batch_size"] for r in measured]
+    if measured:
+        best = max(measured, key=lambda r: r[f"players_at_{PLAYER_FPS}fps"])
+        real_time = [r["batch_size"] for r in measured if r["all_players_real_time"]]
+        record["players"] = {
+            f"most_players_at_{PLAYER_FPS}fps": best[f"players_at_{PLAYER_FPS}fps"],
+            "at_batch_size": best["batch_size"],
+            "largest_batch_all_players_real_time": max(real_time, default=0),
+        }
+        one = record["results"].get("1", {})
+        if "aggregate_video_frames_per_s" in one:
+            for result in measured:
+                result["aggregate_over_batch_1"] = (result["aggregate_video_frames_per_s"]
+                                                    / one["aggregate_video_frames_per_s"])
+    return record
+
+
+def _batch_ticks(engine: Any, config: Any, sizes: list[int], fill_blocks: int, mode: Mode, guard: TimeGuard,
+                 record: dict[str, Any]) -> None:
+    """Fill ``max(sizes)`` sessions' windows with batched ticks, then time each size (largest first) into
+    ``record["results"]``, so that what was measured survives a hard-deadline abort."""
+    from ardiff_jax import DiffusionRequest
+    from benchmarks.bench_batch import _count_compiles
+    from benchmarks.bench_wan import prompt_embeds
+    from benchmarks.common import Stats, sync
+
+    sessions = [f"gpu-check-batch-{index}" for index in range(max(sizes))]
+    sent = [0]
+
+    def tick(ids: list[str], first: bool = False) -> tuple[float, list[Any]]:
+        """One tick over ``ids``, synced; a session's first request carries its own random prompt."""
+        requests = []
+        for index, sid in enumerate(ids):
+            sent[0] += 1
+            inputs = {"prompt_embeds": prompt_embeds(config, seed=index)} if first else {}
+            requests.append(DiffusionRequest(f"{sid}-r{sent[0]}", inputs=inputs, extra_args={"session_id": sid}))
+        start = time.perf_counter()
+        outs = [engine.generate(requests[0])] if len(requests) == 1 else engine.generate_batch(requests)
+        sync(outs)  # every session's latents and decoded uint8 video
+        return time.perf_counter() - start, outs
+
+    results = record["results"]
+    with _count_compiles() as after_load:
+        # Fill: every session's first block, then the next ones until the next block sees a full window.
+        fill_s: list[float] = []
+        for block in range(fill_blocks):
+            if fill_s and guard.remaining() < 2 * max(fill_s):
+                break
+            fill_s.append(tick(sessions, first=block == 0)[0])
+        record["fill"] = {"batch_size": len(sessions), "ticks": len(fill_s), "tick_ms": [1e3 * s for s in fill_s],
+                          "windows_full": len(fill_s) == fill_blocks}
+        bound_s = max(fill_s)  # the slowest tick of the largest batch: no smaller batch takes longer
+        for size in sizes:
+            ids = sessions[:size]
+            warm = 0 if size == len(sessions) else 1  # the fill has just run the largest batch's programs
+            if not guard.allows(f"wan_batch/B={size}", (warm + mode.batch_timed_ticks) * bound_s):
+                results[str(size)] = {"skipped": guard.skipped[-1]}
+                continue
+            for _ in range(warm):
+                tick(ids)
+            tick_s: list[float] = []
+            video_frames: list[int] = []
+            finite = True
+            stopped = False
+            with _count_compiles() as compiles, _runtime_warnings() as warnings:
+                for _ in range(mode.batch_timed_ticks):
+                    if tick_s and guard.remaining() < 2 * max(tick_s):
+                        stopped = True
+                        break
+                    elapsed, outs = tick(ids)
+                    tick_s.append(elapsed)
+                    video_frames.extend(int(out.video.shape[0]) for out in outs)
+                    finite = finite and all(bool(np.isfinite(np.asarray(out.latents)).all()) for out in outs)
+            stats = Stats.of(tick_s)
+            seconds = stats.median_ms / 1e3
+            per_block = int(np.median(video_frames))
+            aggregate = size * per_block / seconds
+            results[str(size)] = {
+                "batch_size": size, "call": "generate" if size == 1 else "generate_batch",
+                "ticks_timed": len(tick_s), "warm_ticks": warm, "stopped_early_by_time_guard": stopped,
+                "tick_ms": stats.as_dict(), "tick_ms_median": stats.median_ms,
+                "video_frames_per_block": per_block,
+                "aggregate_video_frames_per_s": aggregate,
+                "aggregate_latent_frames_per_s": size * config.frames_per_block / seconds,
+                "session_latency_ms_median": stats.median_ms,
+                "per_session_video_frames_per_s": per_block / seconds,
+                f"players_at_{PLAYER_FPS}fps": math.floor(aggregate / PLAYER_FPS),
+                "all_players_real_time": bool(per_block / seconds >= PLAYER_FPS),
+                "xla_compiles_during_timed_ticks": len(compiles),
+                "compiled_during_timed_ticks": sorted(set(compiles)),
+                "batched_forward_fallbacks": sum(BATCH_FALLBACK_LOG in message for message in warnings),
+                "runtime_warnings": warnings[:5],
+                "latents_finite": finite,
+            }
+            bound_s = max(tick_s)
+    record["xla_compiles_after_load"] = len(after_load)
+
+
 # -- driver ------------------------------------------------------------------------------------------------
 def _device_info() -> dict[str, Any]:
     import jax
@@ -629,8 +935,12 @@ def _device_info() -> dict[str, Any]:
 
 
 def run(*, smoke: bool = False, out: Path | None = None, budget_s: float | None = None,
-        world_backend: str = "auto") -> dict[str, Any]:
-    """Run (a), (b), (c), (d) under the time guard; write the JSON after every section; return it."""
+        world_backend: str = "auto", sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+    """Run (a)-(e) (or the ``sections`` named, in that order) under the time guard; write the JSON after every
+    section; return it. Sections not named are left out of the JSON; ``complete`` is about those named."""
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise ValueError(f"sections must be a non-empty subset of {SECTIONS}, got {tuple(sections)}")
     mode = SMOKE if smoke else FULL
     out = out if out is not None else RESULTS_DIR / ("gpu_check_smoke.json" if smoke else "gpu_check.json")
     guard = TimeGuard(mode.budget_s if budget_s is None else budget_s)
@@ -643,26 +953,35 @@ def run(*, smoke: bool = False, out: Path | None = None, budget_s: float | None 
         "hardware_floors": {
             "bandwidth_bytes_per_s": H200_BANDWIDTH_BYTES_PER_S, "bf16_dense_flops_per_s": H200_BF16_FLOPS,
             "label": "H200 SXM spec sheet: HBM3e bandwidth and dense BF16 tensor throughput"},
+        "sections": [key for key in SECTIONS if key in sections],
         "complete": False,
     }
     errors: list[str] = []  # sections that raised
+    section_s: dict[str, float] = {}  # wall seconds of each section that started: the next budget's estimates
 
     def save() -> None:
-        record["time_guard"] = {"budget_s": guard.budget_s, "elapsed_s": guard.elapsed(), "skipped": guard.skipped}
+        record["time_guard"] = {"budget_s": guard.budget_s, "elapsed_s": guard.elapsed(), "skipped": guard.skipped,
+                                "section_s": section_s}
         write_json(out, record)
 
     def section(key: str, needed_s: float, fn: Callable[[], Any]) -> None:
+        if key not in sections:
+            return
         if not guard.allows(key, needed_s):
             record[key] = {"skipped": guard.skipped[-1]}
         else:
+            began = guard.elapsed()
             try:
                 record[key] = fn()
+                if isinstance(record[key], dict) and "error" in record[key]:  # raised inside, kept what it measured
+                    errors.append(key)
             except TimeGuardExpired as error:
                 record[key] = {"aborted": str(error)}
                 guard.skipped.append(f"{key}: {error}")
             except Exception as error:  # noqa: BLE001 - one GPU run: record the failure, run the next section
                 record[key] = {"error": f"{type(error).__name__}: {error}"}
                 errors.append(key)
+            section_s[key] = guard.elapsed() - began
         save()
 
     save()
@@ -684,6 +1003,9 @@ def run(*, smoke: bool = False, out: Path | None = None, budget_s: float | None 
         section("world", 1.0 if smoke else 30.0, lambda: measure_world(mode, layout, guard, world_backend))
         # (d) Matrix-Game 2.0 (universal, random weights, bf16, 352x640) through the engine, next to its 25 fps.
         section("matrix_game", 1.0 if smoke else 60.0, lambda: _matrix_game(smoke))
+        # (e) (c)'s Wan-1.3B with its VAE, one engine serving 8, 4, 2, 1 sessions per tick: players per device.
+        # Last: it is the longest and the guard skips it (with the reason) rather than anything before it.
+        section("wan_batch", mode.batch_needed_s, lambda: measure_wan_batch(mode, guard))
     record["complete"] = not guard.skipped and not errors
     save()
     _print_summary(record, out)
@@ -765,9 +1087,58 @@ def _print_summary(record: dict[str, Any], out: Path) -> None:
               f"{split['vae_decode']:.1f} ms, runtime {split['runtime']:.1f} ms")
     elif game:
         print(f"Matrix-Game: {game}")
+    _print_wan_batch(record.get("wan_batch", {}))
     if record["time_guard"]["skipped"]:
         print(f"time guard: {record['time_guard']['skipped']}")
     print(f"wrote {out}")
+
+
+def _section_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"choose from {','.join(SECTIONS)}; got {text!r}")
+    return names
+
+
+def _print_wan_batch(batch: dict[str, Any]) -> None:
+    """Section (e): one row per batch size, then the memory plan's session counts."""
+    if "results" not in batch:
+        if batch:
+            print(f"wan_batch: {batch}")
+        return
+    fill = batch.get("fill", {})
+    print(f"wan_batch ({batch['preset']}, {batch['video_resolution'][0]}x{batch['video_resolution'][1]}, with VAE, "
+          f"{batch.get('attention_backend')} attention): engine load {batch['engine_load_s']:.1f} s (warmup of "
+          f"buckets {batch.get('batch_buckets')}), capacity {batch.get('session_capacity')}, fill "
+          f"{fill.get('ticks')} ticks (windows full: {fill.get('windows_full')})")
+    for key in ("error", "aborted"):
+        if key in batch:
+            print(f"wan_batch {key}: {batch[key]}")
+    fps = f"players at {PLAYER_FPS} fps"
+    rows = []
+    for size, result in batch["results"].items():
+        if "tick_ms_median" in result:
+            rows.append((size, result["tick_ms_median"], result["aggregate_video_frames_per_s"],
+                         result["per_session_video_frames_per_s"], result["session_latency_ms_median"],
+                         result[f"players_at_{PLAYER_FPS}fps"], result["xla_compiles_during_timed_ticks"]))
+        else:
+            print(f"wan_batch B={size}: {result}")
+    if rows:
+        print(format_table(("B", "tick ms", "aggregate frames/s", "per-session frames/s", "latency ms", fps,
+                            "compiles"), rows))
+    players = batch.get("players", {})
+    if players:
+        print(f"wan_batch: at most {players[f'most_players_at_{PLAYER_FPS}fps']} {fps} (B = {players['at_batch_size']}"
+              f"); largest B giving every player >= {PLAYER_FPS} fps: {players['largest_batch_all_players_real_time']}")
+    memory = batch.get("memory")
+    if memory is None:
+        return
+    fit = ", ".join(f"{v['sessions']} at fraction {v['gpu_memory_fraction']:g} ({k})"
+                    for k, v in memory["sessions_fit"].items())
+    print(f"wan_batch memory plan: {memory['per_session_bytes'] / 2**20:.1f} MiB per session, "
+          f"{memory['fixed_bytes'] / 2**20:.1f} MiB fixed, {memory['available_bytes'] / 2**30:.1f} GiB free "
+          f"[{memory['memory_source']}]; sessions that fit: {fit}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -779,8 +1150,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"time guard in seconds (default {FULL.budget_s:.0f}; {SMOKE.budget_s:.0f} with --smoke)")
     parser.add_argument("--world-backend", default="auto", choices=("auto", "xla", "cudnn"),
                         help="attention backend of the world rollout (auto: cuDNN then XLA where cuDNN runs)")
+    parser.add_argument("--sections", type=_section_list, default=SECTIONS,
+                        help=f"comma-separated sections to run, in this order: {','.join(SECTIONS)} (default all; "
+                             "e.g. wan_batch alone, which a full run's guard usually skips)")
     args = parser.parse_args(argv)
-    run(smoke=args.smoke, out=args.out, budget_s=args.budget_s, world_backend=args.world_backend)
+    run(smoke=args.smoke, out=args.out, budget_s=args.budget_s, world_backend=args.world_backend,
+        sections=args.sections)
     return 0
 
 

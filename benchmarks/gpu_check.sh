@@ -2,8 +2,12 @@
 # The GPU check (benchmarks/gpu_check.py): KV commit vs its write floor, the attention backends at a
 # full Wan-1.3B window vs the H200 floors, and the causal Wan2.1-T2V-1.3B (Self-Forcing policy, random
 # weights, 480x832) rollout through the engine with the Wan VAE: denoise / commit / VAE decode / overhead,
-# the umT5-XXL text encode when the time guard allows, end-to-end frames/s; one JSON.
+# the umT5-XXL text encode when the time guard allows, end-to-end frames/s, Matrix-Game 2.0, and last (e)
+# wan_batch: the same Wan-1.3B with its VAE, one engine serving B = 8, 4, 2, 1 sessions per tick (players
+# per H200 at 16 fps); one JSON. A full run's guard usually has no time left for (e): run it alone with
+# `bash benchmarks/gpu_check.sh --sections wan_batch --out benchmarks/results/gpu_check_wan_batch.json`.
 # Usage: bash benchmarks/gpu_check.sh [--smoke] [--out PATH] [--budget-s S] [--world-backend auto|xla|cudnn]
+#        [--sections commit,attend,world,matrix_game,wan_batch]
 # The script's own time guard ends it before the 290 s timeout below; the JSON is rewritten after
 # every section, so even a killed run leaves what it measured.
 set -euo pipefail

@@ -4,9 +4,10 @@ Structure only, never timings (as ``tests/test_benchmarks_smoke.py``): the shell
 ``--smoke`` in a subprocess into a temporary path; cuDNN must be recorded as skipped with the
 reason, every section present, the reference figures labelled, the causal-Wan rollout (with its
 VAE) finite and free of recompiles, its denoise / commit / VAE decode / overhead split and the
-text encode present. The time guard is
+text encode present, and the batched ticks of (e) measured at every planned batch size without
+a compile after the engine's warmup. The time guard is
 checked in-process with a zero budget: every section is skipped with its reason and the JSON
-is still written.
+is still written; ``--sections`` runs a subset and refuses unknown names.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     record = json.loads(out.read_text())
 
     assert record["benchmark"] == "gpu_check" and record["mode"] == "smoke" and record["complete"] is True
+    assert record["sections"] == ["commit", "attend", "world", "matrix_game", "wan_batch"]
     assert record["time_guard"]["skipped"] == [] and record["time_guard"]["elapsed_s"] > 0
     assert record["device"]["platform"] == "cpu" and record["machine"]["jax_backend"] == "cpu"
     assert record["hardware_floors"]["bandwidth_bytes_per_s"] == 4.8e12
@@ -51,6 +53,37 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     assert _positive(game["frames_per_s"]) and game["release_reported_fps"] == 25.0
     assert all(_positive(game["split_ms_median"][k]) for k in ("transformer", "vae_decode", "synced_block"))
     assert game["transformer_calls_per_block"] == 4  # 3 denoise steps + the commit pass
+
+    batch = record["wan_batch"]  # (e): one engine (capacity 2, bucket 2) serving 2, then 1 session per tick
+    assert batch["preset"] == "wan-smoke" and batch["with_vae"] is True and batch["player_fps"] == 16
+    assert batch["batch_sizes_planned"] == [1, 2] and batch["batch_sizes_measured"] == [1, 2]
+    assert batch["session_capacity"] == 2 and batch["batch_buckets"] == [2] and batch["supports_batched_forward"]
+    assert _positive(batch["engine_load_s"]) and batch["engine_load_warnings"] == []
+    assert batch["fill"]["batch_size"] == 2 and batch["fill"]["windows_full"] is True
+    assert batch["fill"]["ticks"] == batch["fill_blocks"] == 1  # window 6 frames = this block + one before it
+    assert batch["xla_compiles_after_load"] == 0  # every bucket compiled by the engine's warmup
+    for size in (1, 2):
+        entry = batch["results"][str(size)]
+        assert entry["batch_size"] == size and entry["call"] == ("generate" if size == 1 else "generate_batch")
+        assert entry["ticks_timed"] == 2 and entry["stopped_early_by_time_guard"] is False
+        assert entry["latents_finite"] is True and entry["video_frames_per_block"] == 12
+        assert entry["xla_compiles_during_timed_ticks"] == 0 and entry["batched_forward_fallbacks"] == 0
+        assert _positive(entry["aggregate_video_frames_per_s"]) and _positive(entry["tick_ms_median"])
+        seconds = entry["tick_ms_median"] / 1e3
+        assert entry["aggregate_video_frames_per_s"] == pytest.approx(size * 12 / seconds)
+        assert entry["per_session_video_frames_per_s"] == pytest.approx(12 / seconds)
+        assert entry["session_latency_ms_median"] == entry["tick_ms_median"]  # every block arrives at the tick's end
+        assert entry["players_at_16fps"] == math.floor(entry["aggregate_video_frames_per_s"] / 16)
+        assert entry["all_players_real_time"] is (12 / seconds >= 16)
+    assert batch["results"]["1"]["aggregate_over_batch_1"] == 1.0
+    players = batch["players"]
+    assert players["most_players_at_16fps"] == max(batch["results"][s]["players_at_16fps"] for s in ("1", "2"))
+    memory = batch["memory"]  # the plan: the VAE's decoder cache is part of a session's bytes
+    assert memory["session_capacity"] == 2 and memory["requested_session_capacity"] == 2
+    assert memory["model_owned_bytes_per_session"] >= record["world"]["vae"]["cache_bytes_per_session"]
+    assert memory["per_session_bytes"] > memory["model_owned_bytes_per_session"]
+    assert set(memory["sessions_fit"]) == {"this_engine", "world_section", "all_free_memory"}
+    assert all(fit["sessions"] >= 2 for fit in memory["sessions_fit"].values())
 
     commit = record["commit"]
     assert set(commit["stats"]) == {"commit_block", "floor"} and _positive(commit["commit_block/floor"])
@@ -135,10 +168,26 @@ def test_time_guard_skips_sections_and_still_writes(tmp_path):
     record = gpu_check.run(smoke=True, out=out, budget_s=0.0)
     written = json.loads(out.read_text())
     assert written["complete"] is False and record["complete"] is False
-    for section in ("commit", "attend", "world", "matrix_game"):
+    assert written["sections"] == list(gpu_check.SECTIONS) == ["commit", "attend", "world", "matrix_game", "wan_batch"]
+    for section in gpu_check.SECTIONS:
         assert written[section]["skipped"].startswith(f"{section}: "), written[section]
         assert "left of 0 s" in written[section]["skipped"]
-    assert len(written["time_guard"]["skipped"]) == 4
+    assert len(written["time_guard"]["skipped"]) == 5
+
+
+def test_sections_runs_only_those_named(tmp_path):
+    from benchmarks import gpu_check
+
+    out = tmp_path / "one.json"
+    gpu_check.run(smoke=True, out=out, budget_s=0.0, sections=("wan_batch",))
+    written = json.loads(out.read_text())
+    assert written["sections"] == ["wan_batch"] and "left of 0 s" in written["wan_batch"]["skipped"]
+    assert not {"commit", "attend", "world", "matrix_game"} & set(written)  # not named: left out, not skipped
+    assert len(written["time_guard"]["skipped"]) == 1
+    with pytest.raises(ValueError, match="subset"):
+        gpu_check.run(smoke=True, out=out, sections=("wan_batch", "nope"))
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--smoke", "--sections", "commit,nope", "--out", str(out)])
 
 
 def test_hard_deadline_aborts_an_overrunning_section(tmp_path, monkeypatch):
