@@ -451,6 +451,57 @@ def test_concurrent_callers_never_put_a_session_on_two_replicas():
 # -- the realtime server on a router -----------------------------------------------------------------
 
 
+class _Validating(RecordingPipeline):
+    """RecordingPipeline whose validator refuses ``inputs["invalid"]`` (before anything runs)."""
+
+    def validate_ar_diffusion_request(self, session_id, request):
+        if request.inputs.get("invalid"):
+            raise ValueError("invalid request")
+
+
+def test_generate_batch_runs_each_owner_share_and_equals_each_session_alone():
+    from ardiff_jax.runtime import ARDiffusionBatchError
+
+    sent = {}  # session id -> the requests that ran, in order
+
+    def ran(*requests):
+        for r in requests:
+            sent.setdefault(r.extra_args["session_id"], []).append(r)
+        return requests
+
+    with make_router(2, pipeline_cls=_Validating) as router:
+        router.generate(*ran(request("a", 0)))
+        batch = ran(request("b", 1), request("c", 2), request("a", 3), request("d", 4))
+        outputs = dict(zip("bcad", router.generate_batch(list(batch)), strict=True))
+        # New sessions spread over the replicas as generate places them, counting the batch's own.
+        assert [router.replica_of(s) for s in "abcd"] == [0, 1, 0, 1] and router.replica_loads == (2, 2)
+        np.testing.assert_array_equal(np.asarray(outputs["a"]), alone(sent["a"])[-1])
+        for sid in "bcd":
+            np.testing.assert_array_equal(np.asarray(outputs[sid]), alone(sent[sid])[0])
+        # Refused before anything runs anywhere: a bad request on replica 1 stops replica 0's share too.
+        before = logs(router)
+        bad = DiffusionRequest("bad", extra_args={"session_id": "b"}, inputs={"seed": 9, "invalid": True})
+        with pytest.raises(ValueError, match="invalid request"):
+            router.generate_batch([request("a", 5), request("e", 6), bad])
+        with pytest.raises(ValueError, match="repeated"):
+            router.generate_batch([request("a", 7), request("a", 8)])
+        assert logs(router) == before and router.replica_of("e") is None and router.replica_loads == (2, 2)
+        # A failure releases its own session only; the others' outputs are there.
+        with pytest.raises(ARDiffusionBatchError) as raised:
+            router.generate_batch([*ran(request("a", 10)), request("b", 11, fail="after_commit"),
+                                   *ran(request("c", 12))])
+        assert set(raised.value.errors) == {"b"} and raised.value.outputs[1] is None
+        assert router.replica_of("b") is None and router.replica_loads == (2, 1)
+        np.testing.assert_array_equal(np.asarray(raised.value.outputs[0]), alone(sent["a"])[-1])
+        np.testing.assert_array_equal(np.asarray(raised.value.outputs[2]), alone(sent["c"])[-1])
+        # A share over its replica's capacity (2) runs as several batches there; a closed session is forgotten.
+        more = ran(request("f", 13), request("g", 14), request("h", 15), request("c", 16, close_session=True))
+        outputs = router.generate_batch(list(more))
+        assert len(outputs) == 4 and router.replica_of("c") is None
+        for r, out in zip(more, outputs, strict=True):
+            np.testing.assert_array_equal(np.asarray(out), alone(sent[r.extra_args["session_id"]])[-1])
+
+
 def test_the_realtime_server_serves_two_sessions_on_two_replicas():
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient

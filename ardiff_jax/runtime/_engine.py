@@ -92,6 +92,10 @@ class ARDiffusionEngine:
         """
         return self._runner.execute_model_batch(requests)
 
+    def validate_batch(self, requests: Sequence[DiffusionRequest]) -> None:
+        """Raise what :meth:`generate_batch` would refuse ``requests`` with, running and changing nothing."""
+        self._runner.validate_batch(requests)
+
     @property
     def batch_buckets(self) -> tuple[int, ...]:
         """The padded batch sizes :meth:`generate_batch` compiles (see :func:`~ardiff_jax.runtime.batch_buckets`)."""

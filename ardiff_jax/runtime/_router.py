@@ -304,6 +304,105 @@ class ARDiffusionRouter:
                 self._forget(index, (session_id,))
         return output
 
+    def generate_batch(self, requests: Sequence[DiffusionRequest]) -> list[Any]:
+        """The next request of several distinct sessions: each replica's share is one ``generate_batch`` there.
+
+        Sessions are placed as :meth:`generate` places them (a new one on the least loaded
+        replica, counting the batch's own new sessions, so a batch of new players spreads).
+        A share larger than its replica's ``session_capacity`` runs as several batches there.
+        Shares on different replicas run concurrently, one thread per replica, each under its
+        replica's lock (so a multi-device router keeps every device busy).
+
+        Refused before anything runs anywhere (TypeError / ValueError): a request that is
+        not a :class:`~ardiff_jax.DiffusionRequest`, a session id appearing twice, or a share
+        its replica refuses (``validate_batch``, where the replica offers it). Outputs come in
+        request order. Failures are as :meth:`ARDiffusionEngine.generate_batch`'s: a failed
+        request releases its own session, the others complete, and
+        :class:`~ardiff_jax.runtime.ARDiffusionBatchError` carries every output and the
+        errors. A replica without ``generate_batch`` runs its share one request at a time.
+        """
+        from ardiff_jax.runtime._batch import ARDiffusionBatchError
+
+        if isinstance(requests, DiffusionRequest) or not isinstance(requests, Sequence):
+            raise TypeError(f"generate_batch expects a sequence of DiffusionRequests, got {type(requests).__name__}")
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, DiffusionRequest):
+                raise TypeError(f"generate_batch expects DiffusionRequests, got {type(request).__name__}")
+        parsed = [ARDiffusionModelRunner._request_session(request) for request in requests]
+        session_ids = [entry[0] for entry in parsed]
+        seen: set[str] = set()
+        repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
+        if repeated:
+            raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
+        if not requests:
+            return []
+        shares, placed_here = self._place_batch(session_ids)
+        try:
+            for index, positions in shares.items():
+                validate = getattr(self._replicas[index], "validate_batch", None)
+                if callable(validate):
+                    capacity = max(1, int(self._replicas[index].session_capacity))
+                    for part in _chunks(positions, capacity):
+                        validate([requests[i] for i in part])
+        except BaseException:
+            self._forget_unheld(placed_here)
+            raise
+        outputs: list[Any] = [None] * len(requests)
+        errors: dict[str, BaseException] = {}
+
+        def run_share(index: int, positions: list[int]) -> None:
+            replica = self._replicas[index]
+            with self._replica_locks[index]:
+                for part in _chunks(positions, max(1, int(replica.session_capacity))):
+                    results, failed = _run_on(replica, [requests[i] for i in part])
+                    for position, result in zip(part, results, strict=True):
+                        outputs[position] = result
+                    for position in part:
+                        session_id = session_ids[position]
+                        if session_id in failed:
+                            errors[session_id] = failed[session_id]
+                        elif parsed[position][2]:  # close_session after success: gone from the replica
+                            self._forget(index, (session_id,))
+
+        if len(shares) == 1:
+            ((index, positions),) = shares.items()
+            run_share(index, positions)
+        else:
+            threads = [threading.Thread(target=run_share, args=(index, positions), name=f"ardiff-router-{index}")
+                       for index, positions in shares.items()]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        self._forget_unheld(placed_here & set(errors))
+        if errors:
+            raise ARDiffusionBatchError(outputs, errors) from next(iter(errors.values()))
+        return outputs
+
+    def _place_batch(self, session_ids: list[str]) -> tuple[dict[int, list[int]], set[str]]:
+        """``({replica: [positions]}, new placements)``: every session placed, new ones on the least loaded."""
+        shares: dict[int, list[int]] = {}
+        placed_here: set[str] = set()
+        with self._lock:
+            self._check_open()
+            for position, session_id in enumerate(session_ids):
+                index = self._assignments.replica_of(session_id)
+                if index is None:
+                    index = self._assignments.least_loaded()
+                    self._assignments.assign(session_id, index)
+                    placed_here.add(session_id)
+                shares.setdefault(index, []).append(position)
+        return shares, placed_here
+
+    def _forget_unheld(self, session_ids: Iterable[str]) -> None:
+        """Undo placements this call made for sessions no replica holds (refused or failed: nothing was kept)."""
+        for session_id in session_ids:
+            with self._lock:
+                index = self._assignments.replica_of(session_id)
+            if index is not None and not self._holds(index, session_id):
+                self._forget(index, (session_id,))
+
     def step(self, scheduler_output: StepSchedulerOutput) -> StepResult | None:
         """One stepwise tick, split by owner.
 
@@ -495,6 +594,34 @@ class ARDiffusionRouter:
                     self._assignments.set_idle(session_id, index, False)
 
         return on_event
+
+
+def _chunks(positions: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(positions), size):
+        yield positions[start:start + size]
+
+
+def _run_on(replica: Any, requests: list[DiffusionRequest]) -> tuple[list[Any], dict[str, BaseException]]:
+    """``(outputs, errors by session)`` of ``requests`` on one replica: one ``generate_batch``, else one by one."""
+    from ardiff_jax.runtime._batch import ARDiffusionBatchError
+
+    generate_batch = getattr(replica, "generate_batch", None)
+    if callable(generate_batch):
+        try:
+            return list(generate_batch(requests)), {}
+        except ARDiffusionBatchError as error:
+            return list(error.outputs), dict(error.errors)
+        except Exception as error:  # refused after validation (the replica changed meanwhile): nothing ran
+            return [None] * len(requests), {ARDiffusionModelRunner._request_session(r)[0]: error for r in requests}
+    outputs: list[Any] = []
+    errors: dict[str, BaseException] = {}
+    for request in requests:
+        try:
+            outputs.append(replica.generate(request))
+        except Exception as error:
+            outputs.append(None)
+            errors[ARDiffusionModelRunner._request_session(request)[0]] = error
+    return outputs, errors
 
 
 def _add_listener(replica: Any, listener: Callable[[SessionEvent], None]) -> bool:

@@ -404,24 +404,14 @@ class ARDiffusionModelRunner:
         at the end with every output (``None`` for the failed) and the errors by session.
         ``close_session`` requests release their session after success.
         """
-        if isinstance(requests, DiffusionRequest) or not isinstance(requests, Sequence):
-            raise TypeError(f"execute_model_batch expects a sequence of DiffusionRequests, got "
-                            f"{type(requests).__name__}")
-        requests = list(requests)
-        for request in requests:
-            if not isinstance(request, DiffusionRequest):
-                raise TypeError(f"execute_model_batch expects DiffusionRequests, got {type(request).__name__}")
-            check_not_traced("engine.generate_batch / execute_model_batch", *_request_values(request))
+        requests = self._checked_batch_types(requests)
         with self._locked():
             self._check_open()
             self._check_not_reentrant("execute_model_batch")
-            parsed = [self._request_session(request) for request in requests]
+            parsed = self._checked_batch(requests)
             session_ids = [entry[0] for entry in parsed]
-            self._check_batch_admission(session_ids)
             if not requests:
                 return []
-            for session_id, request in zip(session_ids, requests, strict=True):
-                self._validate_request(session_id, request)
             for session_id, (_, reset, _, _) in zip(session_ids, parsed, strict=True):
                 if reset:
                     self._release_session(session_id, reset_model=True, reason="reset")
@@ -437,6 +427,40 @@ class ARDiffusionModelRunner:
             if errors:
                 raise ARDiffusionBatchError(outputs, errors) from next(iter(errors.values()))
             return outputs
+
+    def validate_batch(self, requests: Sequence[DiffusionRequest]) -> None:
+        """Every check :meth:`execute_model_batch` makes before it runs anything, and nothing else.
+
+        Raises what ``execute_model_batch`` would raise for ``requests`` now (TypeError /
+        ValueError); changes nothing. A router calls it on every replica's share of a batch
+        before running any share, so a refused batch runs nowhere.
+        """
+        requests = self._checked_batch_types(requests)
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("validate_batch")
+            self._checked_batch(requests)
+
+    @staticmethod
+    def _checked_batch_types(requests: Any) -> list[DiffusionRequest]:
+        if isinstance(requests, DiffusionRequest) or not isinstance(requests, Sequence):
+            raise TypeError(f"execute_model_batch expects a sequence of DiffusionRequests, got "
+                            f"{type(requests).__name__}")
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, DiffusionRequest):
+                raise TypeError(f"execute_model_batch expects DiffusionRequests, got {type(request).__name__}")
+            check_not_traced("engine.generate_batch / execute_model_batch", *_request_values(request))
+        return requests
+
+    def _checked_batch(self, requests: list[DiffusionRequest]) -> list[tuple[Any, ...]]:
+        """The requests' parsed session flags, after the batch's admission and every request's validation."""
+        parsed = [self._request_session(request) for request in requests]
+        session_ids = [entry[0] for entry in parsed]
+        self._check_batch_admission(session_ids)
+        for session_id, request in zip(session_ids, requests, strict=True):
+            self._validate_request(session_id, request)
+        return parsed
 
     def _check_batch_admission(self, session_ids: list[str]) -> None:
         """Refuse, before anything changes, a batch with a repeated session or one that cannot be resident at once."""
