@@ -61,8 +61,11 @@ def _engine(parts, capacity: int = 2, host_offload_bytes: int = 0) -> ARDiffusio
     modules, vae = parts
     pipeline = MatrixGamePipeline(CONFIG, MatrixGamePipelineConfig(session_capacity=capacity), modules=modules,
                                   vae=vae)
+    # No warmup: these tests run sessions one request at a time (each program compiles on first use and is
+    # cached for the process); warmup would compile and run the batch bucket no test here uses.
     return ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
-                                                    gpu_memory_fraction=1.0, host_offload_bytes=host_offload_bytes))
+                                                    gpu_memory_fraction=1.0, host_offload_bytes=host_offload_bytes,
+                                                    warmup=False))
 
 
 class Player:
@@ -339,7 +342,7 @@ def test_stepwise_equals_tick(parts):
     modules, vae = parts
     pipeline = MatrixGamePipeline(CONFIG, modules=modules, vae=vae)
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
-                                                      gpu_memory_fraction=1.0, step_execution=True))
+                                                      gpu_memory_fraction=1.0, step_execution=True, warmup=False))
     player, outputs, calls = Player(31), [], 0
     rows = ACTION.num_rows(2 * CONFIG.frames_per_block)  # both blocks' rows in one streaming request
     request = DiffusionRequest("S", inputs={"image": player.image, "image_embeds": player.embeds, "seed": player.seed,
