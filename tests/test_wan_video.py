@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.runtime import ARDiffusionBatchError
 from ardiff_jax.models import CausalDiTConfig
+from ardiff_jax.models.matrix_game._generate import _random_vae
 from ardiff_jax.models.wan import CausalWanPipeline, CausalWanPipelineConfig, WanVAE, WanVAEConfig
 
 TINY_WAN = CausalDiTConfig(
@@ -39,9 +39,11 @@ def _request(session: str, embeds=None, **extra) -> DiffusionRequest:
 
 @pytest.fixture(scope="module")
 def parts():
+    """The tiny transformer and a random tiny VAE filled on the host (``WanVAE(...)``'s eager initialisation
+    compiles every initializer op by op, a minute on a 2-core CPU): the one ``build_matrix_game`` uses for
+    random weights. The tests compare the engine's decodes with ``vae.decode`` of the same VAE."""
     base = CausalWanPipeline(TINY_WAN)
-    vae = WanVAE(TINY_VAE, rngs=nnx.Rngs(3))
-    return base.modules, vae
+    return base.modules, _random_vae(TINY_VAE, 3)
 
 
 def _engine(parts, capacity: int = 2, host_offload_bytes: int = 0) -> ARDiffusionEngine:
