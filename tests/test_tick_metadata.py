@@ -21,7 +21,9 @@ from ardiff_jax.models import (
 )
 from ardiff_jax.types import ARDiffusionChunkMetadata, ARDiffusionTickRequest
 
-CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
+#: No warmup: these tests check the metadata blocks carry, one request at a time; warmup would compile the
+#: batch buckets of three pipelines that no test runs (each program used compiles on first use).
+CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0, warmup=False)
 
 
 def _tick(session: str, chunk: int, events=()) -> ARDiffusionTickRequest:
@@ -57,7 +59,7 @@ def test_a_tick_and_a_plain_request_generate_the_same_block():
 def test_stepwise_emitted_blocks_carry_the_metadata():
     pipeline = WorldPipeline("tiny")
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
-                                                      gpu_memory_fraction=1.0, step_execution=True))
+                                                      gpu_memory_fraction=1.0, step_execution=True, warmup=False))
     tick = _tick("stream", 0, (3,))
     request = DiffusionRequest("stream", prompt="a street", extra_args=tick.to_extra_args(), inputs={"num_blocks": 1})
     result = None
