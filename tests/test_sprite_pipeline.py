@@ -29,7 +29,9 @@ from ardiff_jax.models import (
     save_weights,
 )
 
-CONFIG = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0)
+#: No warmup unless a test asks for it (test_warmup_runs_a_real_observation): it would compile the batch
+#: bucket no test here runs and replay its warmup in every engine; each program used compiles on first use.
+CONFIG = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0, warmup=False)
 
 
 @pytest.fixture(scope="module")
