@@ -48,6 +48,12 @@ def _forward(transformer, video, t, start, text_kv, registers, controls, attenti
     return transformer(video, t, start, text_kv, None, registers, controls, attention=attention)
 
 
+@nnx.jit
+def _forward_blocks(transformer, *args, mask):
+    # Module level, so the two timesteps of a geometry share one compile (a jit made per call compiles anew).
+    return transformer.forward_blocks(*args, attention=MaskedAttention(mask))
+
+
 def _conditioning(cfg, num_blocks, rng):
     """Random registers ``[num_blocks, E, R]`` and controls ``[num_blocks, f, C]`` (``None`` where the config has none)."""
     registers = controls = None
@@ -92,11 +98,9 @@ def _training_prediction(modules, cfg, latents, registers, controls, x_t, t):
     starts = jnp.arange(num_blocks + 1, dtype=jnp.int32) * f
     is_clean = jnp.arange(num_blocks + 1) < num_blocks
     timesteps = jnp.concatenate([jnp.zeros((num_blocks,)), jnp.full((1,), t)])
-    forward_blocks = nnx.jit(lambda transformer, *args, mask: transformer.forward_blocks(
-        *args, attention=MaskedAttention(mask)))
-    out = forward_blocks(modules.transformer, instances, timesteps, starts, _text_kv(modules, cfg), None,
-                         _at(registers, slice(0, num_blocks + 1)), _at(controls, slice(0, num_blocks + 1)),
-                         mask=block_causal_mask(cfg, starts, is_clean))
+    out = _forward_blocks(modules.transformer, instances, timesteps, starts, _text_kv(modules, cfg), None,
+                          _at(registers, slice(0, num_blocks + 1)), _at(controls, slice(0, num_blocks + 1)),
+                          mask=block_causal_mask(cfg, starts, is_clean))
     return np.asarray(out.video[-1])
 
 
