@@ -39,7 +39,10 @@ INT32_MAX = 2**31 - 1
 
 
 def _config(**fields) -> EngineConfig:
-    return EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0, **fields)
+    """No warmup: nothing here is about compiling, and warmup would compile the batch bucket (capacity 2)
+    no test runs and replay the warmup blocks in every engine; each program used compiles on first use."""
+    return EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0,
+                        **{"warmup": False, **fields})
 
 
 @pytest.fixture(scope="module")
