@@ -672,7 +672,9 @@ def test_a_slow_tick_of_one_session_does_not_block_another():
 
 # -- the in-process consumer and lifecycle on a real engine ----------------------------------------
 
-CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
+#: No warmup: each test gets a fresh engine and submits its ticks one by one; warmup would replay its
+#: blocks in every engine and compile the batch buckets no test here runs (programs used compile on first use).
+CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0, warmup=False)
 REGISTER_SHAPE = (3, 16)  # the tiny WorldPipeline's (num_register_tokens, register_dim)
 
 
