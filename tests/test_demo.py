@@ -66,19 +66,20 @@ def test_shipped_model_meets_the_tracking_target(shipped_tracks):
 
 @pytest.fixture(scope="module")
 def shipped_accuracy():
-    # One-step accuracy with the true context on held-out transitions (docs/models.md, "What it achieves").
+    # One-step accuracy with the true context on the held-out transitions `ardiff-jax demo` scores
+    # (docs/models.md, "What it achieves"): the same call, so the same 325 transitions.
     pipeline = pretrained("sprite_world")
     return one_step_accuracy(pipeline.modules, pipeline.config, prediction=pipeline.prediction,
-                             decoder=pipeline.pipeline_config.decoder, batches=2)
+                             decoder=pipeline.pipeline_config.decoder)
 
 
 def test_shipped_model_puts_the_agent_in_the_right_cell(shipped_accuracy):
-    assert shipped_accuracy.transitions >= 150
-    assert shipped_accuracy.agent >= 0.99 and shipped_accuracy.ball >= 0.9, shipped_accuracy
+    assert shipped_accuracy.transitions >= 300
+    assert shipped_accuracy.agent >= 0.99 and shipped_accuracy.ball >= 0.95, shipped_accuracy
 
 
 @pytest.mark.xfail(strict=True, reason="the issue's target (ball cell right in 97% of one-step predictions) is not "
-                                       "met: 94% (every straight move right, about 89% of bounces)")
+                                       "met: 95.4% of 325 held-out transitions after 6000 steps")
 def test_shipped_model_meets_the_ball_target(shipped_accuracy):
     assert shipped_accuracy.ball >= 0.97, shipped_accuracy
 
