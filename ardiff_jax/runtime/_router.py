@@ -353,17 +353,24 @@ class ARDiffusionRouter:
 
         def run_share(index: int, positions: list[int]) -> None:
             replica = self._replicas[index]
-            with self._replica_locks[index]:
-                for part in _chunks(positions, max(1, int(replica.session_capacity))):
-                    results, failed = _run_on(replica, [requests[i] for i in part])
-                    for position, result in zip(part, results, strict=True):
-                        outputs[position] = result
-                    for position in part:
-                        session_id = session_ids[position]
-                        if session_id in failed:
-                            errors[session_id] = failed[session_id]
-                        elif parsed[position][2]:  # close_session after success: gone from the replica
-                            self._forget(index, (session_id,))
+            done: set[int] = set()
+            try:
+                with self._replica_locks[index]:
+                    for part in _chunks(positions, max(1, int(replica.session_capacity))):
+                        results, failed = _run_on(replica, [requests[i] for i in part])
+                        for position, result in zip(part, results, strict=True):
+                            outputs[position] = result
+                            done.add(position)
+                        for position in part:
+                            session_id = session_ids[position]
+                            if session_id in failed:
+                                errors[session_id] = failed[session_id]
+                            elif parsed[position][2]:  # close_session after success: gone from the replica
+                                self._forget(index, (session_id,))
+            except Exception as error:  # the share could not go on (e.g. its replica closed): the rest of it failed
+                for position in positions:
+                    if position not in done:
+                        errors[session_ids[position]] = error
 
         if len(shares) == 1:
             ((index, positions),) = shares.items()
