@@ -45,7 +45,8 @@ from ardiff_jax._checks import check_int, check_positive_int, check_session_id
 from ardiff_jax.runtime._engine import ARDiffusionEngine
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._persist import _read_manifest
-from ardiff_jax.runtime._runner import ARDiffusionModelRunner, SessionEvent
+from ardiff_jax.runtime._batch import ARDiffusionBatchError
+from ardiff_jax.runtime._runner import ARDiffusionModelRunner, SessionEvent, check_distinct_sessions
 from ardiff_jax.types import DiffusionRequest, EngineConfig, StepResult, StepSchedulerOutput
 
 __all__ = ["PLACED_RELEASE_REASONS", "ARDiffusionRouter", "ReplicaAssignments", "RouterMemoryPlan"]
@@ -321,20 +322,10 @@ class ARDiffusionRouter:
         :class:`~ardiff_jax.runtime.ARDiffusionBatchError` carries every output and the
         errors. A replica without ``generate_batch`` runs its share one request at a time.
         """
-        from ardiff_jax.runtime._batch import ARDiffusionBatchError
-
-        if isinstance(requests, DiffusionRequest) or not isinstance(requests, Sequence):
-            raise TypeError(f"generate_batch expects a sequence of DiffusionRequests, got {type(requests).__name__}")
-        requests = list(requests)
-        for request in requests:
-            if not isinstance(request, DiffusionRequest):
-                raise TypeError(f"generate_batch expects DiffusionRequests, got {type(request).__name__}")
+        requests = ARDiffusionModelRunner._checked_batch_types(requests)  # the engine's own type checks
         parsed = [ARDiffusionModelRunner._request_session(request) for request in requests]
         session_ids = [entry[0] for entry in parsed]
-        seen: set[str] = set()
-        repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
-        if repeated:
-            raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
+        check_distinct_sessions(session_ids)
         if not requests:
             return []
         shares, placed_here = self._place_batch(session_ids)
@@ -610,8 +601,6 @@ def _chunks(positions: list[int], size: int) -> Iterator[list[int]]:
 
 def _run_on(replica: Any, requests: list[DiffusionRequest]) -> tuple[list[Any], dict[str, BaseException]]:
     """``(outputs, errors by session)`` of ``requests`` on one replica: one ``generate_batch``, else one by one."""
-    from ardiff_jax.runtime._batch import ARDiffusionBatchError
-
     generate_batch = getattr(replica, "generate_batch", None)
     if callable(generate_batch):
         try:

@@ -464,10 +464,8 @@ class ARDiffusionModelRunner:
 
     def _check_batch_admission(self, session_ids: list[str]) -> None:
         """Refuse, before anything changes, a batch with a repeated session or one that cannot be resident at once."""
-        seen: set[str] = set()
-        repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
-        if repeated:
-            raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
+        check_distinct_sessions(session_ids)
+        seen = set(session_ids)
         capacity = self.session_capacity
         if len(session_ids) > capacity:
             raise ValueError(f"a batch of {len(session_ids)} sessions exceeds the session capacity {capacity}: the "
@@ -1147,6 +1145,14 @@ class ARDiffusionModelRunner:
                                               suppress_errors=True)
                 self._perf_e2e_times.clear()
         logger.info("AR-Diffusion warmup compiled batch buckets %s", self._batch_buckets)
+
+
+def check_distinct_sessions(session_ids: Sequence[str]) -> None:
+    """ValueError naming the session ids that appear more than once in one batch."""
+    seen: set[str] = set()
+    repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
+    if repeated:
+        raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
 
 
 class _BatchCall(NamedTuple):
