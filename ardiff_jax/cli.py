@@ -102,6 +102,32 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    value = _non_negative_number(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _weights_input(text: str) -> str:
+    """A weights file written by ``train --export`` (``.npz``; its ``.json`` sidecar beside it)."""
+    path = os.path.splitext(text)[0] + ".npz" if not text.endswith(".npz") else text
+    for file in (path, os.path.splitext(path)[0] + ".json"):
+        if not os.path.isfile(file):
+            raise argparse.ArgumentTypeError(f"weights file {file!r} does not exist (from train --export: .npz + .json)")
+    return path
+
+
 def _kv_dtype(text: str) -> str:
     try:
         return check_kv_dtype(text)
@@ -307,6 +333,16 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step")
     train.add_argument("--seed", type=_non_negative_int, default=0, help="weights, data and noise seed")
     train.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints")
+    train.add_argument("--learning-rate", type=_non_negative_number, default=None, help="peak learning rate")
+    train.add_argument("--warmup-steps", type=_non_negative_int, default=None, help="linear warmup steps")
+    train.add_argument("--end-learning-rate", type=_non_negative_number, default=None,
+                       help="learning rate at the end of the cosine decay")
+    train.add_argument("--encounter-share", type=_share, default=None,
+                       help="share of gapped sequences placed at an agent-ball encounter (default 0)")
+    train.add_argument("--encounter-weight", type=_non_negative_number, default=None,
+                       help="extra loss weight of targets that follow an encounter (default 0)")
+    train.add_argument("--init-weights", type=_weights_input, default=None,
+                       help="start from these weights (a train --export file) instead of fresh ones: a fine-tune")
     train.add_argument("--no-resume", action="store_true", help="start over even if the run has checkpoints")
     train.add_argument("--force", action="store_true",
                        help="resume a run whose checkpoints were made under another config (named in the error)")
@@ -314,6 +350,15 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                        help="write the final weights here (.npz + .json sidecar)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_run_train)
+
+
+def _sidecar_digest(weights: str) -> str | None:
+    """The digest a weights file's sidecar records (what a fine-tune started from)."""
+    try:
+        with open(os.path.splitext(weights)[0] + ".json") as sidecar:
+            return json.load(sidecar).get("sha256")
+    except (OSError, ValueError):
+        return None
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -327,8 +372,9 @@ def _run_train(args: argparse.Namespace) -> int:
         from ardiff_jax.training import TrainConfig, train
     except ImportError as error:
         return _refuse("train", str(error))
-    overrides = {name: value for name, value in (("steps", args.steps), ("batch_size", args.batch_size),
-                                                 ("checkpoint_every", args.checkpoint_every)) if value is not None}
+    overrides = {name: getattr(args, name) for name in (
+        "steps", "batch_size", "checkpoint_every", "learning_rate", "warmup_steps", "end_learning_rate",
+        "encounter_share", "encounter_weight", "init_weights") if getattr(args, name) is not None}
     try:
         config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
         result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress,
@@ -345,6 +391,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "command": "ardiff-jax train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == [
                 "train"] else "ardiff-jax train (library call)",
             "train_config": config.as_dict(),
+            **({"init_weights_sha256": _sidecar_digest(config.init_weights)} if config.init_weights else {}),
             "steps": len(result.losses),
             "wall_seconds": round(result.wall_seconds, 1),
             "final_loss_mean_last_50": sum(tail) / len(tail),

@@ -162,6 +162,9 @@ def test_run_demo_writes_every_output(tmp_path):
     (["train", "--out", "x", "--export", "DIR"], "--export"),
     (["train", "--out", "x", "--export", "DIR/weights.txt"], "--export"),
     (["train", "--out", "x", "--export", "FILE/sub/weights.npz"], "--export"),
+    (["train", "--out", "x", "--init-weights", "DIR/missing.npz"], "--init-weights"),
+    (["train", "--out", "x", "--encounter-share", "1.5"], "--encounter-share"),
+    (["train", "--out", "x", "--learning-rate", "nan"], "--learning-rate"),
 ])
 def test_cli_refuses_bad_arguments(argv, flag, capsys, tmp_path):
     a_file = tmp_path / "a_file"

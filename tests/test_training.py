@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ardiff_jax.envs import sprite_world_clips
+from ardiff_jax.envs import cell_codes, sprite_world_clips
 from ardiff_jax.models import (
     DiTModules,
     MaskedAttention,
@@ -20,6 +21,7 @@ from ardiff_jax.models import (
     block_causal_mask,
     dit_preset,
     frames_to_latents,
+    save_weights,
     tokenize_prompt,
 )
 from ardiff_jax.runtime import ARDiffusionKVCache
@@ -27,6 +29,7 @@ from helpers import count_compiles
 from ardiff_jax.training import (
     TrainConfig,
     batch_loss,
+    encounters,
     init_train_state,
     make_train_step,
     restore_checkpoint,
@@ -288,3 +291,64 @@ def test_action_registers_and_pixel_round_trip():
     np.testing.assert_array_equal(np.asarray(latents_to_frames(jnp.asarray(latents), jnp)), frames)
     regs = action_registers(actions, 5)
     assert regs.shape == (2, 5, 5) and (regs.sum(-1) == 1).all() and (regs.argmax(-1) == actions).all()
+
+
+def test_encounters_are_the_steps_where_the_agent_ends_next_to_the_ball():
+    frames, _ = sprite_world_clips(11, 8, 40)
+    codes = np.array([[cell_codes(frame) for frame in clip] for clip in frames])  # the env's own decoder
+    ball = np.array([[np.argwhere(c >= 3)[0] for c in clip] for clip in codes])  # [B, n, 2]
+    agent = np.array([[np.argwhere(c == 2)[0] for c in clip] for clip in codes])
+    expected = np.abs(agent[:, 1:] - ball[:, :-1]).max(axis=-1) <= 1  # the agent after its move, the ball before
+    got = encounters(frames)
+    np.testing.assert_array_equal(got, expected)
+    assert 0.02 < got.mean() < 0.5  # both kinds of step occur
+    np.testing.assert_array_equal(encounters(frames[3]), expected[3])  # one clip works too
+
+
+def test_encounter_sampling_and_weighting():
+    def gapped_with_encounter(share):
+        hits = rows = 0
+        for step in range(6):
+            batch = sample_training_batch(2, step, 16, 4, 48, encounter_share=share)
+            met = encounters(batch.frames[:, 1:])  # the steps into the weighted targets 2 .. n - 1
+            gapped = batch.positions[:, 1] > 1
+            hits += int(met[gapped].any(axis=1).sum())
+            rows += int(gapped.sum())
+        return hits / rows
+
+    # A clip in which the agent never meets the ball keeps its uniform start (about a quarter of them).
+    focused, uniform = gapped_with_encounter(1.0), gapped_with_encounter(0.0)
+    assert focused >= 0.7 and focused >= 3 * uniform, (focused, uniform)
+    # No option, no change: the default batch is the original sampler's.
+    plain, zero = sample_training_batch(2, 3, 16, 4, 48), sample_training_batch(2, 3, 16, 4, 48, encounter_share=0.0)
+    for x, y in zip(plain, zero, strict=True):
+        np.testing.assert_array_equal(x, y)
+    # The weight multiplies exactly the targets that follow an encounter, by 1 + weight.
+    base = sample_training_batch(2, 3, 16, 4, 48, encounter_share=1.0)
+    weighted = sample_training_batch(2, 3, 16, 4, 48, encounter_share=1.0, encounter_weight=2.0)
+    np.testing.assert_array_equal(weighted.frames, base.frames)
+    np.testing.assert_array_equal(weighted.weights, base.weights * (1 + 2 * encounters(base.frames)))
+    assert (weighted.weights > base.weights).any()
+
+
+def test_a_fine_tune_starts_from_exported_weights_and_resumes(tmp_path):
+    base = _tiny_train_config(**SHARED_CONFIG)
+    graphdef, state = init_train_state(base)
+    path = save_weights(nnx.merge(graphdef, state.params), tmp_path / "start.npz", {"note": "a test run"})
+    tune = _tiny_train_config(**SHARED_CONFIG, seed=1, init_weights=str(path), encounter_share=1.0,
+                              encounter_weight=2.0)
+    _, start = init_train_state(tune)
+    for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the file's weights, not seed 1's
+    fresh = init_train_state(dataclasses.replace(tune, init_weights=""))[1]
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree.leaves(fresh.params), jax.tree.leaves(start.params), strict=True))
+    straight = train(tune, tmp_path / "straight", progress=False)
+    train(tune, tmp_path / "resumed", progress=False, stop_after=4)
+    resumed = train(tune, tmp_path / "resumed", progress=False)
+    assert resumed.resumed_from == 4 and resumed.losses == straight.losses
+    # The starting point is part of what defines the run.
+    with pytest.raises(ValueError, match="init_weights"):
+        train(dataclasses.replace(tune, init_weights=""), tmp_path / "resumed", progress=False)
+    with pytest.raises(ValueError, match="encounter_share"):
+        TrainConfig(encounter_share=1.5)

@@ -49,7 +49,13 @@ class TrainConfig:
       grad_clip: global gradient-norm clip.
       change_weight, focus_weight, sigma_one_probability, low_sigma_max, prediction: the loss
         (:class:`Objective`).
-      seed: initial weights, data and noise.
+      encounter_share, encounter_weight: how often a gapped sequence is placed at an
+        agent-ball encounter, and the extra loss weight of targets that follow one
+        (:func:`~ardiff_jax.training.sample_training_batch`); 0 and 0 are the original data.
+      init_weights: a weights file written by ``ardiff-jax train --export`` (``.npz`` with its
+        sidecar) to start from instead of fresh weights: a fine-tune. Its config must be this
+        preset's; the optimizer state starts fresh. ``""``: fresh weights from ``seed``.
+      seed: initial weights (unless ``init_weights``), data and noise.
       checkpoint_every: steps between orbax checkpoints (the last step is always saved).
     """
 
@@ -69,6 +75,9 @@ class TrainConfig:
     sigma_one_probability: float = 1.0
     low_sigma_max: float = 0.3
     prediction: str = "delta"
+    encounter_share: float = 0.0
+    encounter_weight: float = 0.0
+    init_weights: str = ""
     seed: int = 0
     checkpoint_every: int = 250
 
@@ -84,12 +93,18 @@ class TrainConfig:
         if check_positive_int("TrainConfig sequence_frames", self.sequence_frames) < 2:
             raise ValueError("TrainConfig sequence_frames must be at least 2 (the sink and one target)")
         for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight",
-                     "focus_weight", "sigma_one_probability", "low_sigma_max"):
+                     "focus_weight", "sigma_one_probability", "low_sigma_max", "encounter_share",
+                     "encounter_weight"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"TrainConfig {name} must be a finite non-negative number, got {value!r}")
         if self.sigma_one_probability > 1 or not 0 < self.low_sigma_max <= 1:
             raise ValueError("TrainConfig sigma_one_probability must be in [0, 1] and low_sigma_max in (0, 1]")
+        if self.encounter_share > 1:
+            raise ValueError(f"TrainConfig encounter_share must be in [0, 1], got {self.encounter_share!r}")
+        if not isinstance(self.init_weights, str):
+            raise ValueError(f"TrainConfig init_weights must be a path string ('' for fresh weights), "
+                             f"got {self.init_weights!r}")
         if self.prediction not in PREDICTIONS:
             raise ValueError(f"TrainConfig prediction must be one of {PREDICTIONS}, got {self.prediction!r}")
         dit_preset(self.preset)  # KeyError naming the presets if unknown
@@ -136,15 +151,21 @@ def make_optimizer(config: TrainConfig) -> Any:
 
 
 def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
-    """``(graphdef, state)`` at step 0: fresh weights from ``config.seed``.
+    """``(graphdef, state)`` at step 0: fresh weights from ``config.seed``, or ``config.init_weights``.
 
     A ``"delta"`` model starts with a zero output head (Wan's and DiT's initialisation): its
     first prediction is "nothing moves", the best answer that ignores the context, with the
     body's features intact. From a random head it first has to learn to output zero, and does
     so by silencing its own features, a plateau it leaves only slowly (``docs/models.md``).
     """
-    modules = DiTModules.create(config.model_config, config.seed)
-    if config.prediction == "delta":
+    if config.init_weights:
+        from ardiff_jax.models import load_weights
+
+        # Validated (digest, config, every parameter's name, shape and finiteness) before use.
+        modules = load_weights(config.model_config, config.init_weights)
+    else:
+        modules = DiTModules.create(config.model_config, config.seed)
+    if config.prediction == "delta" and not config.init_weights:
         head = modules.transformer.head
         head.kernel[...] = jnp.zeros_like(head.kernel[...])
         head.bias[...] = jnp.zeros_like(head.bias[...])
@@ -242,7 +263,8 @@ def restore_checkpoint(directory: str | Path, config: TrainConfig, step: int | N
     if step is None:
         manager.close()
         return None
-    abstract = jax.eval_shape(lambda: init_train_state(config)[1])
+    # The shapes only: a fine-tune's starting weights need not be read to restore its checkpoint.
+    abstract = jax.eval_shape(lambda: init_train_state(dataclasses.replace(config, init_weights=""))[1])
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                              losses=ocp.args.JsonRestore()))
     manager.close()
@@ -321,7 +343,9 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = True, prog
         for step in range(first, last):
             batch = sample_training_batch(config.seed, step, config.batch_size, config.sequence_frames,
                                           config.max_gap, size=cfg.latent_height,
-                                          max_sink_distance=config.max_sink_distance or None)
+                                          max_sink_distance=config.max_sink_distance or None,
+                                          encounter_share=config.encounter_share,
+                                          encounter_weight=config.encounter_weight)
             state, loss = step_fn(state, batch)
             losses.append((step, float(loss)))
             bar.update(1)

@@ -50,7 +50,7 @@ from ardiff_jax.models import (
     tokenize_prompt,
 )
 
-__all__ = ["Objective", "TrainingBatch", "sample_training_batch", "sequence_loss", "batch_loss",
+__all__ = ["Objective", "TrainingBatch", "sample_training_batch", "encounters", "sequence_loss", "batch_loss",
            "teacher_forced_outputs"]
 
 
@@ -110,7 +110,8 @@ class TrainingBatch(NamedTuple):
 
 
 def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max_gap: int,
-                          size: int = 32, max_sink_distance: int | None = None) -> TrainingBatch:
+                          size: int = 32, max_sink_distance: int | None = None,
+                          encounter_share: float = 0.0, encounter_weight: float = 0.0) -> TrainingBatch:
     """The batch of training step ``step``: a pure function of ``(seed, step)``, so a resumed run sees the same data.
 
     Half the sequences are contiguous (``g = 1``); the rest start after a gap drawn
@@ -120,12 +121,35 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     change, so a frame 30 steps after the reset looks exactly like one 900 steps after it;
     only the rotary distance to the sink differs, and a model that will play for thousands
     of frames must have seen such distances.
+
+    ``encounter_share`` of the gapped sequences instead start so that one of their weighted
+    targets follows an **agent-ball encounter** (:func:`encounters`): a step in which the
+    ball bounces off or stops at the agent, or blocks its move. Random actions bring the two
+    together in about one step in nine, and every one-step error of the 6000-step model was
+    in such a step (``docs/models.md``). The world is deterministic, so whether a step is an
+    encounter is a function of its context frame and action: choosing such windows more
+    often changes which inputs the model sees, not the right answer to any of them. With
+    ``encounter_share = 0`` the batch is exactly what it was before the option existed.
+    ``encounter_weight`` adds that much to the loss weight of every target that follows an
+    encounter (read from the same two frames, so it is an input-dependent weight too).
     """
     rng = np.random.default_rng([seed, step])
     clip_seed = int(rng.integers(0, 2**62))
     gaps = np.where(rng.random(batch) < 0.5, 1, rng.integers(2, max(max_gap, 2) + 1, size=batch))
-    length = int(gaps.max()) + num_frames - 1
-    frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
+    if encounter_share > 0:
+        # Simulate every clip to the longest gap, so that any start in [2, max_gap] exists.
+        length = max(max_gap, 2) + num_frames - 1
+        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
+        met = encounters(frames)  # [B, length - 1]
+        focus = (gaps > 1) & (rng.random(batch) < encounter_share)
+        for b in np.flatnonzero(focus):
+            # A start g puts frames g .. g + n - 3 in front of the weighted targets g + 1 ..
+            starts = [g for g in range(2, max(max_gap, 2) + 1) if met[b, g:g + num_frames - 2].any()]
+            if starts:
+                gaps[b] = starts[int(rng.integers(len(starts)))]
+    else:
+        length = int(gaps.max()) + num_frames - 1
+        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
     offsets = np.arange(num_frames - 1)
     sampled = np.concatenate([np.zeros((batch, 1), np.int64), gaps[:, None] + offsets[None, :]], axis=1)
     positions = sampled
@@ -135,8 +159,29 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     rows = np.arange(batch)[:, None]
     weights = np.ones((batch, num_frames - 1), np.float32)
     weights[:, 0] = (gaps == 1).astype(np.float32)
+    if encounter_weight > 0:
+        weights *= 1.0 + encounter_weight * encounters(frames[rows, sampled]).astype(np.float32)
     return TrainingBatch(frames=frames[rows, sampled], actions=actions[rows, sampled].astype(np.int32),
                          positions=positions.astype(np.int32), weights=weights)
+
+
+def encounters(frames: np.ndarray) -> np.ndarray:
+    """``bool[..., n - 1]``: which steps of clips ``u8[..., n, H, W, 3]`` are agent-ball encounters.
+
+    Step ``t`` (frame ``t`` to ``t + 1``) is an encounter when the agent, after its move, is
+    within one cell (Chebyshev) of where the ball was: the ball's next cell is decided by
+    the agent's new one (it bounces off it or is stopped), and the agent's move by the ball
+    (it cannot walk into it). The world is deterministic, so this is a function of frame
+    ``t`` and the action. Read from each cell's pixel at (1, 1), inside the ball's drawn
+    disc: the ball is the only red, the agent the only pure green.
+    """
+    cells = frames[..., 1::CELL_SIZE, 1::CELL_SIZE, :]  # [..., n, rows, cols, 3]
+    cols = cells.shape[-2]
+    ball = (cells[..., 0] == 255).reshape(*cells.shape[:-3], -1)
+    agent = ((cells[..., 1] == 255) & (cells[..., 0] == 0)).reshape(*cells.shape[:-3], -1)
+    ball_at, agent_at = ball.argmax(-1)[..., :-1], agent.argmax(-1)[..., 1:]
+    distance = np.maximum(np.abs(ball_at // cols - agent_at // cols), np.abs(ball_at % cols - agent_at % cols))
+    return (distance <= 1) & ball.any(-1)[..., :-1] & agent.any(-1)[..., 1:]
 
 
 def near_sprites(latents: jax.Array) -> jax.Array:
