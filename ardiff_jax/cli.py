@@ -124,7 +124,8 @@ def _weights_input(text: str) -> str:
     path = os.path.splitext(text)[0] + ".npz" if not text.endswith(".npz") else text
     for file in (path, os.path.splitext(path)[0] + ".json"):
         if not os.path.isfile(file):
-            raise argparse.ArgumentTypeError(f"weights file {file!r} does not exist (from train --export: .npz + .json)")
+            raise argparse.ArgumentTypeError(
+                f"weights file {file!r} does not exist (train --export writes an .npz and a .json)")
     return path
 
 
