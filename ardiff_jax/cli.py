@@ -521,14 +521,12 @@ def _check_wan_arguments(command: str, args: argparse.Namespace, *, embeds_allow
 
 def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
     """The CausalWanPipeline the arguments describe, with its VAE and (unless --prompt-embeds) text encoder."""
-    from flax import nnx
-
     from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.matrix_game._generate import _random_vae
     from ardiff_jax.models.wan import (
         CausalWanPipeline,
         PlaceholderTextEncoder,
         WanTextEncoder,
-        WanVAE,
         WanVAEConfig,
         load_umt5,
         load_vae,
@@ -548,7 +546,8 @@ def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
         else:  # a small test network (e.g. wan-tiny): Wan 2.1's VAE layout at base width 8, its channel count
             vae_config = WanVAEConfig.tiny(base_dim=8, z_dim=channels, latents_mean=(0.0,) * channels,
                                            latents_std=(1.0,) * channels, dtype=args.dtype)
-        vae = WanVAE(vae_config, rngs=nnx.Rngs(0))
+        # Filled on the host after a shape evaluation: WanVAE's eager initializers take minutes on a CPU.
+        vae = _random_vae(vae_config, 0)
         print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
         return CausalWanPipeline(config, pipeline_config, vae=vae,
                                  text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))
