@@ -344,6 +344,9 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                        help="extra loss weight of targets that follow an encounter (default 0)")
     train.add_argument("--init-weights", type=_weights_input, default=None,
                        help="start from these weights (a train --export file) instead of fresh ones: a fine-tune")
+    train.add_argument("--num-layers", type=_positive_int, default=None,
+                       help="transformer depth (default: the preset's); with --init-weights, new layers start as "
+                            "exact identities")
     train.add_argument("--no-resume", action="store_true", help="start over even if the run has checkpoints")
     train.add_argument("--force", action="store_true",
                        help="resume a run whose checkpoints were made under another config (named in the error)")
@@ -375,7 +378,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return _refuse("train", str(error))
     overrides = {name: getattr(args, name) for name in (
         "steps", "batch_size", "checkpoint_every", "learning_rate", "warmup_steps", "end_learning_rate",
-        "encounter_share", "encounter_weight", "init_weights") if getattr(args, name) is not None}
+        "encounter_share", "encounter_weight", "init_weights", "num_layers") if getattr(args, name) is not None}
     try:
         config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
         result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress,

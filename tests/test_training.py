@@ -29,12 +29,14 @@ from helpers import count_compiles
 from ardiff_jax.training import (
     TrainConfig,
     batch_loss,
+    deepen,
     encounters,
     init_train_state,
     make_train_step,
     restore_checkpoint,
     sample_training_batch,
     save_checkpoint,
+    teacher_forced_outputs,
     train,
 )
 
@@ -352,3 +354,45 @@ def test_a_fine_tune_starts_from_exported_weights_and_resumes(tmp_path):
         train(dataclasses.replace(tune, init_weights=""), tmp_path / "resumed", progress=False)
     with pytest.raises(ValueError, match="encounter_share"):
         TrainConfig(encounter_share=1.5)
+
+
+def test_deepen_adds_layers_that_change_nothing_until_trained(tmp_path):
+    config = _tiny_train_config(**SHARED_CONFIG)
+    graphdef, state = init_train_state(config)
+    modules = nnx.merge(graphdef, state.params)
+    cfg = modules.transformer.config
+    batch = sample_training_batch(5, 0, 1, 4, 10)
+    latents = frames_to_latents(batch.frames[0], jnp)
+    controls = action_registers(batch.actions[0], 5, jnp)[:, None]
+    x_t = jax.random.normal(jax.random.key(0), latents[1:].shape)
+
+    @jax.jit
+    def outputs(params, graphdef=graphdef):
+        m = nnx.merge(graphdef, params)
+        c = m.transformer.config
+        return teacher_forced_outputs(m, c, latents, controls, jnp.asarray(batch.positions[0]), x_t, jnp.ones(3),
+                                      _text_kv(m, c))
+
+    deeper = deepen(modules, cfg.num_layers + 2)
+    assert deeper.transformer.config.num_layers == cfg.num_layers + 2
+    deeper_graphdef, deeper_params = nnx.split(deeper)
+    np.testing.assert_array_equal(np.asarray(jax.jit(outputs, static_argnames="graphdef")(
+        deeper_params, graphdef=deeper_graphdef)), np.asarray(outputs(state.params)))
+    # The copies of the middle layers (1 and 2 of 4) follow them; only their residual writers are zero.
+    old, new = modules.transformer.blocks, deeper.transformer.blocks
+    def array(param):
+        return np.asarray(param[...])
+
+    np.testing.assert_array_equal(array(new.ffn_in.kernel), array(old.ffn_in.kernel)[[0, 1, 1, 2, 2, 3]])
+    assert not array(new.ffn_out.kernel)[[2, 4]].any() and not array(new.self_attn.o.bias)[[2, 4]].any()
+    np.testing.assert_array_equal(array(new.ffn_out.kernel)[[0, 1, 3, 5]], array(old.ffn_out.kernel))
+    for bad in (cfg.num_layers - 1, 2 * cfg.num_layers + 1, 5.0):
+        with pytest.raises(ValueError, match="num_layers"):
+            deepen(modules, bad)
+    # A fine-tune with more layers than its starting file deepens it; one with fewer is refused.
+    path = save_weights(modules, tmp_path / "start.npz")
+    _, start = init_train_state(_tiny_train_config(**SHARED_CONFIG, init_weights=str(path), num_layers=6))
+    for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(deeper_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="keep or add layers"):
+        init_train_state(_tiny_train_config(**SHARED_CONFIG, init_weights=str(path), num_layers=3))

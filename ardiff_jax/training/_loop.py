@@ -21,7 +21,7 @@ from ardiff_jax.training._evaluate import EVALUATION_SEED
 from ardiff_jax.training._objective import Objective, TrainingBatch, batch_loss, sample_training_batch
 
 __all__ = ["TrainConfig", "TrainState", "TrainResult", "make_optimizer", "init_train_state", "make_train_step",
-           "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve", "checkpoint_config",
+           "deepen", "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve", "checkpoint_config",
            "config_differences", "BOOKKEEPING_FIELDS"]
 
 
@@ -54,7 +54,9 @@ class TrainConfig:
         (:func:`~ardiff_jax.training.sample_training_batch`); 0 and 0 are the original data.
       init_weights: a weights file written by ``ardiff-jax train --export`` (``.npz`` with its
         sidecar) to start from instead of fresh weights: a fine-tune. Its config must be this
-        preset's; the optimizer state starts fresh. ``""``: fresh weights from ``seed``.
+        run's model config, except that it may have fewer layers (:func:`deepen` adds the
+        rest); the optimizer state starts fresh. ``""``: fresh weights from ``seed``.
+      num_layers: transformer depth; 0 keeps the preset's.
       seed: initial weights (unless ``init_weights``), data and noise.
       checkpoint_every: steps between orbax checkpoints (the last step is always saved).
     """
@@ -78,6 +80,7 @@ class TrainConfig:
     encounter_share: float = 0.0
     encounter_weight: float = 0.0
     init_weights: str = ""
+    num_layers: int = 0
     seed: int = 0
     checkpoint_every: int = 250
 
@@ -87,6 +90,7 @@ class TrainConfig:
         check_non_negative_int("TrainConfig warmup_steps", self.warmup_steps)
         check_non_negative_int("TrainConfig max_sink_distance", self.max_sink_distance)
         check_non_negative_int("TrainConfig seed", self.seed)
+        check_non_negative_int("TrainConfig num_layers", self.num_layers)
         if self.seed == EVALUATION_SEED:
             raise ValueError(f"TrainConfig seed {EVALUATION_SEED} is the evaluation clips' seed "
                              "(ardiff_jax.training.EVALUATION_SEED); train with another")
@@ -111,7 +115,8 @@ class TrainConfig:
 
     @property
     def model_config(self) -> CausalDiTConfig:
-        return dit_preset(self.preset)
+        preset = dit_preset(self.preset)
+        return preset.replace(num_layers=self.num_layers) if self.num_layers else preset
 
     @property
     def objective(self) -> Objective:
@@ -159,10 +164,7 @@ def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
     so by silencing its own features, a plateau it leaves only slowly (``docs/models.md``).
     """
     if config.init_weights:
-        from ardiff_jax.models import load_weights
-
-        # Validated (digest, config, every parameter's name, shape and finiteness) before use.
-        modules = load_weights(config.model_config, config.init_weights)
+        modules = _initial_weights(config)
     else:
         modules = DiTModules.create(config.model_config, config.seed)
     if config.prediction == "delta" and not config.init_weights:
@@ -174,6 +176,64 @@ def init_train_state(config: TrainConfig) -> tuple[Any, TrainState]:
     # Committed to the default device, as a restored checkpoint is: a fresh and a resumed run
     # then present the same argument signature and share one compiled step.
     return graphdef, jax.device_put(state, jax.devices()[0])
+
+
+def _initial_weights(config: TrainConfig) -> DiTModules:
+    """A fine-tune's starting weights: ``config.init_weights``, deepened to the run's depth if it has fewer layers."""
+    from ardiff_jax.models import load_weights
+
+    target = config.model_config
+    path = Path(config.init_weights).with_suffix(".npz")
+    try:
+        stored_layers = json.loads(path.with_suffix(".json").read_text())["config"]["num_layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        stored_layers = target.num_layers  # load_weights names what is wrong with the file
+    if not isinstance(stored_layers, int) or not 0 < stored_layers <= target.num_layers:
+        raise ValueError(f"{path} has {stored_layers!r} layers; a fine-tune can keep or add layers "
+                         f"(this run has {target.num_layers})")
+    # Validated (digest, config, every parameter's name, shape and finiteness) before use.
+    modules = load_weights(target.replace(num_layers=stored_layers), path)
+    return deepen(modules, target.num_layers) if stored_layers < target.num_layers else modules
+
+
+#: The projections that write into the residual stream: zero in a new layer, which then adds nothing.
+_RESIDUAL_WRITERS = ("self_attn/o/", "cross_attn/o/", "ffn_out/")
+
+
+def deepen(modules: DiTModules, num_layers: int) -> DiTModules:
+    """``modules`` with ``num_layers`` transformer layers, computing exactly the same function.
+
+    Each new layer is a copy of one of the middle layers, inserted right after it, with the
+    projections that write into the residual stream (self-attention and cross-attention
+    outputs, the FFN's second linear) set to zero: the block then adds nothing, so the
+    deeper network's output equals the original's (tested), and training starts from
+    there. Their gradients are not zero (a zero output projection still gets the gradient
+    of its input's features), so the new layers learn from the first step. At most doubles
+    the depth; not for transformers with action modules in their first layers.
+    """
+    config = modules.transformer.config
+    old = config.num_layers
+    if not isinstance(num_layers, int) or not old <= num_layers <= 2 * old:
+        raise ValueError(f"deepen: num_layers must be an integer in [{old}, {2 * old}], got {num_layers!r}")
+    if config.action is not None:
+        raise ValueError("deepen: a transformer with action modules cannot be deepened (they live in fixed layers)")
+    extra = num_layers - old
+    copied = set(range((old - extra) // 2, (old - extra) // 2 + extra))
+    order = [i for layer in range(old) for i in ([layer, layer] if layer in copied else [layer])]
+    new = np.array([k > 0 and order[k] == order[k - 1] for k in range(len(order))])
+    graphdef = nnx.split(nnx.eval_shape(lambda: DiTModules(config.replace(num_layers=num_layers), 0)))[0]
+
+    def stack(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        if not name.startswith("transformer/blocks/"):
+            return leaf
+        grown = leaf[np.array(order)]
+        if any(writer in name for writer in _RESIDUAL_WRITERS):
+            grown = jnp.where(jnp.asarray(new).reshape((-1,) + (1,) * (leaf.ndim - 1)), 0, grown)
+        return grown
+
+    params = jax.tree_util.tree_map_with_path(stack, nnx.split(modules)[1])
+    return nnx.merge(graphdef, params)
 
 
 def make_train_step(config: TrainConfig, graphdef: Any
