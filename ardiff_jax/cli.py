@@ -525,7 +525,6 @@ def _check_wan_arguments(command: str, args: argparse.Namespace, *, embeds_allow
 def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
     """The CausalWanPipeline the arguments describe, with its VAE and (unless --prompt-embeds) text encoder."""
     from ardiff_jax.models import dit_preset
-    from ardiff_jax.models.matrix_game._generate import _random_vae
     from ardiff_jax.models.wan import (
         CausalWanPipeline,
         PlaceholderTextEncoder,
@@ -533,6 +532,7 @@ def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
         WanVAEConfig,
         load_umt5,
         load_vae,
+        random_vae,
         with_policy,
     )
 
@@ -550,7 +550,7 @@ def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
             vae_config = WanVAEConfig.tiny(base_dim=8, z_dim=channels, latents_mean=(0.0,) * channels,
                                            latents_std=(1.0,) * channels, dtype=args.dtype)
         # Filled on the host after a shape evaluation: WanVAE's eager initializers take minutes on a CPU.
-        vae = _random_vae(vae_config, 0)
+        vae = random_vae(vae_config, 0)
         print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
         return CausalWanPipeline(config, pipeline_config, vae=vae,
                                  text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))

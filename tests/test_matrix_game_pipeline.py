@@ -35,8 +35,8 @@ from ardiff_jax.models.matrix_game import (
     MatrixGamePipelineConfig,
     action_windows,
 )
-from ardiff_jax.models.matrix_game._generate import _random_vae
 from ardiff_jax.models.wan import WanVAE, WanVAEConfig
+from ardiff_jax.models.wan import random_vae as host_random_vae
 
 CONFIG = dit_preset("matrix-game-tiny", dtype="float32", param_dtype="float32")
 ACTION = CONFIG.action
@@ -48,7 +48,7 @@ TOLERANCE = 1e-4  # float32, the paged vs the dense path (measured ~1e-6)
 def random_vae(seed: int = 3) -> WanVAE:
     """A random tiny VAE filled on the host (``WanVAE(...)``'s eager initialisation takes minutes on a loaded
     2-core CPU): the one ``build_matrix_game`` uses for random weights."""
-    return _random_vae(VAE, seed)
+    return host_random_vae(VAE, seed)
 
 
 @pytest.fixture(scope="module")

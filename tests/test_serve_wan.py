@@ -21,7 +21,7 @@ from ardiff_jax import ARDiffusionEngine, EngineConfig  # noqa: E402
 from ardiff_jax.models import dit_preset  # noqa: E402
 # A random tiny Wan VAE filled on the host: WanVAE(...)'s eager init compiles every initializer op by op
 # (a minute on a 2-core CPU); the served frames' count, shape and chunking do not depend on the weights.
-from ardiff_jax.models.matrix_game._generate import _random_vae  # noqa: E402
+from ardiff_jax.models.wan import random_vae  # noqa: E402
 from ardiff_jax.models.wan import (  # noqa: E402
     CausalWanPipeline,
     CausalWanPipelineConfig,
@@ -39,7 +39,7 @@ VAE = WanVAEConfig.tiny(base_dim=8, z_dim=4, latents_mean=(0.0,) * 4, latents_st
 def wan_engine():
     encoder = PlaceholderTextEncoder(CONFIG.text_dim, length=5)
     pipeline = CausalWanPipeline(CONFIG, CausalWanPipelineConfig(session_capacity=2),
-                                 vae=_random_vae(VAE, 0), text_encoder=encoder)
+                                 vae=random_vae(VAE, 0), text_encoder=encoder)
     with ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
                                                   gpu_memory_fraction=1.0)) as engine:
         yield engine, encoder

@@ -15,7 +15,7 @@ import pytest
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.runtime import ARDiffusionBatchError
 from ardiff_jax.models import CausalDiTConfig
-from ardiff_jax.models.matrix_game._generate import _random_vae
+from ardiff_jax.models.wan import random_vae
 from ardiff_jax.models.wan import CausalWanPipeline, CausalWanPipelineConfig, WanVAE, WanVAEConfig
 
 TINY_WAN = CausalDiTConfig(
@@ -43,7 +43,7 @@ def parts():
     compiles every initializer op by op, a minute on a 2-core CPU): the one ``build_matrix_game`` uses for
     random weights. The tests compare the engine's decodes with ``vae.decode`` of the same VAE."""
     base = CausalWanPipeline(TINY_WAN)
-    return base.modules, _random_vae(TINY_VAE, 3)
+    return base.modules, random_vae(TINY_VAE, 3)
 
 
 def _engine(parts, capacity: int = 2, host_offload_bytes: int = 0) -> ARDiffusionEngine:

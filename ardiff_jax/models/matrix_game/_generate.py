@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ardiff_jax.models.wan import write_mp4
+from ardiff_jax.models.wan import random_vae, write_mp4
 from ardiff_jax.types import DiffusionRequest
 
 __all__ = ["MATRIX_GAME_FPS", "ActionScript", "build_matrix_game", "generate_matrix_game", "prepare_image"]
@@ -171,25 +171,6 @@ def _play(args: Any, actions: ActionScript) -> int:
     return 0
 
 
-def _random_vae(config: Any, seed: int = 0) -> Any:
-    """A random :class:`~ardiff_jax.models.wan.WanVAE`, filled on the host after a shape evaluation: building it
-    eagerly runs every initializer op by op (minutes on a 2-core CPU), this takes a second. Kernels are scaled
-    by ``1/sqrt(fan-in)`` and vectors kept small, so activations stay in range through the decoder."""
-    import jax
-    from flax import nnx
-
-    from ardiff_jax.models.wan import WanVAE
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAE(config, rngs=nnx.Rngs(seed))))
-    rng = np.random.default_rng(seed)
-
-    def fill(leaf: Any) -> np.ndarray:
-        scale = 0.02 if len(leaf.shape) <= 1 else 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
-        return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree.map(fill, abstract))
-
-
 def build_matrix_game(*, weights: Any = None, preset: str | None = None, vae: Any = None, clip: Any = None,
                       dtype: str = "bfloat16", random_weights: bool = False, session_capacity: int = 1) -> Any:
     """The :class:`MatrixGamePipeline` of released weights (``weights``, ``vae``, ``clip``: their files) or, with
@@ -218,7 +199,7 @@ def build_matrix_game(*, weights: Any = None, preset: str | None = None, vae: An
             side = round((config.text_len - 1) ** 0.5)
             clip_config = ClipVisionConfig(image_size=14 * side, patch_size=14, dim=config.text_dim,
                                            heads=max(1, config.text_dim // 8), layers=2, output_blocks=2)
-        return MatrixGamePipeline(config, pipeline_config(config), vae=_random_vae(vae_config),
+        return MatrixGamePipeline(config, pipeline_config(config), vae=random_vae(vae_config),
                                   image_encoder=ClipVisionEncoder(clip_config, rngs=nnx.Rngs(1)))
     config = dit_preset(preset) if preset else checkpoint_config(weights)
     return MatrixGamePipeline.from_checkpoint(weights, config, vae=load_vae(vae, dtype=dtype),

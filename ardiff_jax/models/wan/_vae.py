@@ -91,6 +91,7 @@ __all__ = [
     "decoded_frames",
     "encode_step",
     "init_decode_cache",
+    "random_vae",
     "init_encode_cache",
     "load_vae",
     "vae_names",
@@ -1065,3 +1066,16 @@ def _key(entry: Any) -> str:
             return str(getattr(entry, attr))
     return str(entry)
 
+
+def random_vae(config: WanVAEConfig, seed: int = 0) -> WanVAE:
+    """A random :class:`~ardiff_jax.models.wan.WanVAE`, filled on the host after a shape evaluation: building it
+    eagerly runs every initializer op by op (minutes on a 2-core CPU), this takes a second. Kernels are scaled
+    by ``1/sqrt(fan-in)`` and vectors kept small, so activations stay in range through the decoder."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: WanVAE(config, rngs=nnx.Rngs(seed))))
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf: Any) -> np.ndarray:
+        scale = 0.02 if len(leaf.shape) <= 1 else 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
+        return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(fill, abstract))
