@@ -123,10 +123,11 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     of frames must have seen such distances.
 
     ``encounter_share`` of the gapped sequences instead start so that one of their weighted
-    targets follows an **agent-ball encounter** (:func:`encounters`): a step in which the
-    ball bounces off or stops at the agent, or blocks its move. Random actions bring the two
-    together in about one step in nine, and every one-step error of the 6000-step model was
-    in such a step (``docs/models.md``). The world is deterministic, so whether a step is an
+    targets follows an **agent-ball encounter** (:func:`encounters`): a step that ends with the
+    agent beside where the ball was, so the ball's bounce depends on the agent's new cell (and
+    the ball may block the agent's move). Random actions bring the two together in about one
+    step in nine, and every one-step error of the 6000-step model was in such a step
+    (``docs/models.md``). The world is deterministic, so whether a step is an
     encounter is a function of its context frame and action: choosing such windows more
     often changes which inputs the model sees, not the right answer to any of them. With
     ``encounter_share = 0`` the batch is exactly what it was before the option existed.
