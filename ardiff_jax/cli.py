@@ -342,6 +342,8 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
                        help="share of gapped sequences placed at an agent-ball encounter (default 0)")
     train.add_argument("--encounter-weight", type=_non_negative_number, default=None,
                        help="extra loss weight of targets that follow an encounter (default 0)")
+    train.add_argument("--chase-probability", type=_share, default=None,
+                       help="share of the clips' actions that chase the ball instead of being random (default 0)")
     train.add_argument("--init-weights", type=_weights_input, default=None,
                        help="start from these weights (a train --export file) instead of fresh ones: a fine-tune")
     train.add_argument("--num-layers", type=_positive_int, default=None,
@@ -378,7 +380,8 @@ def _run_train(args: argparse.Namespace) -> int:
         return _refuse("train", str(error))
     overrides = {name: getattr(args, name) for name in (
         "steps", "batch_size", "checkpoint_every", "learning_rate", "warmup_steps", "end_learning_rate",
-        "encounter_share", "encounter_weight", "init_weights", "num_layers") if getattr(args, name) is not None}
+        "encounter_share", "encounter_weight", "chase_probability", "init_weights", "num_layers")
+        if getattr(args, name) is not None}
     try:
         config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
         result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress,

@@ -396,3 +396,22 @@ def test_deepen_adds_layers_that_change_nothing_until_trained(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="keep or add layers"):
         init_train_state(_tiny_train_config(**SHARED_CONFIG, init_weights=str(path), num_layers=3))
+
+
+def test_chasing_players_meet_the_ball_more_and_follow_the_rules():
+    from ardiff_jax.envs import transition
+
+    plain = sprite_world_clips(5, 32, 40)
+    for x, y in zip(plain, sprite_world_clips(5, 32, 40, chase_probability=0.0), strict=True):
+        np.testing.assert_array_equal(x, y)  # no option, the original clips
+    frames, actions = sprite_world_clips(5, 32, 40, chase_probability=0.8)
+    assert encounters(frames).mean() >= 3 * encounters(plain[0]).mean()
+    for clip in (0, 7):  # every frame is the simulator's step of the one before under its action
+        for t in range(1, 40):
+            np.testing.assert_array_equal(transition(frames[clip, t - 1], int(actions[clip, t])), frames[clip, t])
+    with pytest.raises(ValueError, match="chase_probability"):
+        sprite_world_clips(5, 2, 4, chase_probability=1.5)
+    with pytest.raises(ValueError, match="chase_probability"):
+        TrainConfig(chase_probability=2.0)
+    batch = sample_training_batch(2, 3, 8, 4, 20, chase_probability=0.5)
+    assert batch.frames.shape == (8, 4, 32, 32, 3)

@@ -52,6 +52,8 @@ class TrainConfig:
       encounter_share, encounter_weight: how often a gapped sequence is placed at an
         agent-ball encounter, and the extra loss weight of targets that follow one
         (:func:`~ardiff_jax.training.sample_training_batch`); 0 and 0 are the original data.
+      chase_probability: how often the clips' player chases the ball instead of acting at
+        random (:func:`~ardiff_jax.envs.sprite_world_clips`); 0 is the original data.
       init_weights: a weights file written by ``ardiff-jax train --export`` (``.npz`` with its
         sidecar) to start from instead of fresh weights: a fine-tune. Its config must be this
         run's model config, except that it may have fewer layers (:func:`deepen` adds the
@@ -79,6 +81,7 @@ class TrainConfig:
     prediction: str = "delta"
     encounter_share: float = 0.0
     encounter_weight: float = 0.0
+    chase_probability: float = 0.0
     init_weights: str = ""
     num_layers: int = 0
     seed: int = 0
@@ -98,14 +101,15 @@ class TrainConfig:
             raise ValueError("TrainConfig sequence_frames must be at least 2 (the sink and one target)")
         for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight",
                      "focus_weight", "sigma_one_probability", "low_sigma_max", "encounter_share",
-                     "encounter_weight"):
+                     "encounter_weight", "chase_probability"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"TrainConfig {name} must be a finite non-negative number, got {value!r}")
         if self.sigma_one_probability > 1 or not 0 < self.low_sigma_max <= 1:
             raise ValueError("TrainConfig sigma_one_probability must be in [0, 1] and low_sigma_max in (0, 1]")
-        if self.encounter_share > 1:
-            raise ValueError(f"TrainConfig encounter_share must be in [0, 1], got {self.encounter_share!r}")
+        for name in ("encounter_share", "chase_probability"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"TrainConfig {name} must be in [0, 1], got {getattr(self, name)!r}")
         if not isinstance(self.init_weights, str):
             raise ValueError(f"TrainConfig init_weights must be a path string ('' for fresh weights), "
                              f"got {self.init_weights!r}")
@@ -405,7 +409,8 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = True, prog
                                           config.max_gap, size=cfg.latent_height,
                                           max_sink_distance=config.max_sink_distance or None,
                                           encounter_share=config.encounter_share,
-                                          encounter_weight=config.encounter_weight)
+                                          encounter_weight=config.encounter_weight,
+                                          chase_probability=config.chase_probability)
             state, loss = step_fn(state, batch)
             losses.append((step, float(loss)))
             bar.update(1)

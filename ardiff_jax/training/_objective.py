@@ -111,7 +111,8 @@ class TrainingBatch(NamedTuple):
 
 def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max_gap: int,
                           size: int = 32, max_sink_distance: int | None = None,
-                          encounter_share: float = 0.0, encounter_weight: float = 0.0) -> TrainingBatch:
+                          encounter_share: float = 0.0, encounter_weight: float = 0.0,
+                          chase_probability: float = 0.0) -> TrainingBatch:
     """The batch of training step ``step``: a pure function of ``(seed, step)``, so a resumed run sees the same data.
 
     Half the sequences are contiguous (``g = 1``); the rest start after a gap drawn
@@ -133,6 +134,9 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     ``encounter_share = 0`` the batch is exactly what it was before the option existed.
     ``encounter_weight`` adds that much to the loss weight of every target that follows an
     encounter (read from the same two frames, so it is an input-dependent weight too).
+    ``chase_probability`` makes the clips' players chase the ball that share of the time
+    (:func:`~ardiff_jax.envs.sprite_world_clips`): more encounters in every clip, contiguous
+    ones included.
     """
     rng = np.random.default_rng([seed, step])
     clip_seed = int(rng.integers(0, 2**62))
@@ -140,7 +144,7 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     if encounter_share > 0:
         # Simulate every clip to the longest gap, so that any start in [2, max_gap] exists.
         length = max(max_gap, 2) + num_frames - 1
-        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
+        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size, chase_probability=chase_probability)
         met = encounters(frames)  # [B, length - 1]
         focus = (gaps > 1) & (rng.random(batch) < encounter_share)
         for b in np.flatnonzero(focus):
@@ -150,7 +154,7 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
                 gaps[b] = starts[int(rng.integers(len(starts)))]
     else:
         length = int(gaps.max()) + num_frames - 1
-        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size)
+        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size, chase_probability=chase_probability)
     offsets = np.arange(num_frames - 1)
     sampled = np.concatenate([np.zeros((batch, 1), np.int64), gaps[:, None] + offsets[None, :]], axis=1)
     positions = sampled
