@@ -415,3 +415,13 @@ def test_chasing_players_meet_the_ball_more_and_follow_the_rules():
         TrainConfig(chase_probability=2.0)
     batch = sample_training_batch(2, 3, 8, 4, 20, chase_probability=0.5)
     assert batch.frames.shape == (8, 4, 32, 32, 3)
+
+
+def test_a_checkpoint_from_before_a_config_field_existed_resumes_as_its_default():
+    from ardiff_jax.training import config_differences
+
+    config = TrainConfig()
+    old = {name: value for name, value in config.as_dict().items()
+           if name not in ("encounter_share", "encounter_weight", "chase_probability", "init_weights", "num_layers")}
+    assert config_differences(old, config) == []
+    assert config_differences(old, TrainConfig(num_layers=6)) == ["num_layers: 0 -> 6"]

@@ -309,7 +309,13 @@ def checkpoint_config(directory: str | Path) -> dict[str, Any] | None:
 
 
 def config_differences(stored: dict[str, Any], config: TrainConfig) -> list[str]:
-    """``"field: stored -> new"`` for every run-defining field in which ``config`` differs from ``stored``."""
+    """``"field: stored -> new"`` for every run-defining field in which ``config`` differs from ``stored``.
+
+    A field missing from ``stored`` (a checkpoint written before the field existed) counts as
+    its default, which is what such runs did, so they resume without ``force``.
+    """
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    stored = {**{name: value for name, value in defaults.items() if name not in stored}, **stored}
     current = config.as_dict()
     return [f"{name}: {stored.get(name)!r} -> {current.get(name)!r}" for name in sorted(set(stored) | set(current))
             if name not in BOOKKEEPING_FIELDS and stored.get(name) != current.get(name)]
