@@ -141,10 +141,10 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     rng = np.random.default_rng([seed, step])
     clip_seed = int(rng.integers(0, 2**62))
     gaps = np.where(rng.random(batch) < 0.5, 1, rng.integers(2, max(max_gap, 2) + 1, size=batch))
+    # With encounter focus every clip runs to the longest gap, so that any start in [2, max_gap] exists.
+    length = (max(max_gap, 2) if encounter_share > 0 else int(gaps.max())) + num_frames - 1
+    frames, actions = sprite_world_clips(clip_seed, batch, length, size=size, chase_probability=chase_probability)
     if encounter_share > 0:
-        # Simulate every clip to the longest gap, so that any start in [2, max_gap] exists.
-        length = max(max_gap, 2) + num_frames - 1
-        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size, chase_probability=chase_probability)
         met = encounters(frames)  # [B, length - 1]
         focus = (gaps > 1) & (rng.random(batch) < encounter_share)
         for b in np.flatnonzero(focus):
@@ -152,9 +152,6 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
             starts = [g for g in range(2, max(max_gap, 2) + 1) if met[b, g:g + num_frames - 2].any()]
             if starts:
                 gaps[b] = starts[int(rng.integers(len(starts)))]
-    else:
-        length = int(gaps.max()) + num_frames - 1
-        frames, actions = sprite_world_clips(clip_seed, batch, length, size=size, chase_probability=chase_probability)
     offsets = np.arange(num_frames - 1)
     sampled = np.concatenate([np.zeros((batch, 1), np.int64), gaps[:, None] + offsets[None, :]], axis=1)
     positions = sampled
@@ -164,9 +161,10 @@ def sample_training_batch(seed: int, step: int, batch: int, num_frames: int, max
     rows = np.arange(batch)[:, None]
     weights = np.ones((batch, num_frames - 1), np.float32)
     weights[:, 0] = (gaps == 1).astype(np.float32)
+    selected = frames[rows, sampled]
     if encounter_weight > 0:
-        weights *= 1.0 + encounter_weight * encounters(frames[rows, sampled]).astype(np.float32)
-    return TrainingBatch(frames=frames[rows, sampled], actions=actions[rows, sampled].astype(np.int32),
+        weights *= 1.0 + encounter_weight * encounters(selected).astype(np.float32)
+    return TrainingBatch(frames=selected, actions=actions[rows, sampled].astype(np.int32),
                          positions=positions.astype(np.int32), weights=weights)
 
 
