@@ -452,6 +452,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(line)
     print(f"model / repeat = {quality['ratio_to_repeat_first_frame']:.3f}; second / first half = "
           f"{quality['drift_second_over_first_half']:.2f}")
+    print("frames exactly like the simulator's before the first miss, per session: "
+          + ", ".join(str(n) for n in quality["exact_frames_per_session"])
+          + f" (of {quality['generated_frames_per_session']})")
     accuracy = summary["one_step_accuracy"]
     print(f"one-step accuracy on {accuracy['transitions']} held-out transitions (true context): agent cell "
           f"{accuracy['agent']:.1%}, ball cell {accuracy['ball']:.1%}, whole frame {accuracy['frame']:.1%}")

@@ -10,6 +10,8 @@ and reports how closely the generated frames track the simulator:
 * the same figure for **repeat the first frame** (a model that never moves anything) and
   for the **untrained** model (same architecture, random weights, same engine path: what
   the runtime alone would show, so the difference is what training contributed);
+* **exact frames** per session: generated frames identical to the simulator's before the
+  first one that is not (:func:`exact_frames`);
 * **one-step accuracy** on held-out transitions with the true context
   (:func:`ardiff_jax.training.one_step_accuracy`): agent cell, ball cell, whole frame;
 * frames/s of one session alone, of the interleaved sessions (one request at a time) and
@@ -49,8 +51,8 @@ from ardiff_jax.models import SpriteWorldPipeline, pretrained, pretrained_metada
 from ardiff_jax.runtime import ARDiffusionEngine
 from ardiff_jax.types import DiffusionRequest, EngineConfig
 
-__all__ = ["SessionTrack", "drive_sessions", "random_actions", "tracking_errors", "quality_summary", "run_demo",
-           "write_demo_outputs", "contact_sheet", "verdict"]
+__all__ = ["SessionTrack", "drive_sessions", "random_actions", "tracking_errors", "exact_frames", "quality_summary",
+           "run_demo", "write_demo_outputs", "contact_sheet", "verdict"]
 
 
 @dataclasses.dataclass
@@ -150,6 +152,16 @@ def _halves(errors: np.ndarray) -> tuple[float, float]:
     return float(generated[:half].mean()), float(generated[half:].mean())
 
 
+def exact_frames(frames: np.ndarray, truth: np.ndarray) -> int:
+    """Generated frames identical to the simulator's, pixel for pixel, before the first one that is not.
+
+    Frame 0 (the observation) is not counted. A per-session figure that a mean error hides: how
+    long the model plays the world exactly before its first mistake.
+    """
+    same = np.all(frames[1:] == truth[1:], axis=(1, 2, 3))
+    return int(len(same)) if same.all() else int(np.argmin(same))
+
+
 def quality_summary(tracks: Sequence[SessionTrack], untrained: Sequence[SessionTrack] | None = None) -> dict[str, Any]:
     """The demo's quality figures (see the module docstring), per session and averaged."""
     per_session = []
@@ -159,7 +171,7 @@ def quality_summary(tracks: Sequence[SessionTrack], untrained: Sequence[SessionT
         repeat_first, repeat_second = _halves(tracking_errors(repeat, track.truth))
         row = {"seed": track.seed, "model_first_half": model_first, "model_second_half": model_second,
                "repeat_first_frame_second_half": repeat_second, "repeat_first_frame_first_half": repeat_first,
-               "restarts": track.restarts}
+               "exact_frames": exact_frames(track.frames, track.truth), "restarts": track.restarts}
         if untrained is not None:
             row["untrained_second_half"] = _halves(tracking_errors(untrained[i].frames, untrained[i].truth))[1]
         per_session.append(row)
@@ -177,6 +189,7 @@ def quality_summary(tracks: Sequence[SessionTrack], untrained: Sequence[SessionT
     summary["ratio_to_repeat_first_frame"] = summary["model_second_half"] / max(
         summary["repeat_first_frame_second_half"], 1e-9)
     summary["drift_second_over_first_half"] = summary["model_second_half"] / max(summary["model_first_half"], 1e-9)
+    summary["exact_frames_per_session"] = [row["exact_frames"] for row in per_session]
     if untrained is not None:
         summary["untrained_second_half"] = mean("untrained_second_half")
     summary["sessions"] = per_session
