@@ -245,6 +245,21 @@ def test_pretrained_names_and_metadata():
     assert pipeline.pipeline_config.decoder == meta["sampling"]["decoder"]
 
 
+def test_pretrained_loads_an_exported_weights_file_instead(modules, tmp_path):
+    sampling = {"schedule": [1000.0], "prediction": "x0", "decoder": "levels"}
+    path = save_weights(modules, tmp_path / "mine", {"note": "test"}, sampling=sampling)
+    pipeline = pretrained("sprite_world", weights=path, session_capacity=2)
+    assert pipeline.prediction == "x0" and pipeline.pipeline_config.decoder == "levels"
+    assert pipeline.pipeline_config.session_capacity == 2
+    for a, b in zip(jax.tree.leaves(nnx.split(pipeline.modules)[1]), jax.tree.leaves(nnx.split(modules)[1]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        pretrained("sprite_world", weights=tmp_path / "missing.npz")
+    with pytest.raises(ValueError, match="unknown pretrained model"):
+        pretrained("nope", weights=path)
+
+
 def test_cell_decoder_snaps_every_cell_to_a_valid_look():
     from ardiff_jax.envs import cell_codes
     from ardiff_jax.models import snap_to_cells

@@ -176,8 +176,12 @@ def pretrained_metadata(name: str = "sprite_world") -> dict[str, Any]:
 
 
 def pretrained(name: str = "sprite_world", *, session_capacity: int = 4, noise_seed: int = 0,
-               device: jax.Device | None = None) -> SpriteWorldPipeline:
+               device: jax.Device | None = None, weights: str | Path | None = None) -> SpriteWorldPipeline:
     """A ready :class:`SpriteWorldPipeline` with the shipped weights (drive it with ``ARDiffusionEngine``).
+
+    ``weights``: a ``train --export`` file (``.npz`` with its ``.json`` sidecar) to load instead
+    of the shipped one, with the config and sampling its sidecar states, validated as the
+    shipped file is: to play or score a model of your own exactly as the shipped one is.
 
     Example::
 
@@ -188,6 +192,10 @@ def pretrained(name: str = "sprite_world", *, session_capacity: int = 4, noise_s
         out.frames  # u8[1, 32, 32, 3]
     """
     path = _weights_path(name)
+    if weights is not None:
+        path = Path(weights).with_suffix(".npz")
+        if not path.is_file():
+            raise FileNotFoundError(f"weights file {path} does not exist (train --export writes an .npz and a .json)")
     sidecar = _read_sidecar(path)
     try:
         config = CausalDiTConfig(**sidecar["config"])
