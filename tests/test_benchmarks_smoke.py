@@ -385,3 +385,29 @@ def test_bench_wan_smoke(tmp_path):
 
     assert not isinstance(_world.world_step, (bench_wan.ForwardRecorder, bench_wan.ForwardTimer))
     assert not isinstance(_pipeline._decode_step_jit, (bench_wan.ForwardRecorder, bench_wan.ForwardTimer))
+
+
+def test_eval_sprite_worlds_quick(tmp_path):
+    import numpy as np
+
+    from ardiff_jax.envs import CELL_SIZE, SpriteWorld, cell_codes
+    from benchmarks import eval_sprite_worlds
+
+    world = SpriteWorld(5)
+    frame = world.reset()
+    moved = world.step(0)
+    assert eval_sprite_worlds.ball_state(frame, frame) == "right"
+    assert eval_sprite_worlds.ball_state(frame, moved) == "wrong cell or colour"  # the ball moves every step
+    (r, c), (r2, c2) = (np.argwhere(cell_codes(f) >= 3)[0] * CELL_SIZE for f in (frame, moved))
+    empty, two = frame.copy(), frame.copy()
+    empty[r:r + CELL_SIZE, c:c + CELL_SIZE] = 0
+    two[r2:r2 + CELL_SIZE, c2:c2 + CELL_SIZE] = moved[r2:r2 + CELL_SIZE, c2:c2 + CELL_SIZE]
+    assert eval_sprite_worlds.ball_state(empty, frame) == "missing"
+    assert eval_sprite_worlds.ball_state(two, frame) == "two or more"
+    record = eval_sprite_worlds.run(worlds=2, frames=4, batch=2, out_dir=tmp_path)
+    assert record["second_half_frames"] == 2 * 2
+    assert sum(record["second_half_ball"].values()) == pytest.approx(1.0)
+    assert 0 <= record["exact_frames"]["to_the_end"] <= record["exact_frames"]["at_least_half"] <= 2
+    assert json.loads((tmp_path / "sprite_worlds.json").read_text())["worlds"] == 2
+    with pytest.raises(ValueError, match="demo's worlds"):
+        eval_sprite_worlds.run(first_seed=0, out_dir=tmp_path)
