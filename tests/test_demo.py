@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -13,6 +14,7 @@ from ardiff_jax.demo import (
     SessionTrack,
     contact_sheet,
     drive_sessions,
+    exact_frames,
     quality_summary,
     random_actions,
     run_demo,
@@ -28,25 +30,45 @@ ENGINE = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_
 
 @pytest.fixture(scope="module")
 def shipped_tracks():
+    # Exactly the rollouts `ardiff-jax demo` scores with its defaults (seeds 0-3, actions seeded
+    # by 0, 64 frames, interleaved): the issue defines its targets on the demo, so the tests
+    # measure those, not a proxy.
     pipeline = pretrained("sprite_world", session_capacity=4)
     window = pipeline.config.sink_frames + pipeline.config.window_frames
     with ARDiffusionEngine(pipeline, ENGINE) as engine:
-        tracks = drive_sessions(engine, SEEDS, 8 * window, action_seed=5)
+        tracks = drive_sessions(engine, DEMO_SEEDS, DEMO_FRAMES, action_seed=0)
     untrained = SpriteWorldPipeline(pipeline.config, pipeline.pipeline_config)
     with ARDiffusionEngine(untrained, ENGINE) as engine:
-        untrained_tracks = drive_sessions(engine, SEEDS, 8 * window, action_seed=5)
+        untrained_tracks = drive_sessions(engine, DEMO_SEEDS, DEMO_FRAMES, action_seed=0)
     return window, tracks, quality_summary(tracks, untrained_tracks)
 
 
-SEEDS = [100, 101, 102, 103]
+DEMO_SEEDS, DEMO_FRAMES = [0, 1, 2, 3], 64
+
+
+def test_the_quality_tests_score_the_demos_own_rollouts():
+    params = inspect.signature(run_demo).parameters
+    assert [params["seed"].default + i for i in range(params["sessions"].default)] == DEMO_SEEDS
+    assert params["num_frames"].default == DEMO_FRAMES
 
 
 def test_shipped_model_is_far_better_than_untrained_and_does_not_drift(shipped_tracks):
     """What the shipped weights achieve over 8x the attention window (docs/models.md, "What it achieves")."""
     window, tracks, quality = shipped_tracks
-    assert len(tracks[0].frames) - 1 >= 8 * window
+    assert len(tracks[0].frames) - 1 >= 16 * window
     assert quality["model_second_half"] <= 0.25 * quality["untrained_second_half"], quality
     assert quality["drift_second_over_first_half"] <= 1.5, quality
+
+
+def test_shipped_model_plays_a_session_exactly_far_past_the_window(shipped_tracks):
+    """docs/models.md, "What a player sees": one of the demo's sessions is frame for frame the
+    simulator's for more than 8x the attention window, and the agent is right in every frame of all."""
+    window, tracks, quality = shipped_tracks
+    assert max(quality["exact_frames_per_session"]) >= 8 * window, quality["exact_frames_per_session"]
+    for track in tracks:
+        generated = np.stack([cell_codes(frame) == 2 for frame in track.frames])
+        wanted = np.stack([cell_codes(frame) == 2 for frame in track.truth])
+        np.testing.assert_array_equal(generated, wanted, err_msg=f"seed {track.seed}: the agent")
 
 
 def test_shipped_model_tracks_far_better_than_repeating_the_first_frame(shipped_tracks):
@@ -57,8 +79,9 @@ def test_shipped_model_tracks_far_better_than_repeating_the_first_frame(shipped_
 
 
 @pytest.mark.xfail(strict=True, reason="the issue's target (second-half error at most 1/4 of repeat-first-frame) "
-                                       "is not met (0.35x): in free-running play the model loses the ball, in three of the "
-                                       "demo's four sessions within a few frames; docs/models.md, 'What it achieves'")
+                                       "is not met (0.32x): one session plays exactly to the end, the other three lose or "
+                                       "misplace the ball (two within 5 frames, one after 35); docs/models.md, "
+                                       "'What it achieves'")
 def test_shipped_model_meets_the_tracking_target(shipped_tracks):
     _, _, quality = shipped_tracks
     assert quality["ratio_to_repeat_first_frame"] <= 0.25, quality
@@ -75,11 +98,9 @@ def shipped_accuracy():
 
 def test_shipped_model_puts_the_agent_in_the_right_cell(shipped_accuracy):
     assert shipped_accuracy.transitions >= 300
-    assert shipped_accuracy.agent >= 0.99 and shipped_accuracy.ball >= 0.95, shipped_accuracy
+    assert shipped_accuracy.agent >= 0.99, shipped_accuracy
 
 
-@pytest.mark.xfail(strict=True, reason="the issue's target (ball cell right in 97% of one-step predictions) is not "
-                                       "met: 95.4% of 325 held-out transitions after 6000 steps")
 def test_shipped_model_meets_the_ball_target(shipped_accuracy):
     assert shipped_accuracy.ball >= 0.97, shipped_accuracy
 
@@ -191,3 +212,20 @@ def test_contact_sheet_labels_its_rows_and_frames():
     # A label column on the left and a header row of frame numbers: dark text pixels in both.
     assert (sheet[14:, :60] < 100).any() and (sheet[:12, 64:] < 100).any()
     assert sheet.shape[0] > 2 * 2 * 64 and sheet.shape[1] == 64 + 5 * (2 * 32 + 4)
+
+
+def test_exact_frames_counts_identical_frames_before_the_first_miss():
+    world = SpriteWorld(1)
+    truth = np.stack([world.reset()] + [world.step(a) for a in (4, 4, 3, 0, 2)])
+    assert exact_frames(truth, truth) == 5  # frame 0, the observation, is not counted
+    wrong = truth.copy()
+    wrong[3, 0, 0] += 1  # one pixel of frame 3
+    wrong[5] = 0
+    assert exact_frames(wrong, truth) == 2
+    wrong[1, 5, 5] += 1
+    assert exact_frames(wrong, truth) == 0
+    track = SessionTrack(seed=1, frames=wrong, truth=truth, actions=np.zeros(6, np.int32), latencies_ms=[])
+    summary = quality_summary([track, SessionTrack(seed=1, frames=truth, truth=truth, actions=track.actions,
+                                                   latencies_ms=[])])
+    assert summary["exact_frames_per_session"] == [0, 5]
+    assert [row["exact_frames"] for row in summary["sessions"]] == [0, 5]
