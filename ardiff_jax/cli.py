@@ -427,6 +427,8 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--capacity", type=_positive_int, default=None,
                       help="session capacity of the engine (below --sessions: LRU eviction shows)")
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="first world seed; actions are seeded too")
+    demo.add_argument("--weights", type=_weights_input, default=None,
+                      help="play a train --export weights file instead of the shipped weights")
     demo.add_argument("--no-untrained", action="store_true", help="skip the untrained-model baseline")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_run_demo)
@@ -437,7 +439,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     try:
         summary = run_demo(args.out, sessions=args.sessions, num_frames=args.frames, capacity=args.capacity,
-                           seed=args.seed, compare_untrained=not args.no_untrained, progress=not args.no_progress)
+                           seed=args.seed, compare_untrained=not args.no_untrained, progress=not args.no_progress,
+                           weights=args.weights)
     except ValueError as error:
         return _refuse("demo", str(error))
     quality, speed = summary["quality"], summary["speed"]

@@ -273,10 +273,12 @@ def _batched_fps(engine: ARDiffusionEngine, seeds: Sequence[int], num_frames: in
 
 def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, capacity: int | None = None,
              seed: int = 0, compare_untrained: bool = True, progress: bool = True,
-             available_memory_bytes: int = 2**28) -> dict[str, Any]:
+             available_memory_bytes: int = 2**28, weights: str | Path | None = None) -> dict[str, Any]:
     """Run the demo (see the module docstring) and write its outputs into ``out_dir``; returns the summary.
 
     ``capacity`` below ``sessions`` makes LRU eviction happen (default: room for all).
+    ``weights``: a ``train --export`` file to play instead of the shipped weights (validated
+    before anything runs).
     """
     from tqdm.auto import tqdm
 
@@ -287,6 +289,7 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     for name, value in (("sessions", sessions), ("capacity", 1 if capacity is None else capacity)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    metadata = pretrained_metadata("sprite_world", weights=weights)  # a missing or bad file fails here, first
     started = time.perf_counter()
     capacity = sessions if capacity is None else capacity
     # The bar starts before the model loads: loading and compiling take a few seconds, and
@@ -294,7 +297,7 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     bar = tqdm(total=sessions * num_frames * (2 if compare_untrained else 1), unit="frame", disable=not progress,
                desc="loading and compiling")
     with bar:
-        pipeline = pretrained("sprite_world", session_capacity=capacity)
+        pipeline = pretrained("sprite_world", session_capacity=capacity, weights=weights)
         f = pipeline.config.frames_per_block
         if num_frames % f:
             raise ValueError(f"num_frames ({num_frames}) must be a multiple of frames_per_block ({f})")
@@ -328,7 +331,6 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     plan = engine.memory_plan.as_dict()
     planned_capacity = engine.session_capacity
     engine.close()
-    metadata = pretrained_metadata("sprite_world")
     summary = {
         "model": "sprite_world",
         "device": str(jax.devices()[0]),
@@ -352,7 +354,8 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
         "lru_evictions": len(evictions),
         "restarts_after_eviction": sum(t.restarts for t in tracks),
         "memory_plan": plan,
-        "weights": {k: metadata.get(k) for k in ("num_params", "sha256")} | {"training": metadata.get("training")},
+        "weights": {"file": "shipped" if weights is None else str(weights)}
+        | {k: metadata.get(k) for k in ("num_params", "sha256")} | {"training": metadata.get("training")},
         "wall_seconds": time.perf_counter() - started,
     }
     write_demo_outputs(out_dir, tracks, summary)

@@ -173,6 +173,22 @@ def test_run_demo_writes_every_output(tmp_path):
         assert gif.n_frames == 7
 
 
+def test_run_demo_plays_an_exported_weights_file(tmp_path):
+    from ardiff_jax.models import DiTModules, dit_preset, save_weights
+
+    sampling = {"schedule": [1000.0], "prediction": "delta", "decoder": "cells"}
+    path = save_weights(DiTModules(dit_preset("sprite_world").replace(num_layers=1), 0), tmp_path / "mine",
+                        {"note": "one layer, untrained"}, sampling=sampling)
+    summary = run_demo(tmp_path / "out", sessions=1, num_frames=2, compare_untrained=False, progress=False,
+                       weights=path)
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    assert summary["weights"]["file"] == str(path) and summary["weights"]["sha256"] == sidecar["sha256"]
+    assert summary["weights"]["training"] == {"note": "one layer, untrained"}
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_demo(tmp_path / "never", weights=tmp_path / "missing.npz", progress=False)
+    assert not (tmp_path / "never").exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["demo", "--out", "x", "--sessions", "0"], "--sessions"),
     (["demo", "--out", "x", "--seed", "-1"], "--seed"),
@@ -184,6 +200,7 @@ def test_run_demo_writes_every_output(tmp_path):
     (["train", "--out", "x", "--export", "DIR/weights.txt"], "--export"),
     (["train", "--out", "x", "--export", "FILE/sub/weights.npz"], "--export"),
     (["train", "--out", "x", "--init-weights", "DIR/missing.npz"], "--init-weights"),
+    (["demo", "--out", "x", "--weights", "DIR/missing.npz"], "--weights"),
     (["train", "--out", "x", "--encounter-share", "1.5"], "--encounter-share"),
     (["train", "--out", "x", "--learning-rate", "nan"], "--learning-rate"),
 ])

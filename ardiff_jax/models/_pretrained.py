@@ -170,9 +170,21 @@ def _weights_path(name: str) -> Path:
     return _WEIGHTS_DIR / f"{name}.npz"
 
 
-def pretrained_metadata(name: str = "sprite_world") -> dict[str, Any]:
-    """The shipped model's sidecar: config, sampling, training command, seed, steps, wall time, loss."""
-    return _read_sidecar(_weights_path(name))
+def _chosen_weights(name: str, weights: str | Path | None) -> Path:
+    """The shipped file of ``name``, or ``weights`` (a ``train --export`` file) when given."""
+    path = _weights_path(name)  # the name is checked either way: it chooses the pipeline
+    if weights is None:
+        return path
+    path = Path(weights).with_suffix(".npz")
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist (train --export writes an .npz and a .json)")
+    return path
+
+
+def pretrained_metadata(name: str = "sprite_world", *, weights: str | Path | None = None) -> dict[str, Any]:
+    """The shipped model's sidecar (or that of ``weights``, a ``train --export`` file): config,
+    sampling, training command, seed, steps, wall time, loss."""
+    return _read_sidecar(_chosen_weights(name, weights))
 
 
 def pretrained(name: str = "sprite_world", *, session_capacity: int = 4, noise_seed: int = 0,
@@ -191,11 +203,7 @@ def pretrained(name: str = "sprite_world", *, session_capacity: int = 4, noise_s
                                                inputs={"observation": world.reset(), "actions": [4]}))
         out.frames  # u8[1, 32, 32, 3]
     """
-    path = _weights_path(name)
-    if weights is not None:
-        path = Path(weights).with_suffix(".npz")
-        if not path.is_file():
-            raise FileNotFoundError(f"weights file {path} does not exist (train --export writes an .npz and a .json)")
+    path = _chosen_weights(name, weights)
     sidecar = _read_sidecar(path)
     try:
         config = CausalDiTConfig(**sidecar["config"])
