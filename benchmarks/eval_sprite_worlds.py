@@ -74,9 +74,7 @@ def run(*, worlds: int = 32, first_seed: int = 100, frames: int = 64, action_see
         "benchmark": "eval_sprite_worlds",
         "machine": machine_info(),
         "weights": weights or "shipped",
-        "weights_training_steps": (pretrained_metadata("sprite_world")["training"]["steps"] if weights is None
-                                   else json.loads(Path(weights).with_suffix(".json").read_text())["training"]
-                                   .get("steps")),
+        "weights_training_steps": pretrained_metadata("sprite_world", weights=weights)["training"].get("steps"),
         "num_layers": pipeline.config.num_layers,
         "worlds": worlds, "first_seed": first_seed, "frames": frames, "action_seed": action_seed,
         "quality": {k: v for k, v in quality.items() if k != "sessions"},
