@@ -42,7 +42,7 @@ from ardiff_jax.kv import (
 from ardiff_jax._checks import check_not_traced
 from ardiff_jax.runtime import ARDiffusionKVCache, ARDiffusionKVState, branch_cursor_array, commit_frames
 
-__all__ = ["BlockFn", "rollout_batched_blocks", "rollout_blocks", "rollout_sessions"]
+__all__ = ["BlockFn", "rollout_batched_blocks", "rollout_blocks", "rollout_sessions", "scan_batched_blocks"]
 
 #: ``block_fn(caches, x) -> (y, k, v)`` with ``k, v: [L, f*T, H, D]``.
 BlockFn = Callable[[PagedKVCaches, Any], tuple[Any, jax.Array, jax.Array]]
@@ -130,26 +130,55 @@ def rollout_batched_blocks(
     ``"rbg"`` keys draws other numbers under ``vmap`` than alone (draw it with ``lax.map``
     to match a one-session run).
     """
+    def batched_fn(caches: PagedKVCaches, carry: None, x: Any) -> tuple[None, Any, jax.Array, jax.Array]:
+        y, k, v = jax.vmap(block_fn, in_axes=(caches.vmap_axes(), 0))(caches, x)
+        return carry, y, k, v
+
+    pools, cursors, _, ys = scan_batched_blocks(layout, pools, cursors, batched_fn, xs, None, num_frames=num_frames,
+                                                backend=backend)
+    return pools, cursors, ys
+
+
+def scan_batched_blocks(
+    layout: KVLayout,
+    pools: KVPools,
+    cursors: jax.Array,  # i32[B, 3]: (run_base, committed, visible_start) per session
+    block_fn: Callable[[PagedKVCaches, Any, Any], tuple[Any, Any, jax.Array, jax.Array]],
+    xs: Any,  # pytree, leading axis = num_steps
+    carry: Any,  # pytree the block function threads from step to step (model-owned state), or None
+    *,
+    num_frames: int,
+    backend: str = "xla",
+) -> tuple[KVPools, jax.Array, Any, Any]:
+    """The scan behind :func:`rollout_batched_blocks` (traceable, not jitted; pools are not donated here).
+
+    ``block_fn(caches, carry, x) -> (carry, y, k, v)`` runs one step of **every** session:
+    ``caches`` is the batched paged view (cursor ``i32[B, 3]``), ``k, v`` are
+    ``[B, L, f*T, H, D]``, the blocks to commit. Each step first writes the previous step's
+    blocks (in place, :func:`~ardiff_jax.kv.write_blocks`), then runs ``block_fn``; cursors
+    advance with the runtime's one rule. Returns ``(pools, cursors, carry, ys)``. Used inside
+    larger programs too (``ardiff_jax.training.self_rollout`` differentiates through it).
+    """
     seq_len = num_frames * layout.tokens_per_frame
     num_sessions = cursors.shape[0]
     block_shape = (num_sessions, layout.num_layers, seq_len, layout.num_kv_heads, layout.head_size)
     row_pages = jax.vmap(lambda cursor: block_pages(layout, cursor[0], cursor[1], num_frames, jnp))
     row_advance = jax.vmap(lambda cursor: advance_cursor(layout, cursor, num_frames, jnp))
 
-    def step(carry: tuple[KVPools, jax.Array, tuple[jax.Array, jax.Array, jax.Array]], x: Any):
-        pools, cursors, (pending_pages, pending_k, pending_v) = carry
+    def step(state: tuple[KVPools, jax.Array, tuple[jax.Array, jax.Array, jax.Array], Any], x: Any):
+        pools, cursors, (pending_pages, pending_k, pending_v), carry = state
         pools = write_blocks(layout, pools, pending_pages, pending_k, pending_v)  # write first: in place
         caches = PagedKVCaches(pools=pools, cursor=cursors, layout=layout, seq_len=seq_len, backend=backend)
-        y, k, v = jax.vmap(block_fn, in_axes=(caches.vmap_axes(), 0))(caches, x)
+        carry, y, k, v = block_fn(caches, carry, x)
         pending = (row_pages(cursors), k.reshape(block_shape).astype(layout.dtype),
                    v.reshape(block_shape).astype(layout.dtype))
-        return (pools, row_advance(cursors), pending), y
+        return (pools, row_advance(cursors), pending, carry), y
 
     nothing = (jnp.full((num_sessions, num_frames), layout.null_page, jnp.int32), jnp.zeros(block_shape, layout.dtype),
                jnp.zeros(block_shape, layout.dtype))
-    (pools, cursors, pending), ys = jax.lax.scan(step, (pools, cursors, nothing), xs)
+    (pools, cursors, pending, carry), ys = jax.lax.scan(step, (pools, cursors, nothing, carry), xs)
     pools = write_blocks(layout, pools, *pending)
-    return pools, cursors, ys
+    return pools, cursors, carry, ys
 
 
 def rollout_sessions(

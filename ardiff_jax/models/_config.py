@@ -11,7 +11,9 @@ Presets:
 * ``medium``: 8 layers, 4 heads x 128, 220 tokens/frame (22x40 latent); the geometry of
   ``ardiff_jax.geometries.medium()``.
 * ``sprite_world``: the trained SpriteWorld model (``ardiff_jax.models.pretrained``):
-  32x32 RGB pixel-space frames, 4 layers, one frame per block, 1-frame sink + 3-frame window.
+  32x32 RGB pixel-space frames, 4 layers, one frame per block, 1-frame sink + 3-frame window;
+  ``sprite-world-tiny``: the same layout at 24x24 frames, 2 layers of width 32, for CPU tests
+  of the training paths (``SpriteWorld(size=24)``).
 * ``wan_1_3b``: Wan2.1-T2V-1.3B (30 layers, 12 heads x 128, dim 1536, FFN 8960, 1560
   tokens/frame = 60x104 latent, 3-frame blocks, 512 x 4096 text); the geometry of
   ``ardiff_jax.geometries.wan_1_3b()``. On CPU instantiate it shape-wise only
@@ -318,6 +320,12 @@ def sprite_world() -> CausalDiTConfig:
     )
 
 
+def sprite_world_tiny() -> CausalDiTConfig:
+    """``sprite_world``'s layout at 24x24 frames with 2 layers of width 32: training-path tests in seconds."""
+    return sprite_world().replace(name="sprite-world-tiny", num_layers=2, dim=32, ffn_dim=64, num_heads=2,
+                                  latent_height=24, latent_width=24)
+
+
 def _wan(name: str, *, num_layers: int, dim: int, num_heads: int, ffn_dim: int, channels: int = 16,
          latent: tuple[int, int] = (60, 104)) -> CausalDiTConfig:
     # The block policy defaults to Self-Forcing's: 3-frame blocks attending to everything up to
@@ -399,6 +407,7 @@ def matrix_game_tiny() -> CausalDiTConfig:
 
 DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {
     "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world,
+    "sprite-world-tiny": sprite_world_tiny,
     "wan-tiny": wan_tiny, "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b,
     "matrix-game-2-universal": matrix_game_2_universal, "matrix-game-2-gta-drive": matrix_game_2_gta_drive,
     "matrix-game-2-templerun": matrix_game_2_templerun, "matrix-game-tiny": matrix_game_tiny}

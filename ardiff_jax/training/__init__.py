@@ -1,4 +1,4 @@
-"""Training the SpriteWorld model: teacher-forced flow matching on block-causal sequences, optax, orbax.
+"""Training causal models: teacher forcing and Self-Forcing (through the model's own cached rollout), optax, orbax.
 
 * :class:`TrainConfig` fixes a run (the seed makes it reproducible and resumable);
   :func:`train` runs it with a tqdm progress bar, orbax checkpoints, ``losses.json`` and
@@ -7,6 +7,10 @@
   is pure and jittable; the training-mode forward is the same ``CausalDiT`` that serves
   inference, run over many block instances at once under a token mask built from the
   runtime's own visible-window rule (``ardiff_jax.models.block_causal_mask``).
+
+* Self-Forcing (:func:`self_rollout`, :class:`Truncation`, :func:`ground_truth_loss`, and the
+  distribution-matching hook in :mod:`ardiff_jax.training`): the engine's cached rollout,
+  differentiable, in one jitted program (``docs/training.md``).
 
 Needs the ``train`` extra (``pip install 'ardiff_jax[train]'``: optax, orbax-checkpoint,
 matplotlib); inference with the shipped weights does not. Design notes: ``docs/models.md``.
@@ -28,6 +32,7 @@ from ardiff_jax.training._loop import (
     restore_checkpoint,
     save_checkpoint,
     train,
+    training_batch,
 )
 from ardiff_jax.training._objective import (
     Objective,
@@ -36,7 +41,21 @@ from ardiff_jax.training._objective import (
     encounters,
     sample_training_batch,
     sequence_loss,
+    rollout_batch_loss,
+    rollout_weights,
     teacher_forced_outputs,
+)
+from ardiff_jax.training._self_forcing import (
+    RolloutBlocks,
+    RolloutConditioning,
+    Truncation,
+    ground_truth_loss,
+    gradient_blocks,
+    pipeline_noise,
+    rollout_layout,
+    rollout_noise,
+    sample_exit_steps,
+    self_rollout,
 )
 
 __all__ = [
@@ -64,4 +83,17 @@ __all__ = [
     "save_checkpoint",
     "sequence_loss",
     "train",
+    "training_batch",
+    "rollout_batch_loss",
+    "rollout_weights",
+    "RolloutBlocks",
+    "RolloutConditioning",
+    "Truncation",
+    "ground_truth_loss",
+    "gradient_blocks",
+    "pipeline_noise",
+    "rollout_layout",
+    "rollout_noise",
+    "sample_exit_steps",
+    "self_rollout",
 ]

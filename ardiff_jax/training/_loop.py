@@ -18,11 +18,19 @@ from flax import nnx
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax.models import PREDICTIONS, CausalDiTConfig, DiTModules, dit_preset
 from ardiff_jax.training._evaluate import EVALUATION_SEED
-from ardiff_jax.training._objective import Objective, TrainingBatch, batch_loss, sample_training_batch
+from ardiff_jax.training._objective import (
+    Objective,
+    TrainingBatch,
+    batch_loss,
+    rollout_batch_loss,
+    rollout_weights,
+    sample_training_batch,
+)
+from ardiff_jax.training._self_forcing import Truncation
 
 __all__ = ["TrainConfig", "TrainState", "TrainResult", "make_optimizer", "init_train_state", "make_train_step",
            "deepen", "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve", "checkpoint_config",
-           "config_differences", "BOOKKEEPING_FIELDS"]
+           "config_differences", "BOOKKEEPING_FIELDS", "training_batch"]
 
 
 def _optional(module: str) -> Any:
@@ -59,6 +67,14 @@ class TrainConfig:
         run's model config, except that it may have fewer layers (:func:`deepen` adds the
         rest); the optimizer state starts fresh. ``""``: fresh weights from ``seed``.
       num_layers: transformer depth; 0 keeps the preset's.
+      self_rollout: train through the model's own cached rollout (Self-Forcing,
+        :func:`~ardiff_jax.training.rollout_batch_loss`) instead of teacher forcing: each
+        sequence is played as a session plays it, every frame after the observed ones
+        generated from the model's own committed frames, the loss on what it generated
+        against the simulator's frames. ``sequence_frames`` counts the sink too.
+      per_block_exit, gradient_frames: Self-Forcing's gradient truncation
+        (:class:`~ardiff_jax.training.Truncation`); the shipped model samples in one step,
+        so its exit step is always that step.
       seed: initial weights (unless ``init_weights``), data and noise.
       checkpoint_every: steps between orbax checkpoints (the last step is always saved).
     """
@@ -84,6 +100,9 @@ class TrainConfig:
     chase_probability: float = 0.0
     init_weights: str = ""
     num_layers: int = 0
+    self_rollout: bool = False
+    per_block_exit: bool = False
+    gradient_frames: int = 0
     seed: int = 0
     checkpoint_every: int = 250
 
@@ -94,6 +113,10 @@ class TrainConfig:
         check_non_negative_int("TrainConfig max_sink_distance", self.max_sink_distance)
         check_non_negative_int("TrainConfig seed", self.seed)
         check_non_negative_int("TrainConfig num_layers", self.num_layers)
+        check_non_negative_int("TrainConfig gradient_frames", self.gradient_frames)
+        for name in ("self_rollout", "per_block_exit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainConfig {name} must be a bool, got {getattr(self, name)!r}")
         if self.seed == EVALUATION_SEED:
             raise ValueError(f"TrainConfig seed {EVALUATION_SEED} is the evaluation clips' seed "
                              "(ardiff_jax.training.EVALUATION_SEED); train with another")
@@ -116,6 +139,20 @@ class TrainConfig:
         if self.prediction not in PREDICTIONS:
             raise ValueError(f"TrainConfig prediction must be one of {PREDICTIONS}, got {self.prediction!r}")
         dit_preset(self.preset)  # KeyError naming the presets if unknown
+        if self.self_rollout and self.sequence_frames < self.context_frames + 2:
+            raise ValueError(f"TrainConfig sequence_frames must be at least {self.context_frames + 2} with "
+                             f"self_rollout (the sink, {self.context_frames} observed context frames of a gapped "
+                             "sequence and one generated frame)")
+
+    @property
+    def context_frames(self) -> int:
+        """True frames a gapped self-rollout sequence observes after its sink: the history one forward sees."""
+        preset = dit_preset(self.preset)
+        return preset.window_frames - preset.frames_per_block
+
+    @property
+    def truncation(self) -> Truncation:
+        return Truncation(per_block_exit=self.per_block_exit, gradient_frames=self.gradient_frames)
 
     @property
     def model_config(self) -> CausalDiTConfig:
@@ -257,15 +294,46 @@ def _train_step(config: TrainConfig, graphdef: Any
     optimizer = make_optimizer(config)
     model_config = config.model_config
 
+    def loss_fn(params: Any, batch: TrainingBatch, key: jax.Array) -> jax.Array:
+        if not config.self_rollout:
+            return batch_loss(graphdef, params, model_config, batch, key, config.objective)
+        from ardiff_jax.models import SPRITE_WORLD_SCHEDULE
+
+        # Under self_rollout the batch's weights are per frame, f32[B, n] (training_batch).
+        return rollout_batch_loss(graphdef, params, model_config, batch, batch.weights, key, config.objective, SPRITE_WORLD_SCHEDULE,
+                                  config.context_frames, config.truncation, _snap_cells)
+
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state: TrainState, batch: TrainingBatch) -> tuple[TrainState, jax.Array]:
         key = jax.random.fold_in(jax.random.key(config.seed), state.step)
-        loss, grads = jax.value_and_grad(
-            lambda p: batch_loss(graphdef, p, model_config, batch, key, config.objective))(state.params)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, key))(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
 
     return step
+
+
+def _snap_cells(latents: jax.Array) -> jax.Array:
+    """The shipped sprite pipeline's ``"cells"`` decoder: what a rollout commits, as the engine does."""
+    from ardiff_jax.models import snap_to_cells
+
+    return snap_to_cells(latents, jnp)
+
+
+def training_batch(config: TrainConfig, step: int) -> TrainingBatch:
+    """The batch of ``step`` as the step function takes it (a pure function of ``(config.seed, step)``).
+
+    Under ``self_rollout`` its ``weights`` are per frame, ``f32[B, n]``
+    (:func:`~ardiff_jax.training.rollout_weights`), not per teacher-forced target.
+    """
+    batch = sample_training_batch(config.seed, step, config.batch_size, config.sequence_frames, config.max_gap,
+                                  size=config.model_config.latent_height,
+                                  max_sink_distance=config.max_sink_distance or None,
+                                  encounter_share=config.encounter_share, encounter_weight=config.encounter_weight,
+                                  chase_probability=config.chase_probability)
+    if config.self_rollout:
+        batch = batch._replace(weights=rollout_weights(batch, config.context_frames))
+    return batch
 
 
 def _manager(directory: Path, keep: int = 2) -> Any:
@@ -408,15 +476,9 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = True, prog
     step_fn = make_train_step(config, graphdef)
     first = int(state.step)
     last = config.steps if stop_after is None else min(config.steps, first + stop_after)
-    cfg = config.model_config
     with tqdm(total=config.steps, initial=first, disable=not progress, unit="step", desc="train") as bar:
         for step in range(first, last):
-            batch = sample_training_batch(config.seed, step, config.batch_size, config.sequence_frames,
-                                          config.max_gap, size=cfg.latent_height,
-                                          max_sink_distance=config.max_sink_distance or None,
-                                          encounter_share=config.encounter_share,
-                                          encounter_weight=config.encounter_weight,
-                                          chase_probability=config.chase_probability)
+            batch = training_batch(config, step)
             state, loss = step_fn(state, batch)
             losses.append((step, float(loss)))
             bar.update(1)

@@ -51,7 +51,7 @@ from ardiff_jax.models import (
 )
 
 __all__ = ["Objective", "TrainingBatch", "sample_training_batch", "encounters", "sequence_loss", "batch_loss",
-           "teacher_forced_outputs"]
+           "teacher_forced_outputs", "rollout_weights", "rollout_batch_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,3 +273,59 @@ def batch_loss(graphdef: Any, params: Any, config: CausalDiTConfig, batch: Train
         lambda f, a, p, w, k: sequence_loss(modules, config, f, a, p, w, k, objective, text_kv)
     )(batch.frames, batch.actions, batch.positions, batch.weights, keys)
     return jnp.sum(totals) / jnp.maximum(jnp.sum(counts), 1.0)
+
+
+def rollout_weights(batch: TrainingBatch, context_frames: int) -> np.ndarray:
+    """``f32[B, n]``: the loss weight of each frame of a self-rollout sequence (0 where it is observed).
+
+    Frame 0 (the sink) is observed. A contiguous sequence (``g = 1``) is generated from
+    frame 1 on, as a session is after its reset frame; a gapped one first observes
+    ``context_frames`` true frames (the visible history a forward sees), then generates.
+    The generated frames keep :func:`sample_training_batch`'s weights (encounter weights).
+    """
+    weights = np.concatenate([np.zeros((batch.weights.shape[0], 1), np.float32), batch.weights], axis=1)
+    contiguous = batch.positions[:, 1] == 1
+    weights[:, 1:1 + context_frames] = np.where(contiguous[:, None], weights[:, 1:1 + context_frames], 0.0)
+    # sample_training_batch gives a gap's first target weight 0 ("could only guess" teacher-forced);
+    # in a rollout of a contiguous sequence that target is the first generated frame, seen from the sink.
+    weights[contiguous, 1] = np.maximum(weights[contiguous, 1], 1.0)
+    return weights
+
+
+def rollout_batch_loss(graphdef: Any, params: Any, config: CausalDiTConfig, batch: TrainingBatch,
+                       weights: jax.Array, key: jax.Array, objective: Objective, schedule: Any,
+                       context_frames: int, truncation: Any, decoder: Any) -> jax.Array:
+    """Mean weighted loss of one self-rollout per sequence (Self-Forcing against the simulator's frames).
+
+    Each sequence is rolled out by :func:`~ardiff_jax.training.self_rollout` exactly as a
+    session plays: the sink observed, a gapped sequence's ``context_frames`` observed at
+    their far-from-sink positions, every other frame generated from the model's own
+    committed (decoded) frames under the recorded actions. The loss compares each generated
+    frame with the simulator's, each pixel weighted as :func:`sequence_loss` weighs it
+    (``focus_weight`` near the sprites of the frame it continues from, the model's own).
+    """
+    from ardiff_jax.training._self_forcing import (RolloutConditioning, ground_truth_loss, rollout_noise,
+                                                   self_rollout)
+
+    modules = nnx.merge(graphdef, params)
+    b, n = batch.frames.shape[:2]
+    latents = jax.vmap(lambda f: frames_to_latents(f, jnp))(batch.frames)[:, :, None]  # [B, n, f=1, 3, H, W]
+    controls = jax.vmap(lambda a: action_registers(a, len(ACTION_NAMES), jnp))(batch.actions)[:, :, None, :]
+    contiguous = batch.positions[:, 1] == 1
+    index = jnp.arange(n)[None, :]
+    observed = (index == 0) | ((~contiguous[:, None]) & (index <= context_frames))
+    text_ids = jnp.asarray(tokenize_prompt("", config.text_len))
+    text_kv = jax.lax.stop_gradient(modules.transformer.text_cross_kv(modules.text_encoder(text_ids)))
+    conditioning = RolloutConditioning(text_kv=jax.tree.map(lambda a: jnp.broadcast_to(a, (b,) + a.shape), text_kv),
+                                       controls=controls)
+    key_exit, key_noise = jax.random.split(key)
+    exits = truncation.exit_steps(key_exit, n, schedule.num_steps)
+    noise = rollout_noise(key_noise, b, n, schedule.num_steps, latents.shape[2:])
+    rollout = self_rollout(graphdef, params, latents, observed, conditioning, noise, exits, batch.positions[:, 1],
+                           schedule=schedule, prediction=objective.prediction, truncation=truncation, finish=decoder)
+    # The frame each generated frame continues from is the model's own previous committed frame.
+    previous = jnp.concatenate([rollout.committed[:, :1], rollout.committed[:, :-1]], axis=1)[:, :, 0]
+    focus = jax.vmap(near_sprites)(previous)[:, :, None]  # [B, n, 1, 1, H, W]
+    pixel_weight = 1.0 + objective.focus_weight * focus
+    total, count = ground_truth_loss(rollout, latents, weights, pixel_weight)
+    return total / jnp.maximum(count, 1.0)

@@ -1,0 +1,304 @@
+"""Self-Forcing's differentiable cached rollout: the engine's blocks, the right gradient, truncation, no recompiles.
+
+* forward: with the engine's noise the rollout commits exactly the blocks the engine serves
+  (the sprite world: observation prefill, one-step delta, cell decoder; the tiny world
+  pipeline: a 4-step flow schedule, two-frame blocks, register tokens);
+* gradient: equal to a central finite difference (the gradient-free forwards held at the
+  same parameters) and to a dense recomputation that never touches the paged pools
+  (``forward_blocks`` for the clean context, ``DenseAttention`` for each exit forward);
+* truncation: exit steps reproducible from the key, shared or per block; ``gradient_frames``
+  keeps exactly the last blocks' gradient;
+* the training step compiles once.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
+from ardiff_jax.envs import SpriteWorld, sprite_world_clips
+from ardiff_jax.models import (
+    DenseAttention,
+    DiTModules,
+    FewStepSchedule,
+    MaskedAttention,
+    SpriteWorldPipeline,
+    SpriteWorldPipelineConfig,
+    WorldPipeline,
+    WorldPipelineConfig,
+    action_registers,
+    block_causal_mask,
+    clean_estimate,
+    dit_preset,
+    frames_to_latents,
+    pretrained,
+    snap_to_cells,
+    tokenize_prompt,
+)
+from ardiff_jax.training import (
+    RolloutConditioning,
+    TrainConfig,
+    Truncation,
+    gradient_blocks,
+    make_train_step,
+    init_train_state,
+    pipeline_noise,
+    rollout_batch_loss,
+    rollout_weights,
+    sample_exit_steps,
+    sample_training_batch,
+    self_rollout,
+    training_batch,
+)
+from ardiff_jax.training._objective import Objective
+from helpers import count_compiles
+
+ENGINE = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0, warmup=False)
+#: A small SpriteWorld-shaped transformer (16 x 16 frames): fast, and every sprite-specific path runs.
+SPRITE = dit_preset("sprite-world-tiny")
+ONE_STEP = FewStepSchedule((1000.0,))
+
+
+def _snap(latents):
+    return snap_to_cells(latents, jnp)
+
+
+def _text_kv(modules, config, rows):
+    kv = modules.transformer.text_cross_kv(modules.text_encoder(jnp.asarray(tokenize_prompt("", config.text_len))))
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (rows,) + a.shape), kv)
+
+
+@pytest.fixture(scope="module")
+def sprite_modules():
+    return DiTModules.create(SPRITE, 3)
+
+
+def test_sprite_rollout_commits_exactly_the_engines_blocks():
+    """The shipped model (its outputs sit far from the cell decoder's decision boundaries, so the decoded
+    frames compare exactly; a random network's near-ties could flip a cell on a 1e-7 difference)."""
+    pipeline = pretrained("sprite_world", session_capacity=2)
+    config = pipeline.config
+    engine = ARDiffusionEngine(pipeline, ENGINE)
+    observation = SpriteWorld(3).reset()
+    actions = np.random.default_rng(0).integers(0, 5, 5)
+    blocks = []
+    for i, action in enumerate(actions):
+        inputs = {"actions": [int(action)], **({"observation": observation} if i == 0 else {})}
+        blocks.append(np.asarray(engine.generate(DiffusionRequest(f"r{i}", extra_args={"session_id": "s"},
+                                                                  inputs=inputs)).latents))
+    n = len(actions) + 1
+    noise = pipeline_noise(pipeline._sessions["s"].key, 0, n - 1, 1, config.block_shape)
+    noise = jnp.concatenate([jnp.zeros_like(noise[:1]), noise])[None]  # block 0 is the observed sink
+    frames = jnp.zeros((1, n) + config.block_shape).at[0, 0].set(frames_to_latents(observation[None]))
+    observed = jnp.arange(n)[None] == 0
+    controls = jnp.asarray(action_registers(np.concatenate([[0], actions]), 5))[None, :, None]
+    modules = nnx.merge(pipeline._graphdef, pipeline._params)
+    cond = RolloutConditioning(text_kv=_text_kv(modules, config, 1), controls=controls)
+    out = self_rollout(pipeline._graphdef, pipeline._params, frames, observed, cond, noise, jnp.zeros(n, jnp.int32),
+                       schedule=ONE_STEP, prediction="delta", finish=_snap)
+    np.testing.assert_allclose(np.asarray(out.committed[0, 1:, 0]), np.concatenate(blocks), rtol=0, atol=1e-5)
+    # The generated (differentiable) frames are the decoder's input: it snaps them to what is committed.
+    np.testing.assert_allclose(np.asarray(_snap(out.generated[0, 1:])), np.asarray(out.committed[0, 1:]), atol=1e-6)
+
+
+def test_world_rollout_matches_a_four_step_engine_session_with_registers():
+    config = dit_preset("tiny")
+    schedule = FewStepSchedule()
+    pipeline = WorldPipeline(config, WorldPipelineConfig(session_capacity=2, schedule=schedule))
+    engine = ARDiffusionEngine(pipeline, ENGINE)
+    n = 5  # past the 5-frame window with 2-frame blocks
+    registers = np.random.default_rng(1).standard_normal((n, config.num_register_tokens, config.register_dim))
+    blocks = [np.asarray(engine.generate(DiffusionRequest(
+        f"r{i}", prompt="a red car" if i == 0 else None, extra_args={"session_id": "w"},
+        inputs={"action": registers[i].astype(np.float32)})).latents) for i in range(n)]
+    graphdef, params = pipeline._graphdef, pipeline._params
+    modules = nnx.merge(graphdef, params)
+    text_kv = modules.transformer.text_cross_kv(modules.text_encoder(
+        jnp.asarray(tokenize_prompt("a red car", config.text_len))))
+    cond = RolloutConditioning(text_kv=jax.tree.map(lambda a: a[None], text_kv),
+                               registers=jnp.asarray(registers, jnp.float32)[None])
+    noise = pipeline_noise(pipeline._sessions["w"].key, 0, n, schedule.num_steps, config.block_shape)[None]
+    last = jnp.full((n,), schedule.num_steps - 1, jnp.int32)  # exit at the last step: the whole schedule
+    out = self_rollout(graphdef, params, jnp.zeros((1, n) + config.block_shape), jnp.zeros((1, n), bool), cond,
+                       noise, last, schedule=schedule, prediction="flow")
+    np.testing.assert_allclose(np.asarray(out.committed[0]), np.stack(blocks), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.generated[0]), np.stack(blocks), rtol=0, atol=1e-5)
+
+
+def _sprite_problem(modules, rows=2, n=5, seed=0):
+    """A small rollout problem: row 0 contiguous from the sink, row 1 a context run placed at frame 40."""
+    frames, actions = sprite_world_clips(seed, rows, n, size=24)
+    latents = jnp.asarray(np.stack([frames_to_latents(f) for f in frames]))[:, :, None]
+    controls = jnp.asarray(action_registers(actions, 5))[:, :, None]
+    index = jnp.arange(n)[None]
+    observed = (index == 0) | ((jnp.arange(rows)[:, None] == 1) & (index <= 2))
+    run_start = jnp.asarray([1] + [40] * (rows - 1), jnp.int32)
+    noise = jax.random.normal(jax.random.key(seed), (rows, n, 1) + SPRITE.block_shape)
+    cond = RolloutConditioning(text_kv=_text_kv(modules, SPRITE, rows), controls=controls)
+    weights = jnp.where(observed, 0.0, 1.0)
+    return latents, observed, cond, noise, run_start, weights
+
+
+def _loss(generated, latents, weights, probe):
+    return jnp.sum(jnp.sum(jnp.square(generated - latents) * probe, axis=(2, 3, 4, 5)) * weights)
+
+
+def test_gradient_equals_a_central_finite_difference(sprite_modules):
+    graphdef, params = nnx.split(sprite_modules)
+    latents, observed, cond, noise, run_start, weights = _sprite_problem(sprite_modules)
+    probe = jax.random.uniform(jax.random.key(9), latents.shape[2:])
+
+    def loss(p, context):
+        out = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(5, jnp.int32), run_start,
+                           context, schedule=ONE_STEP, prediction="delta", finish=_snap)
+        return _loss(out.generated, latents, weights, probe)
+
+    grad = jax.grad(loss)(params, None)
+    direction = jax.tree.map(lambda g, k: jax.random.normal(k, g.shape), grad,
+                             jax.tree.unflatten(jax.tree.structure(grad),
+                                                list(jax.random.split(jax.random.key(2), len(jax.tree.leaves(grad))))))
+    eps = 1e-3
+    shifted = [jax.tree.map(lambda p, d: p + s * eps * d, params, direction) for s in (1, -1)]
+    # The gradient-free forwards (commits) stay at `params`, as stop_gradient holds them.
+    fd = (loss(shifted[0], params) - loss(shifted[1], params)) / (2 * eps)
+    analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction)))
+    assert float(jnp.abs(analytic)) > 1e-3
+    np.testing.assert_allclose(float(fd), float(analytic), rtol=2e-2)
+
+
+def test_gradient_equals_a_dense_block_causal_recomputation(sprite_modules):
+    """The same loss computed without pools: clean context by ``forward_blocks``, each exit forward dense."""
+    graphdef, params = nnx.split(sprite_modules)
+    latents, observed, cond, noise, run_start, weights = _sprite_problem(sprite_modules)
+    probe = jax.random.uniform(jax.random.key(9), latents.shape[2:])
+    rows, n = observed.shape
+    out = self_rollout(graphdef, params, latents, observed, cond, noise, jnp.zeros(n, jnp.int32), run_start,
+                       schedule=ONE_STEP, prediction="delta", finish=_snap)
+
+    def paged(p):
+        o = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(n, jnp.int32), run_start,
+                         schedule=ONE_STEP, prediction="delta", finish=_snap)
+        return _loss(o.generated, latents, weights, probe)
+
+    committed = out.committed  # [rows, n, 1, C, H, W], constants
+    positions = jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), run_start[:, None] + jnp.arange(n - 1)[None]], 1)
+
+    def dense(p):
+        modules = nnx.merge(graphdef, p)
+        frozen = nnx.merge(graphdef, jax.lax.stop_gradient(p))
+        total = 0.0
+        for r in range(rows):
+            text_kv = jax.tree.map(lambda a: a[r], cond.text_kv)
+            clean = frozen.transformer.forward_blocks(
+                committed[r], jnp.zeros(n), positions[r], text_kv, controls=cond.controls[r],
+                attention=MaskedAttention(block_causal_mask(SPRITE, positions[r], jnp.ones(n, bool))))
+            tokens = SPRITE.tokens_per_frame
+            # Which clean frames block i's forward sees: the mask's row for a noisy copy of block i.
+            starts = jnp.concatenate([positions[r], positions[r]])
+            full = block_causal_mask(SPRITE, starts, jnp.arange(2 * n) < n)
+            for i in range(1, n):
+                visible = full[(n + i) * tokens, :n * tokens] & (jnp.arange(n * tokens) < i * tokens)
+                attention = DenseAttention(k=clean.k, v=clean.v, mask=visible)
+                y = modules.transformer(noise[r, i, 0], jnp.float32(1000.0), positions[r, i], text_kv,
+                                        controls=cond.controls[r, i], attention=attention)
+                x0 = clean_estimate(y.video, noise[r, i, 0], jnp.float32(1.0), committed[r, i - 1, -1], "delta")
+                total = total + weights[r, i] * jnp.sum(jnp.square(x0 - latents[r, i]) * probe)
+        return total
+
+    dense_value, dense_grad = jax.jit(jax.value_and_grad(dense))(params)
+    paged_value, paged_grad = jax.jit(jax.value_and_grad(paged))(params)
+    np.testing.assert_allclose(float(dense_value), float(paged_value), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(dense_grad), jax.tree.leaves(paged_grad)):
+        # float32 summation order differs (dense softmax vs paged): relative to each leaf's scale.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_exit_steps_are_reproducible_from_the_key_shared_or_per_block():
+    key = jax.random.key(7)
+    shared = sample_exit_steps(key, 12, 4, per_block=False)
+    assert np.all(np.asarray(shared) == np.asarray(shared)[0])
+    np.testing.assert_array_equal(np.asarray(shared), np.asarray(sample_exit_steps(key, 12, 4, per_block=False)))
+    per_block = np.asarray(sample_exit_steps(key, 64, 4, per_block=True))
+    np.testing.assert_array_equal(per_block, np.asarray(sample_exit_steps(key, 64, 4, per_block=True)))
+    assert set(per_block.tolist()) == {0, 1, 2, 3}
+    draws = {int(sample_exit_steps(jax.random.key(s), 3, 4, per_block=False)[0]) for s in range(40)}
+    assert draws == {0, 1, 2, 3}
+    np.testing.assert_array_equal(np.asarray(Truncation(per_block_exit=True).exit_steps(key, 64, 4)), per_block)
+    assert np.asarray(Truncation(last_step_only=True).exit_steps(key, 5, 4)).tolist() == [3] * 5
+
+
+def test_exit_step_chooses_which_step_carries_the_gradient():
+    """With the exit at step s the output is step s's clean estimate; later steps do not run."""
+    config = dit_preset("tiny")
+    schedule = FewStepSchedule()
+    modules = DiTModules.create(config, 0)
+    graphdef, params = nnx.split(modules)
+    n = 2
+    noise = jax.random.normal(jax.random.key(0), (1, n, schedule.num_steps) + config.block_shape)
+    cond = RolloutConditioning(text_kv=_text_kv(modules, config, 1),
+                               registers=jnp.zeros((1, n, config.num_register_tokens, config.register_dim)))
+    frames = jnp.zeros((1, n) + config.block_shape)
+    observed = jnp.zeros((1, n), bool)
+    outs = [self_rollout(graphdef, params, frames, observed, cond, noise, jnp.full((n,), e, jnp.int32),
+                         schedule=schedule) for e in range(schedule.num_steps)]
+    # Block 0's exit input at step 0 is its initial noise; at a later exit it has been denoised.
+    np.testing.assert_array_equal(np.asarray(outs[0].exit_input[0, 0]), np.asarray(noise[0, 0, 0]))
+    assert all(float(jnp.abs(o.generated[0, 0] - outs[0].generated[0, 0]).max()) > 1e-4 for o in outs[1:])
+
+
+def test_gradient_frames_keeps_only_the_last_blocks_gradient(sprite_modules):
+    graphdef, params = nnx.split(sprite_modules)
+    latents, observed, cond, noise, run_start, weights = _sprite_problem(sprite_modules, rows=1, n=6)
+    probe = jnp.ones(latents.shape[2:])
+    assert gradient_blocks(6, 1, 2).tolist() == [False] * 4 + [True] * 2
+
+    def loss(p, truncation, block_weights):
+        out = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(6, jnp.int32), run_start,
+                           schedule=ONE_STEP, prediction="delta", truncation=truncation, finish=_snap)
+        return _loss(out.generated, latents, block_weights, probe)
+
+    truncated = jax.grad(loss)(params, Truncation(gradient_frames=2), weights)
+    # Without remat (and without truncation, the loss restricted to the last two blocks): the same gradient.
+    last_two = jax.grad(loss)(params, Truncation(remat=False), weights * (jnp.arange(6) >= 4))
+    for a, b in zip(jax.tree.leaves(truncated), jax.tree.leaves(last_two)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+def test_rollout_weights_observe_the_sink_and_a_gapped_sequences_context():
+    batch = sample_training_batch(1, 0, 8, 6, 20, size=24)
+    weights = rollout_weights(batch, 2)
+    contiguous = batch.positions[:, 1] == 1
+    assert np.all(weights[:, 0] == 0)
+    assert np.all(weights[contiguous, 1:] > 0)
+    assert np.all(weights[~contiguous, 1:3] == 0) and np.all(weights[~contiguous, 3:] > 0)
+
+
+def test_self_rollout_training_step_compiles_once():
+    config = TrainConfig(preset="sprite-world-tiny", self_rollout=True, batch_size=2, sequence_frames=5, steps=6,
+                         max_gap=8, max_sink_distance=64, learning_rate=3e-3, warmup_steps=0, seed=2)
+    graphdef, state = init_train_state(config)
+    step = make_train_step(config, graphdef)
+    state, first = step(state, training_batch(config, 0))
+    with count_compiles() as compiled:
+        for s in range(1, 4):
+            state, loss = step(state, training_batch(config, s))
+            float(loss)
+    assert not compiled, compiled
+    assert np.isfinite(float(first))
+
+
+def test_the_fine_tune_snippet_in_docs_training_runs():
+    """docs/training.md's "Fine-tune your own causal model" block, verbatim."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    block = re.search(r"## Fine-tune your own causal model\n\n```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "docs/training.md", "exec"), scope)
+    assert np.isfinite(float(scope["value"]))
