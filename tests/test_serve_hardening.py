@@ -102,6 +102,7 @@ class EngineSpy:
     """Wraps ``engine.generate`` and ``engine.close_session``: counts ticks and closes per session, injects faults.
 
     ``fail_generate``: sessions whose ticks raise; ``fail_close``: sessions whose next close raises (once);
+    ``hold_close``: sessions whose every close raises (the engine keeps them) while they are listed;
     ``gate``: cleared, every tick waits for it.
     """
 
@@ -111,6 +112,7 @@ class EngineSpy:
         self.closes: collections.Counter[str] = collections.Counter()
         self.fail_generate: set[str] = set()
         self.fail_close: set[str] = set()
+        self.hold_close: set[str] = set()
         self.gate = threading.Event()
         self.gate.set()
         self._generate, self._close_session = engine.generate, engine.close_session
@@ -130,6 +132,8 @@ class EngineSpy:
         if session_id in self.fail_close:
             self.fail_close.discard(session_id)
             raise RuntimeError("injected close failure")
+        if session_id in self.hold_close:
+            raise RuntimeError("injected lasting close failure")
         self._close_session(session_id)
 
     def restore(self) -> None:
@@ -359,6 +363,47 @@ def test_an_engine_close_that_raises_on_stop_still_frees_the_slot_and_ends_the_s
         next_chunk(late)
 
 
+def test_a_session_the_engine_still_holds_keeps_its_slot_and_no_live_player_is_evicted(engine, spy, caplog):
+    # The server serves as many players as the engine holds. One player's engine close keeps failing: the
+    # engine still holds that session, so a newcomer admitted now would make the engine evict a live one.
+    with LiveServer(engine) as live:
+        held = engine.session_capacity
+        assert live.server.capacity == held
+        bystanders = [live.bystander() for _ in range(held - 1)]
+        player = live.reader()
+        request_id = start(player, format="jpeg")["request_id"]
+        next_chunk(player)
+        spy.hold_close.add(request_id)
+        since = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="ardiff_jax.serve"):
+            player.send(json.dumps({"type": "session.stop"}))
+            assert until(player, "session.done")["stopped"] is True
+            player.close()
+            wait_for(lambda: f"session {request_id} could not be closed" in caplog.text, 10, "the retries given up")
+        assert request_id in engine.sessions  # the engine holds it: its slot is not free
+        newcomer = live.reader()
+        newcomer.send(start_message(format="jpeg"))
+        refusal = json.loads(newcomer.recv(timeout=30))
+        assert refusal.get("code") == "capacity" and f"{held} of {held}" in refusal["message"], refusal
+        # Once the engine lets the session go (a refused start retries its close), the newcomer gets in.
+        spy.hold_close.clear()
+        deadline = time.monotonic() + 15
+        while True:
+            newcomer.send(start_message(format="jpeg"))
+            reply = json.loads(newcomer.recv(timeout=30))
+            if reply["type"] == "video.start":
+                break
+            assert reply.get("code") == "capacity" and time.monotonic() < deadline, reply
+            time.sleep(0.05)
+        next_chunk(newcomer)
+        assert request_id not in engine.sessions
+        for bystander in bystanders:
+            bystander.assert_streaming(since)
+        assert live.metric("ardiff_evictions_total") == 0
+        newcomer.close()
+        live.assert_serving(bystanders, since)
+
+
 # -- 4. a client that floods and never reads ---------------------------------------------------------------
 
 
@@ -508,10 +553,10 @@ def test_an_unexpected_error_handling_a_message_is_logged_and_answered(engine, s
     base = ServedWorld.for_pipeline(engine.runner.pipeline)
 
     class BrokenWorld(ServedWorld):
-        def plan_start(self, start: Any) -> Any:
+        def plan_start(self, start: Any, **kwargs: Any) -> Any:
             if start.prompt == "break":
                 raise RuntimeError("injected bug")
-            return super().plan_start(start)
+            return super().plan_start(start, **kwargs)
 
     world = BrokenWorld(**{field.name: getattr(base, field.name) for field in dataclasses.fields(base)})
     with LiveServer(engine, world=world) as live:

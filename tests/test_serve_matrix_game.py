@@ -8,9 +8,15 @@ GTA driving steers with the mouse yaw, and every tick carries one row per video 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import io
 import math
+import struct
+import threading
+import time
+import zlib
 
 import numpy as np
 import pytest
@@ -51,10 +57,53 @@ def test_a_start_image_arrives_as_a_data_url_and_is_center_cropped_to_the_frames
 
 @pytest.mark.parametrize("url, needle", [
     ("https://example.com/a.png", "data URL"), ("data:text/plain;base64,aGk=", "data URL"),
-    ("data:image/png;base64,not-base64!", "readable"), ("data:image/png;base64,aGVsbG8=", "readable")])
+    ("data:image/png;base64,not-base64!", "readable"), ("data:image/png;base64,aGVsbG8=", "readable"),
+    (_data_url(np.zeros((16, 24, 3), np.uint8), "BMP"), "PNG, JPEG, WEBP")])  # PNG, JPEG and WebP only
 def test_a_start_image_that_is_not_a_readable_data_url_is_refused(url, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode_image_url(url, 16, 24)
+
+
+def _png(width: int, height: int, idat: bytes) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+@functools.cache
+def _bomb_png(width: int, height: int) -> bytes:
+    """A valid 1-bit PNG of ``width x height`` black pixels: a few kilobytes declaring any number of pixels."""
+    packer = zlib.compressobj(9)
+    rows = bytes(1 + (width + 7) // 8) * 256  # per row: filter byte 0, then the row's bits
+    body = [packer.compress(rows) for _ in range(height // 256)]
+    body += [packer.compress(rows[:(height % 256) * (len(rows) // 256)]), packer.flush()]
+    return _png(width, height, b"".join(body))
+
+
+def _png_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL warns, at open
+def test_a_picture_declaring_too_many_pixels_is_refused_from_its_header():
+    # 12000 x 12000 pixels in a few kilobytes: decoding it would take seconds and gigabytes.
+    bomb = _bomb_png(12000, 12000)
+    assert len(bomb) < 100_000 and struct.unpack(">II", bomb[16:24]) == (12000, 12000)
+    # The second declares more than PIL's own bomb limit (its pixel data is left out: only the header is read).
+    for url in (_png_url(bomb), _png_url(_png(100_000, 100_000, b""))):
+        started = time.perf_counter()
+        with pytest.raises(ProtocolError, match="pixels") as refused:
+            decode_image_url(url, 16, 24)
+        assert refused.value.code == "invalid_field" and time.perf_counter() - started < 1.0
+    # The bound is a small multiple of the frame (16 x its pixels): a picture at it is read; one above is not.
+    assert decode_image_url(_data_url(np.zeros((64, 96, 3), np.uint8)), 16, 24).shape == (16, 24, 3)
+    with pytest.raises(ProtocolError, match="pixels"):
+        decode_image_url(_data_url(np.zeros((65, 96, 3), np.uint8)), 16, 24)
+    # A sliver within the bound that the crop to the frame's aspect would first have to blow up is refused too.
+    with pytest.raises(ProtocolError, match="pixels"):
+        decode_image_url(_data_url(np.zeros((1, 2000, 3), np.uint8)), 16, 24)
 
 
 def test_a_start_without_a_picture_needs_the_server_default():
@@ -190,6 +239,107 @@ def test_a_served_matrix_game_session_plays_from_its_picture_with_keys_and_mouse
     assert (last["keyboard"] == [1, 0, 1]).all() and last["keyboard"].shape == (12, 3)  # the tiny net's 3 keys
     np.testing.assert_allclose(last["mouse"], np.tile([0.0, 0.1], (12, 1)), atol=1e-6)
     assert engine.sessions == ()
+
+
+def _start_with(picture_url: str) -> dict:
+    return {"type": "session.start", "format": "jpeg", "seed": 1, "image_reference": {"image_url": picture_url}}
+
+
+def _picture_url(world: ServedWorld) -> str:
+    return _data_url(np.random.default_rng(1).integers(0, 256, (world.frame_height, world.frame_width, 3), np.uint8))
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL warns, at open
+def test_a_picture_bomb_gets_invalid_field_at_once_and_the_server_keeps_serving(matrix_game_engine):
+    from helpers import next_chunk_metadata
+    from starlette.testclient import TestClient
+
+    from ardiff_jax.serve import ServerSettings, create_app
+
+    world = ServedWorld.for_pipeline(matrix_game_engine.runner.pipeline)
+    app = create_app(matrix_game_engine, world=world, settings=ServerSettings(max_message_bytes=2**22))
+    with (TestClient(app) as client, client.websocket_connect("/v1/realtime/video") as player,
+          client.websocket_connect("/v1/realtime/video") as attacker):
+        player.send_json(_start_with(_picture_url(world)))
+        assert player.receive_json()["type"] == "video.start"
+        next_chunk_metadata(player)
+        started = time.perf_counter()
+        attacker.send_json(_start_with(_png_url(_bomb_png(12000, 12000))))
+        refusal = attacker.receive_json()
+        assert refusal["type"] == "error" and refusal["code"] == "invalid_field", refusal
+        assert "pixels" in refusal["message"] and time.perf_counter() - started < 2.0
+        next_chunk_metadata(player)  # the player kept streaming
+        attacker.send_json({"type": "session.ping"})
+        assert attacker.receive_json() == {"type": "session.pong"}  # the socket stays; a good picture plays
+        attacker.send_json(_start_with(_picture_url(world)))
+        assert attacker.receive_json()["type"] == "video.start"
+        next_chunk_metadata(attacker)
+        assert client.get("/healthz").json()["sessions"]["admitted"] == 2
+    assert matrix_game_engine.sessions == ()
+
+
+def test_a_start_when_full_is_refused_before_its_picture_is_decoded(matrix_game_engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from ardiff_jax.serve import ServerSettings, _world, create_app
+
+    decoded: list[str] = []
+    decode = _world.decode_image_url
+
+    def recording(url: str, *args, **kwargs):
+        decoded.append(url)
+        return decode(url, *args, **kwargs)
+
+    monkeypatch.setattr(_world, "decode_image_url", recording)
+    world = ServedWorld.for_pipeline(matrix_game_engine.runner.pipeline)
+    app = create_app(matrix_game_engine, world=world, settings=ServerSettings(capacity=1, max_message_bytes=2**22))
+    with (TestClient(app) as client, client.websocket_connect("/v1/realtime/video") as player,
+          client.websocket_connect("/v1/realtime/video") as late):
+        player.send_json(_start_with(_picture_url(world)))
+        assert player.receive_json()["type"] == "video.start" and len(decoded) == 1
+        late.send_json(_start_with(_picture_url(world)))
+        refusal = late.receive_json()
+        assert refusal["code"] == "capacity" and "1 of 1" in refusal["message"], refusal
+        assert len(decoded) == 1  # the full server never read the late start's picture
+    assert matrix_game_engine.sessions == ()
+
+
+def test_a_start_picture_is_decoded_off_the_event_loop(matrix_game_engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from ardiff_jax.serve import ServerSettings, _world, create_app
+
+    on_loop: list[bool] = []
+    release = threading.Event()
+    decode = _world.decode_image_url
+
+    def slow(url: str, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread
+            on_loop.append(False)
+        release.wait(timeout=5)  # a slow decode: on the loop, nobody else would be answered meanwhile
+        return decode(url, *args, **kwargs)
+
+    monkeypatch.setattr(_world, "decode_image_url", slow)
+    world = ServedWorld.for_pipeline(matrix_game_engine.runner.pipeline)
+    app = create_app(matrix_game_engine, world=world, settings=ServerSettings(max_message_bytes=2**22))
+    with (TestClient(app) as client, client.websocket_connect("/v1/realtime/video") as starting,
+          client.websocket_connect("/v1/realtime/video") as other):
+        starting.send_json(_start_with(_picture_url(world)))
+        deadline = time.monotonic() + 10
+        while not on_loop:
+            assert time.monotonic() < deadline, "the picture was never decoded"
+            time.sleep(0.01)
+        sent = time.perf_counter()
+        other.send_json({"type": "session.ping"})
+        assert other.receive_json() == {"type": "session.pong"}
+        waited = time.perf_counter() - sent
+        release.set()
+        assert starting.receive_json()["type"] == "video.start"
+    assert on_loop == [False] and waited < 2.0, (on_loop, waited)
+    assert matrix_game_engine.sessions == ()
 
 
 def test_serve_matrix_game_arguments_are_checked_before_building(capsys):

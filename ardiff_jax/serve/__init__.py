@@ -68,11 +68,15 @@ Client -> server (JSON text frames; binary frames are refused with ``unexpected_
   sprite and latent worlds; once the server has timed ``fps_samples`` chunks, a rate above
   what the engine sustains for one session is clamped to it). ``model``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
   ``extra_params`` and ``image_reference`` are type-checked and ignored (listed in
-  ``config.ignored_fields``). Answered with ``video.start`` ``{request_id, format, config}``;
-  ``config`` lists the accepted values, ``controls`` (``"prompt"``, ``"camera"``,
-  ``"action"``), the action values and the camera modes, and the pacing: ``fps`` (the rate
-  granted), ``requested_fps``, ``fps_limit`` (the frames/s the engine sustains for one session,
-  ``null`` until measured), ``paced`` and ``lookahead_chunks``.
+  ``config.ignored_fields``), except ``image_reference`` by a Matrix-Game world: its start picture,
+  ``{"image_url": "data:image/png;base64,..."}`` (PNG, JPEG or WebP, up to 16 MiB, declaring at
+  most 16 times the frame's pixels; anything else is ``invalid_field``), read once the start is
+  admitted (a full server answers ``capacity`` without reading it) and off the event loop.
+  Answered with ``video.start`` ``{request_id, format, config}``; ``config`` lists the
+  accepted values, ``controls`` (``"prompt"``, ``"camera"``, ``"action"``), the action values
+  and the camera modes, and the pacing: ``fps`` (the rate granted), ``requested_fps``,
+  ``fps_limit`` (the frames/s the engine sustains for one session, ``null`` until measured),
+  ``paced`` and ``lookahead_chunks``.
 * ``session.interaction``: ``{"interaction": {"event_id"?, "event": {"prompt"?,
   "multi_modal_data"?: {"camera"?, "action"?: {"value": name}}}, "transition_chunks"?}}``.
   Answered ``session.interaction.queued`` ``{request_id, event_id, duplicate}``: ``queued``
@@ -119,8 +123,9 @@ Errors are ``{"type": "error", "code", "message", "event_id"?}``. Codes: ``inval
 text frame over ``max_message_bytes``, ignored), ``unexpected_binary``, ``not_started``,
 ``already_started``, ``session_ended``, ``capacity`` (a start beyond the server's capacity:
 the socket stays open and the client may retry; a live session is never evicted; the start
-clock restarts), ``interaction_rejected``, ``interaction_failed`` (a queued event whose chunk
-failed), ``generation_failed`` (generating or encoding a chunk failed; then the socket closes,
+clock restarts; a session the engine still holds, its close having failed, counts),
+``interaction_rejected``, ``interaction_failed`` (a queued event whose chunk failed),
+``generation_failed`` (generating or encoding a chunk failed; then the socket closes,
 1011), ``internal_error`` (a server bug, logged; closes, 1011), ``start_timeout`` (no session
 started within ``start_timeout_s``; the socket closes, 1008), ``stall`` (a started session
 whose client took nothing, no chunk and no reply, for ``stall_timeout_s``; closes, 1008). A
@@ -149,9 +154,16 @@ The server never waits on one client; it keeps serving everyone else whatever on
 * **A failed chunk ends its session**, whether generating or encoding it failed: the client gets
   ``generation_failed`` (1011) and the slot is freed.
 * **Cleanup always completes.** An engine close that raises is logged and retried in the
-  background; the slot is freed and the socket still ends (``session.done`` or the error).
+  background; the socket still ends (``session.done`` or the error). The slot is free once the
+  engine released the session: while it still holds it (its session events say so) the slot
+  stays taken, and a start that finds the server full retries the close.
 * **Capacity never exceeds what stays resident.** ``ServerSettings.capacity`` above the engine's
-  capacity (plus its host tier) is clamped to it, with a logged warning.
+  capacity (plus its host tier) is clamped to it, with a logged warning; a start is admitted
+  only while the admitted sessions and the sessions the engine holds, together, leave room, so
+  the engine never evicts a served session to make room for another.
+* **A start picture costs a bounded amount, off the event loop.** Its header is read first and a
+  picture declaring more than 16 times the frame's pixels is ``invalid_field`` before any
+  pixel is decoded; a full server reads none; decoding runs on a worker thread.
 * **Hostile JSON gets a reply.** Numbers beyond Python's integer-digit limit and nesting deeper
   than 32 levels are ``invalid_json``; any unexpected error while handling a message is logged
   and answered with ``internal_error`` (then 1011), never a silent drop.

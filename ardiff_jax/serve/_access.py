@@ -3,9 +3,15 @@
 A server that faces people must not let whoever reaches its port play, and must not let a
 web page a visitor happens to open drive a server on the visitor's own machine (a browser
 sends the page's ``Origin`` with every WebSocket handshake, and nothing else stops a foreign
-page). Every decision here is a pure function of the handshake (headers, query string, client
-address) and :class:`ServerAccess`; the app refuses before it accepts the WebSocket or
-creates a session, so a refused attempt costs the engine nothing.
+page). Every decision here is a pure function of the handshake (headers, query string, the
+client's and the server's socket addresses) and :class:`ServerAccess`; the app refuses before
+it accepts the WebSocket or creates a session, so a refused attempt costs the engine nothing.
+
+What a client writes is never taken for the server's identity or its own: "same origin" is the
+address the connection arrived on (the listening socket's, as the ASGI server reports it), not
+the ``Host`` header, which a page on a DNS-rebinding name sends as its own; and the client's
+address is the connection's peer, not ``X-Forwarded-For``, unless the peer is a proxy the
+operator named (``trusted_proxies``).
 
 Refusals say only which rule refused (``unauthorized``, ``origin not allowed``, ``too many
 connections``), never anything about the key, so a refusal does not help anyone guess it.
@@ -17,9 +23,11 @@ import contextlib
 import dataclasses
 import enum
 import hmac
+import ipaddress
 import logging
 import os
 import re
+import unicodedata
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -29,11 +37,14 @@ from ardiff_jax._checks import check_positive_int
 __all__ = [
     "ANY_ORIGIN",
     "DEFAULT_MAX_CONNECTIONS_PER_CLIENT",
+    "FORWARDED_UNVERIFIED",
+    "KEY_PARAMETER",
     "ConnectionCounter",
     "Refusal",
     "ServerAccess",
     "TokenRedactingFilter",
     "bearer_or_token",
+    "client_address",
     "deny_websocket",
     "key_matches",
     "metrics_refusal",
@@ -52,6 +63,13 @@ DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 8
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 #: The scheme of the page a same-origin WebSocket comes from, per the handshake's own scheme.
 _PAGE_SCHEME = {"ws": "http", "wss": "https", "http": "http", "https": "https"}
+#: The names of the loopback: a page of a server listening on a loopback address may be opened under any of them.
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: The query parameter that carries the key (a browser cannot set headers on a WebSocket).
+KEY_PARAMETER = "token"
+#: The address a handshake is counted under when the server in front of the app replaced the peer's address with
+#: one from ``X-Forwarded-For`` that this server does not trust: the true peer is unknown, so all such share one.
+FORWARDED_UNVERIFIED = "<forwarded, unverified>"
 
 
 class Refusal(enum.Enum):
@@ -122,10 +140,17 @@ class ServerAccess:
         browser cannot set headers on a WebSocket). ``None`` (the default): no key is asked for.
         Never shown by ``repr``.
       allowed_origins: pages of these origins (``scheme://host[:port]``) may open a WebSocket, besides
-        the server's own origin (the ``Origin`` header equal to the handshake's ``Host``); ``"*"``
-        admits any page. A handshake without ``Origin`` (not a browser) is not refused by this rule.
+        the server's own origin (see :func:`origin_allowed`: the address and port the connection arrived
+        on, and the loopback names when that address is a loopback one; never the ``Host`` header); ``"*"``
+        admits any page. A handshake without ``Origin`` (not a browser) is not refused by this rule. A page
+        served under a DNS name (``http://play.example:8000``), through a reverse proxy, or from a server
+        listening on ``0.0.0.0`` opened by a name must be listed here.
       public_metrics: serve ``GET /metrics`` without the key.
       max_connections_per_client: open WebSockets allowed per client address at once.
+      trusted_proxies: addresses (``"10.0.0.1"``) or networks (``"10.0.0.0/8"``) of the reverse proxies whose
+        ``X-Forwarded-For`` names the client; a connection from one is counted under the right-most address
+        of that header that is not itself a trusted proxy. ``()`` (the default): the header is never
+        believed, and each connection counts under its peer's address (see :func:`client_address`).
 
     The defaults keep a server usable as before on the loopback (no key) while a foreign web
     page still cannot drive it. A bad value raises ValueError (TypeError for a wrong type) and
@@ -136,6 +161,7 @@ class ServerAccess:
     allowed_origins: tuple[str, ...] = ()
     public_metrics: bool = False
     max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -148,6 +174,35 @@ class ServerAccess:
             raise TypeError(f"ServerAccess public_metrics must be a bool, got {self.public_metrics!r}")
         object.__setattr__(self, "max_connections_per_client", check_positive_int(
             "ServerAccess max_connections_per_client", self.max_connections_per_client))
+        proxies = self.trusted_proxies
+        if isinstance(proxies, (str, bytes)) or not isinstance(proxies, (tuple, list)):
+            raise TypeError(f"ServerAccess trusted_proxies must be a tuple of addresses, got {proxies!r}")
+        object.__setattr__(self, "trusted_proxies", tuple(dict.fromkeys(str(_network(p)) for p in proxies)))
+
+    def trusts(self, address: str) -> bool:
+        """Whether ``address`` (a peer's IP address) is one of :attr:`trusted_proxies`."""
+        ip = _ip(address)
+        return ip is not None and any(ip in _network(proxy) for proxy in self.trusted_proxies)
+
+
+def _network(proxy: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    if not isinstance(proxy, str):
+        raise TypeError(f"trusted proxy must be a string, got {proxy!r}")
+    try:
+        return ipaddress.ip_network(proxy.strip(), strict=False)
+    except ValueError:
+        raise ValueError(f"trusted proxy must be an IP address or network (10.0.0.1, 10.0.0.0/8), got {proxy!r}; "
+                         "a host name is not: its address can change") from None
+
+
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``address`` writes (an IPv4-mapped IPv6 address as its IPv4 one), or None."""
+    try:
+        ip = ipaddress.ip_address(address.strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip if mapped is None else mapped
 
 
 def read_api_key_file(path: str | os.PathLike[str]) -> str:
@@ -176,7 +231,7 @@ def bearer_or_token(headers: Mapping[str, str], query: Mapping[str, str]) -> str
         scheme, _, credentials = authorization.strip().partition(" ")
         if scheme.lower() == "bearer" and credentials.strip():
             return credentials.strip()
-    token = query.get("token")
+    token = query.get(KEY_PARAMETER)
     return token if token else None
 
 
@@ -187,14 +242,38 @@ def key_matches(expected: str, presented: str | None) -> bool:
     return hmac.compare_digest(expected.encode("utf-8"), presented.encode("utf-8", "surrogatepass"))
 
 
-def origin_allowed(origin: str | None, *, host: str | None, scheme: str, allowed_origins: tuple[str, ...]) -> bool:
+def _own_hosts(server: tuple[str, int | None] | list | None) -> tuple[tuple[str, ...], int | None]:
+    """The host names of the server's own pages and its port, from the address a connection arrived on."""
+    if not server or not isinstance(server[0], str) or not server[0]:
+        return (), None
+    host, port = server[0], server[1] if len(server) > 1 else None
+    ip = _ip(host)
+    if ip is None:
+        return (host.lower(),), port  # a name the ASGI server itself reports (a test client's "testserver")
+    if ip.is_loopback:
+        return _LOOPBACK_HOSTS + (str(ip),), port
+    return (str(ip),), port
+
+
+def origin_allowed(origin: str | None, *, server: tuple[str, int | None] | None, scheme: str,
+                   allowed_origins: tuple[str, ...]) -> bool:
     """Whether a handshake with this ``Origin`` header may proceed.
 
     No ``Origin``: yes (not a browser page; the key governs it). Otherwise the origin must be
-    the server's own (scheme, host and port equal to the handshake's ``Host`` under ``scheme``:
-    ``ws`` pairs with an ``http`` page, ``wss`` with ``https``), or listed in
-    ``allowed_origins`` (canonical, as :class:`ServerAccess` stores them), or ``"*"`` be listed.
-    An origin that does not parse (``null`` from a sandboxed frame or a file) is refused unless ``"*"``.
+    the server's own, or listed in ``allowed_origins`` (canonical, as :class:`ServerAccess` stores
+    them), or ``"*"`` be listed. An origin that does not parse (``null`` from a sandboxed frame or
+    a file) is refused unless ``"*"``.
+
+    The server's own origin is the page scheme of the handshake (``ws`` pairs with an ``http``
+    page, ``wss`` with ``https``), the port the connection arrived on, and as host the address it
+    arrived on, ``server`` (the ASGI ``scope["server"]``: the listening socket's address, which no
+    client writes), or any loopback name (``localhost``, ``127.0.0.1``, ``[::1]``) when that
+    address is a loopback one. Never the ``Host`` header: a page on a name its attacker points
+    at this server (DNS rebinding) sends that name as ``Host`` and as ``Origin`` alike. So a
+    page opened by a DNS name, or through a proxy, is another origin: list it in ``allowed_origins``.
+    A server listening on ``0.0.0.0`` cannot know the names it is reached by; the address a
+    connection arrived on (``http://192.168.1.5:8000``) and, on the loopback, the loopback names
+    are its own.
     """
     if origin is None:
         return True
@@ -204,20 +283,73 @@ def origin_allowed(origin: str | None, *, host: str | None, scheme: str, allowed
     if triple is None:
         return False
     page_scheme = _PAGE_SCHEME.get(scheme.lower())
-    if host and page_scheme is not None:
-        own = _origin_triple(f"{page_scheme}://{host.strip()}")
-        if own is not None and own == triple:
+    hosts, port = _own_hosts(server)
+    if page_scheme is not None and port is not None:
+        page_host = triple[1]
+        own_host = page_host in hosts or (_ip(page_host) is not None and str(_ip(page_host)) in hosts)
+        if own_host and triple[0] == page_scheme and triple[2] == port:
             return True
     return any(_origin_triple(allowed) == triple for allowed in allowed_origins)
 
 
+def _forwarded_hosts(headers: Mapping[str, str]) -> list[str]:
+    """The hosts of ``X-Forwarded-For`` (every such header, in order), ports and IPv6 brackets removed."""
+    getlist = getattr(headers, "getlist", None)
+    values = getlist("x-forwarded-for") if getlist is not None else (
+        [headers["x-forwarded-for"]] if headers.get("x-forwarded-for") is not None else [])
+    hosts = []
+    for item in ",".join(values).split(","):
+        item = item.strip()
+        if item.startswith("[") and "]" in item:
+            item = item[1:item.index("]")]
+        elif item.count(":") == 1:
+            item = item.rsplit(":", 1)[0]
+        if item:
+            hosts.append(item)
+    return hosts
+
+
+def client_address(access: ServerAccess, *, client: tuple[str, int] | list | None,
+                   headers: Mapping[str, str]) -> str:
+    """The address a connection is counted under (the per-address limit).
+
+    The peer's address (``client``, the ASGI ``scope["client"]``), unless the peer is one of
+    ``access.trusted_proxies`` and sent ``X-Forwarded-For``: then the right-most address of that
+    header that is not a trusted proxy (what the proxies nearest the server saw; anything to its left
+    the client could have written), or the left-most if all are.
+
+    A peer address that ``X-Forwarded-For`` itself names (the header not trusted) means the server in
+    front of the app already replaced the peer with it: uvicorn does so for a peer on 127.0.0.1 by
+    default (``proxy_headers``; ``ardiff-jax serve`` turns it off, and so should anyone who runs
+    :func:`~ardiff_jax.serve.create_app` under uvicorn). The true peer is then unknown, so every such
+    connection counts under one address, :data:`FORWARDED_UNVERIFIED`, rather than under whatever the
+    header said: a loopback client cannot multiply its connections by varying it.
+    """
+    host = client[0] if client else ""
+    host = host if isinstance(host, str) else ""
+    forwarded = _forwarded_hosts(headers)
+    if not forwarded:
+        return host
+    if access.trusted_proxies and access.trusts(host):
+        for hop in reversed(forwarded):
+            if not access.trusts(hop):
+                return hop
+        return forwarded[0]
+    ip = _ip(host)
+    if host in forwarded or (ip is not None and any(_ip(hop) == ip for hop in forwarded)):
+        return FORWARDED_UNVERIFIED
+    return host
+
+
 def websocket_refusal(access: ServerAccess, *, headers: Mapping[str, str], query: Mapping[str, str],
-                      scheme: str, open_connections: int) -> Refusal | None:
+                      scheme: str, server: tuple[str, int | None] | None, open_connections: int) -> Refusal | None:
     """Why this WebSocket handshake must be refused, or None: the origin, then the key, then the limit.
 
-    ``open_connections`` is how many WebSockets the client's address holds open already.
+    ``server`` is the address the connection arrived on (the ASGI ``scope["server"]``, see
+    :func:`origin_allowed`); ``open_connections`` is how many WebSockets the client's address
+    (:func:`client_address`) holds open already.
     """
-    if not origin_allowed(headers.get("origin"), host=headers.get("host"), scheme=scheme,
+    if not origin_allowed(headers.get("origin"), server=server, scheme=scheme,
                           allowed_origins=access.allowed_origins):
         return Refusal.ORIGIN_NOT_ALLOWED
     if access.api_key is not None and not key_matches(access.api_key, bearer_or_token(headers, query)):
@@ -283,22 +415,63 @@ async def deny_websocket(websocket: Any, refusal: Refusal) -> None:
         await websocket.close(1008, refusal.value)
 
 
-_TOKEN_IN_TEXT = re.compile(r"([?&]token=)[^&\s\"']*")
+#: A query string in a log line: from ``?`` to the next whitespace or double quote (uvicorn quotes request lines
+#: with it; an HTTP request target has neither).
+_QUERY_IN_TEXT = re.compile(r"\?([^\s\"]*)")
+_REDACTED = "<redacted>"
+
+
+def _decoded(text: str) -> str:
+    """``text`` as a server reads a query string's name or value (percent-decoded, ``+`` a space), compared
+    case-free and width-free (NFKC, case-folded, surrounding spaces ignored)."""
+    return unicodedata.normalize("NFKC", urllib.parse.unquote_plus(text, errors="replace")).casefold().strip()
 
 
 class TokenRedactingFilter(logging.Filter):
-    """Replaces the value of any ``token=`` query parameter in a log record with ``<redacted>``.
+    """Redacts the key from log records: the value of every query parameter whose name reads as ``token``
+    (percent-decoded and case-folded: ``%74oken``, ``TOKEN``, ``To%6Ben``), and, given the key, every query
+    value or bare query part that is the key (raw or percent-encoded) and every plain occurrence of it.
 
-    uvicorn logs every request's path with its query string (``"WebSocket /v1/realtime/video?token=..."``,
-    ``"GET /?token=..."``), which would write the key into the server's log.
+    uvicorn logs every request's path with its raw query string (``"WebSocket /v1/realtime/video?token=..."``,
+    ``"GET /metrics?token=..."``), which would otherwise write the key into the server's log, whether the
+    server accepted the spelling (``%74oken``, decoded to ``token``) or refused it (``TOKEN``). Arguments are
+    redacted one by one, so uvicorn's access formatter, which reads them, still finds them.
     """
+
+    def __init__(self, key: str | None = None) -> None:
+        super().__init__()
+        self._key = key
+        self._folded_key = None if key is None else _decoded(key)
+
+    def _secret(self, text: str) -> bool:
+        return self._folded_key is not None and _decoded(text) == self._folded_key
+
+    def _query(self, match: re.Match[str]) -> str:
+        parts = re.split(r"([&;])", match.group(1))
+        for index in range(0, len(parts), 2):
+            name, equals, value = parts[index].partition("=")
+            if equals and (_decoded(name) == KEY_PARAMETER or self._secret(value)):
+                parts[index] = f"{name}={_REDACTED}"
+            elif not equals and self._secret(name):
+                parts[index] = _REDACTED
+        return "?" + "".join(parts)
+
+    def redact(self, text: str) -> str:
+        text = _QUERY_IN_TEXT.sub(self._query, text)
+        if self._key is not None and self._key in text:
+            text = text.replace(self._key, _REDACTED)
+        return text
+
+    def _value(self, value: Any) -> Any:
+        return self.redact(value) if isinstance(value, str) else value
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):
-            record.msg = _TOKEN_IN_TEXT.sub(r"\1<redacted>", record.msg)
+            record.msg = self.redact(record.msg)
         if isinstance(record.args, tuple):
-            record.args = tuple(_TOKEN_IN_TEXT.sub(r"\1<redacted>", arg) if isinstance(arg, str) else arg
-                                for arg in record.args)
+            record.args = tuple(self._value(arg) for arg in record.args)
+        elif isinstance(record.args, Mapping):
+            record.args = {name: self._value(arg) for name, arg in record.args.items()}
         return True
 
 
@@ -307,9 +480,10 @@ UVICORN_REQUEST_LOGGERS = ("uvicorn.error", "uvicorn.access")
 
 
 @contextlib.contextmanager
-def redacted_tokens_in_uvicorn_logs() -> Iterator[None]:
-    """While inside: uvicorn's request log lines show ``token=<redacted>`` instead of a key."""
-    redactor = TokenRedactingFilter()
+def redacted_tokens_in_uvicorn_logs(key: str | None = None) -> Iterator[None]:
+    """While inside: uvicorn's log lines show ``token=<redacted>`` (however the parameter is spelled) and
+    ``<redacted>`` for ``key`` wherever it appears, instead of the key."""
+    redactor = TokenRedactingFilter(key)
     loggers = [logging.getLogger(name) for name in UVICORN_REQUEST_LOGGERS]
     for logger in loggers:
         logger.addFilter(redactor)

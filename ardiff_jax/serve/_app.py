@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import statistics
+import threading
 import time
 import uuid
 from typing import Any
@@ -37,6 +38,7 @@ from ardiff_jax.realtime import (
 from ardiff_jax.serve._access import (
     ConnectionCounter,
     ServerAccess,
+    client_address,
     deny_websocket,
     metrics_refusal,
     redacted_tokens_in_uvicorn_logs,
@@ -65,7 +67,8 @@ logger = logging.getLogger(__name__)
 REALTIME_VIDEO_PATH = "/v1/realtime/video"
 #: Wire event ids a connection remembers to answer repeats as duplicates (older ones count as new).
 REMEMBERED_EVENT_IDS = 4096
-#: Seconds between the retries of a failed engine close (after the first attempt); then it is given up, logged.
+#: Seconds between the retries of a failed engine close (after the first attempt); then it is given up, logged, and
+#: tried again only when a start finds the server full while the engine still holds the session.
 CLOSE_RETRY_DELAYS_S = (0.1, 1.0)
 #: WebSocket close codes.
 CLOSE_NORMAL = 1000
@@ -208,6 +211,34 @@ class _Connection:
         return started, [self.events[i].wire_id for i in sorted(active)], completed_wire
 
 
+class _EngineHeld:
+    """The session ids the engine holds (resident or in its host tier), followed from its session events.
+
+    The engine's own count, not the server's: a session whose close failed may still be held, and
+    the engine would evict a live session to admit another beyond its capacity. Events come from the
+    engine's thread (inside its calls); the server reads the set on its event loop.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[str] = set()
+        engine.runner.add_session_listener(self.on_session_event)
+        with self._lock:  # what the engine held before this server (another server's, or a caller's sessions)
+            self._ids.update(engine.sessions)
+            self._ids.update(getattr(engine, "offloaded_sessions", ()))
+
+    def on_session_event(self, event: Any) -> None:
+        with self._lock:
+            if event.kind in ("created", "restored"):
+                self._ids.add(event.session_id)
+            elif event.kind == "released":  # "offloaded" keeps it: the host tier holds it
+                self._ids.discard(event.session_id)
+
+    def ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._ids)
+
+
 class _Server:
     def __init__(self, engine: Any, world: ServedWorld, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -232,6 +263,12 @@ class _Server:
         self.queue_depth = 0
         self.engine_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ardiff-serve-engine")
         self.encode_executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ardiff-serve-encode")
+        # Start pictures are decoded here, never on the event loop (nor on the encoders, which every session needs).
+        self.decode_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ardiff-serve-image")
+        self.held = _EngineHeld(engine)
+        # Sessions whose engine close failed and has not succeeded since; the engine may still hold them.
+        self.unclosed: set[str] = set()
+        self.close_retries: dict[str, asyncio.Task] = {}
         self.consumer = EngineTickConsumer(
             engine, executor=self.engine_executor,
             inputs_provider=lambda tick: world.inputs(tick, self.plans[tick.session_id],
@@ -265,6 +302,7 @@ class _Server:
             self.loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.loop_task
+        self.decode_executor.shutdown(wait=True)
         self.encode_executor.shutdown(wait=True)
         self.engine_executor.shutdown(wait=True)
 
@@ -316,6 +354,15 @@ class _Server:
             return None
         median = statistics.median(self.frame_seconds)
         return None if median <= 0 else 1.0 / median
+
+    def occupied(self) -> int:
+        """Slots taken: the admitted connections' sessions and every session the engine holds, each once.
+
+        A slot is free only once the engine released its session: a session whose close failed still
+        counts while the engine holds it, so no start is admitted that would make the engine evict a
+        live player to make room.
+        """
+        return len({conn.request_id for conn in self.connections if conn.admitted} | self.held.ids())
 
     # -- one connection -------------------------------------------------------------------------------
     async def serve(self, websocket: WebSocket) -> None:
@@ -387,21 +434,30 @@ class _Server:
         if conn.state is not _State.WAITING:
             raise ProtocolError("already_started", f"this connection already has session {conn.request_id}; "
                                                    "open another connection for another session")
-        plan = self.world.plan_start(start)
-        admitted = sum(1 for c in self.connections if c.admitted)
-        if admitted >= self.capacity:
+        plan = self.world.plan_start(start, decode_image=False)  # checks only: a start picture is read below
+        occupied = self.occupied()
+        if occupied >= self.capacity:
             conn.clock = time.monotonic()  # a refused start restarts the start clock: the client may retry
-            raise ProtocolError("capacity", f"the server is at capacity ({admitted} of {self.capacity} sessions); "
+            self._retry_unclosed()
+            raise ProtocolError("capacity", f"the server is at capacity ({occupied} of {self.capacity} sessions); "
                                             "retry session.start later")
-        conn.admitted = True
-        requested_fps = plan.fps
-        limit = self.fps_limit()
-        if self.settings.paced and limit is not None and plan.fps > limit:
-            # Pacing a session faster than the engine can fill only turns every chunk into an underrun.
-            plan = dataclasses.replace(plan, fps=max(1, math.floor(limit)))
-            logger.info("session %s asked for %d frames/s; the engine sustains about %.1f: playing at %d",
-                        conn.request_id, requested_fps, limit, plan.fps)
+        conn.admitted = True  # the slot is this start's from here: no other start takes it while the picture decodes
         try:
+            if plan.image_url is not None:
+                # Admitted first (a full server decodes nothing), off the event loop (a large picture takes a while,
+                # and every other connection's messages and chunks wait for the loop), bounded by the picture's
+                # header (see decode_image_url).
+                plan = await asyncio.get_running_loop().run_in_executor(
+                    self.decode_executor, self.world.decode_start_image, plan)
+            if conn.state is not _State.WAITING:
+                return  # the connection ended (or timed out) while the picture decoded: its close freed the slot
+            requested_fps = plan.fps
+            limit = self.fps_limit()
+            if self.settings.paced and limit is not None and plan.fps > limit:
+                # Pacing a session faster than the engine can fill only turns every chunk into an underrun.
+                plan = dataclasses.replace(plan, fps=max(1, math.floor(limit)))
+                logger.info("session %s asked for %d frames/s; the engine sustains about %.1f: playing at %d",
+                            conn.request_id, requested_fps, limit, plan.fps)
             encoder = make_encoder(plan.format, width=self.world.frame_width, height=self.world.frame_height,
                                    fps=plan.fps, scale=plan.scale)
             self.plans[conn.request_id] = plan
@@ -539,18 +595,33 @@ class _Server:
 
     async def _close_session(self, conn: _Connection) -> None:
         """Close the control-plane session. Whatever the engine raises is logged and the close retried in
-        the background (the control plane keeps the session as a tombstone meanwhile), so cleanup goes on."""
+        the background (the control plane keeps the session as a tombstone meanwhile), so cleanup goes on.
+        While the engine still holds the session its slot stays taken (see :meth:`occupied`)."""
         try:
             await self.manager.close_session(conn.request_id)
         except Exception:  # noqa: BLE001 - not only the control plane's own errors: any engine error
             logger.exception("closing session %s failed; retrying", conn.request_id)
-            self._spawn(self._retry_close(conn.request_id))
+            self.unclosed.add(conn.request_id)
+            self._retry_close_later(conn.request_id, CLOSE_RETRY_DELAYS_S)
         finally:
             self.plans.pop(conn.request_id, None)
             self.world_states.pop(conn.request_id, None)
 
-    async def _retry_close(self, session_id: str) -> None:
-        for delay in CLOSE_RETRY_DELAYS_S:
+    def _retry_close_later(self, session_id: str, delays: tuple[float, ...]) -> None:
+        """Retry the close of ``session_id`` after each of ``delays`` until one succeeds (one series at a time)."""
+        running = self.close_retries.get(session_id)
+        if running is None or running.done():
+            self.close_retries[session_id] = self._spawn(self._retry_close(session_id, delays))
+
+    def _retry_unclosed(self) -> None:
+        """A start found the server full: retry at once the closes that failed of sessions the engine still holds."""
+        held = self.held.ids()
+        for session_id in sorted(self.unclosed):
+            if session_id in held:
+                self._retry_close_later(session_id, (0.0,))
+
+    async def _retry_close(self, session_id: str, delays: tuple[float, ...]) -> None:
+        for delay in delays:
             await asyncio.sleep(delay)
             try:
                 await self.manager.close_session(session_id)
@@ -558,9 +629,15 @@ class _Server:
                 logger.warning("retried close of session %s failed: %s: %s", session_id, type(error).__name__, error)
             else:
                 logger.info("session %s closed on a retry", session_id)
+                self.unclosed.discard(session_id)
                 return
-        logger.error("session %s could not be closed after %d attempts: the engine may still hold it", session_id,
-                     1 + len(CLOSE_RETRY_DELAYS_S))
+        if session_id in self.held.ids():
+            logger.error("session %s could not be closed (%d retries failed): the engine still holds it, so its "
+                         "slot stays taken (a start that finds the server full retries the close)", session_id,
+                         len(delays))
+        else:
+            logger.error("session %s could not be closed (%d retries failed); the engine released it, so its slot "
+                         "is free", session_id, len(delays))
 
     async def _finish(self, conn: _Connection, *, stopped: bool) -> None:
         """``session.done`` after the session's last chunk, then a normal close (never waits for the client)."""
@@ -788,7 +865,12 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
 
     ``access`` (default ``ServerAccess()``: no key, same-origin pages only, 8 WebSockets per
     client address) says who may connect; a refused handshake is answered before the WebSocket
-    is accepted or a session created. ``/healthz`` and ``/`` stay public.
+    is accepted or a session created. ``/healthz`` and ``/`` stay public. Same-origin is the
+    address a connection arrived on (``scope["server"]``), never its ``Host`` header; the client
+    address is the peer's (``X-Forwarded-For`` only from ``access.trusted_proxies``). Under
+    uvicorn pass ``proxy_headers=False`` (as ``ardiff-jax serve`` does): uvicorn's default
+    replaces a loopback peer's address with its ``X-Forwarded-For``, which the app then can only
+    count under one shared address (see :func:`~ardiff_jax.serve._access.client_address`).
     """
     if not isinstance(world, ServedWorld):
         raise TypeError(f"world must be a ServedWorld, got {type(world).__name__}")
@@ -806,9 +888,11 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
 
     async def realtime_video(websocket: WebSocket) -> None:
         # Decided from the handshake alone, before accept and before any session exists.
-        address = websocket.client.host if websocket.client is not None else ""
+        # Counted under the peer's address (X-Forwarded-For only from a trusted proxy); same-origin is the address
+        # the connection arrived on (the listening socket's), never the Host header a page sends.
+        address = client_address(access, client=websocket.client, headers=websocket.headers)
         refusal = websocket_refusal(access, headers=websocket.headers, query=websocket.query_params,
-                                    scheme=websocket.url.scheme,
+                                    scheme=websocket.url.scheme, server=websocket.scope.get("server"),
                                     open_connections=open_by_address.open_connections(address))
         if refusal is not None:
             metrics.refused(refusal.metric_label)
@@ -846,7 +930,7 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
         with contextlib.ExitStack() as logs:
             if access.api_key is not None:  # uvicorn logs each request's query string, a ?token= key included
-                logs.enter_context(redacted_tokens_in_uvicorn_logs())
+                logs.enter_context(redacted_tokens_in_uvicorn_logs(access.api_key))
             await server.start()
             try:
                 yield

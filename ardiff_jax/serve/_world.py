@@ -90,6 +90,13 @@ WORLD_KINDS = ("sprite", "latent", "wan", "matrix-game")
 MATRIX_GAME_CAMERA_STEP = 0.1
 #: Largest decoded ``image_reference`` (bytes of the data URL's payload).
 MAX_IMAGE_BYTES = 16 * 2**20
+#: Largest start picture read, in multiples of the frame's pixel count (16: four times the frame's width and height).
+#: The bound is checked on the picture's header, before any pixel is decoded: a PNG of a few kilobytes can declare
+#: 12000 x 12000 pixels (seconds and gigabytes to decode), and the network takes one frame's worth anyway. PIL's
+#: own bomb limit (89 M pixels) is far above what any frame needs.
+MAX_IMAGE_AREA = 16
+#: Picture formats a start picture may have (PIL's names): what a browser or a camera produces, nothing exotic.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 #: Key names of the published Matrix-Game variants, in keyboard-row order; the browser keys that press them.
 MATRIX_GAME_KEYS = {
     4: ("forward", "back", "left", "right"),  # universal: W, S, A, D
@@ -178,6 +185,8 @@ class StartPlan:
     """A validated ``session.start``: everything a session needs, defaults filled in.
 
     ``scale`` is the integer upscale of the native frames (``width = native_width * scale``).
+    ``image`` is a Matrix-Game session's start picture; ``image_url`` the client's picture while it is not
+    decoded yet (``plan_start(..., decode_image=False)``; :meth:`ServedWorld.decode_start_image` reads it).
     """
 
     format: str
@@ -190,6 +199,28 @@ class StartPlan:
     fps: int
     ignored_fields: tuple[str, ...] = ()
     image: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    image_url: str | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def _image_refusal(why: str) -> ProtocolError:
+    return ProtocolError("invalid_field", f"image_reference.image_url {why}")
+
+
+def check_image_url(url: str) -> str:
+    """The base64 payload of a ``data:image/...;base64,...`` URL (nothing decoded); ProtocolError ``invalid_field``
+    when ``url`` is not such a URL or its payload is larger than :data:`MAX_IMAGE_BYTES`."""
+    head, comma, payload = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
+        raise _image_refusal("must be a data URL (data:image/png;base64,...); the server does not fetch URLs")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise _image_refusal(f"is larger than {MAX_IMAGE_BYTES} bytes")
+    return payload
+
+
+def _cover_size(picture_width: int, picture_height: int, height: int, width: int) -> tuple[int, int]:
+    """``(w, h)`` a picture is resized to before its center crop to ``height x width`` (the smallest cover)."""
+    scale = max(width / picture_width, height / picture_height)
+    return max(width, round(picture_width * scale)), max(height, round(picture_height * scale))
 
 
 def decode_image_url(url: str, height: int, width: int) -> np.ndarray:
@@ -197,7 +228,11 @@ def decode_image_url(url: str, height: int, width: int) -> np.ndarray:
     ``height x width`` and resized to it (bicubic), as the release prepares its start image.
 
     Only data URLs are read: fetching a client's ``https://`` URL would let any client make the server
-    reach whatever the URL names. ProtocolError ``invalid_field`` naming the problem otherwise.
+    reach whatever the URL names. Only PNG, JPEG and WebP (:data:`IMAGE_FORMATS`) are read, and only a
+    picture whose header declares at most :data:`MAX_IMAGE_AREA` times the frame's pixels (and whose resize
+    before the crop stays within that): the header is read first, so a decompression bomb costs nothing.
+    Blocking (a large picture takes a while): the server calls it on a worker thread. ProtocolError
+    ``invalid_field`` naming the problem otherwise.
     """
     import base64
     import binascii
@@ -205,20 +240,27 @@ def decode_image_url(url: str, height: int, width: int) -> np.ndarray:
 
     from PIL import Image, UnidentifiedImageError
 
-    def refuse(why: str) -> ProtocolError:
-        return ProtocolError("invalid_field", f"image_reference.image_url {why}")
-
-    head, comma, payload = url.partition(",")
-    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
-        raise refuse("must be a data URL (data:image/png;base64,...); the server does not fetch URLs")
-    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise refuse(f"is larger than {MAX_IMAGE_BYTES} bytes")
+    payload = check_image_url(url)
+    limit = MAX_IMAGE_AREA * height * width
     try:
         data = base64.b64decode(payload, validate=True)
-        with Image.open(io.BytesIO(data)) as picture:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as picture:
+            declared_width, declared_height = picture.size  # the header's: no pixel has been decoded yet
+            if declared_width * declared_height > limit:
+                raise _image_refusal(f"declares {declared_width}x{declared_height} pixels; at most {limit} pixels "
+                                     f"({MAX_IMAGE_AREA} times the {width}x{height} frame) are read: scale it down")
+            cover_width, cover_height = _cover_size(declared_width, declared_height, height, width)
+            if cover_width * cover_height > limit:
+                raise _image_refusal(f"of {declared_width}x{declared_height} pixels would be resized to "
+                                     f"{cover_width}x{cover_height} pixels before its crop to the {width}x{height} "
+                                     f"frame; at most {limit} pixels are: crop it closer to the frame's aspect")
             picture = picture.convert("RGB")
+    except ProtocolError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # the warning, where warnings raise
+        raise _image_refusal(f"declares more pixels than can be read; at most {limit} pixels are") from None
     except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
-        raise refuse(f"is not a readable image: {error}") from None
+        raise _image_refusal(f"is not a readable image ({', '.join(IMAGE_FORMATS)}): {error}") from None
     return _fit(np.asarray(picture, dtype=np.uint8), height, width)
 
 
@@ -229,9 +271,7 @@ def _fit(image: np.ndarray, height: int, width: int) -> np.ndarray:
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"a start image must be uint8[h, w, 3], got {image.dtype}{list(image.shape)}")
     picture = Image.fromarray(image)
-    scale = max(width / picture.width, height / picture.height)
-    resized = picture.resize((max(width, round(picture.width * scale)), max(height, round(picture.height * scale))),
-                             Image.Resampling.BICUBIC)
+    resized = picture.resize(_cover_size(picture.width, picture.height, height, width), Image.Resampling.BICUBIC)
     left, top = (resized.width - width) // 2, (resized.height - height) // 2
     return np.asarray(resized.crop((left, top, left + width, top + height)), dtype=np.uint8)
 
@@ -418,8 +458,13 @@ class ServedWorld:
                 f"Digit{index + 1}": name for index, name in enumerate(self.key_names)})
         return {}
 
-    def plan_start(self, start: SessionStart) -> StartPlan:
-        """``start`` checked against this world, defaults filled in; ProtocolError ``invalid_field`` otherwise."""
+    def plan_start(self, start: SessionStart, *, decode_image: bool = True) -> StartPlan:
+        """``start`` checked against this world, defaults filled in; ProtocolError ``invalid_field`` otherwise.
+
+        ``decode_image=False`` leaves a Matrix-Game start picture undecoded (its data URL's form and size
+        checked, nothing more) in ``plan.image_url``, for :meth:`decode_start_image`: the server admits the
+        start first and decodes the picture off its event loop.
+        """
         if self.text_conditioned and not (start.prompt and start.prompt.strip()):
             raise ProtocolError("invalid_field", f"prompt is required by {self.name} (a text-conditioned world), "
                                                  f"got {start.prompt!r}")
@@ -439,10 +484,14 @@ class ServedWorld:
         scale = scales[0] if scales else 1
         ignored = start.ignored_fields + (("prompt",) if start.prompt is not None and not self.text_conditioned
                                           else ())
-        image = None
+        image, pending = None, None
         if self.kind == "matrix-game":
             if start.image_url is not None:
-                image = decode_image_url(start.image_url, self.frame_height, self.frame_width)
+                check_image_url(start.image_url)
+                if decode_image:
+                    image = decode_image_url(start.image_url, self.frame_height, self.frame_width)
+                else:
+                    pending = start.image_url
             elif self.start_image is not None:
                 image = self.start_image
             else:
@@ -457,7 +506,16 @@ class ServedWorld:
             prompt=start.prompt if self.text_conditioned else None,
             num_frames=start.num_frames, scale=scale, width=self.frame_width * scale,
             height=self.frame_height * scale, fps=self.fps if start.fps is None else start.fps,
-            ignored_fields=ignored, image=image)
+            ignored_fields=ignored, image=image, image_url=pending)
+
+    def decode_start_image(self, plan: StartPlan) -> StartPlan:
+        """``plan`` with its pending start picture (``plan.image_url``) decoded into ``plan.image`` (see
+        :func:`decode_image_url`; blocking: the server calls it on a worker thread); ``plan`` itself when none is
+        pending. ProtocolError ``invalid_field`` when the picture cannot or may not be read."""
+        if plan.image_url is None:
+            return plan
+        image = decode_image_url(plan.image_url, self.frame_height, self.frame_width)
+        return dataclasses.replace(plan, image=image, image_url=None)
 
     def config(self, plan: StartPlan) -> dict[str, Any]:
         """``video.start.config``: the accepted configuration, the controls and the action values."""
