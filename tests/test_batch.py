@@ -4,8 +4,10 @@ Every batched result is compared with the same requests run one by one on a seco
 (same weights): sessions at mixed fill levels, ring wrap, resets, new sessions, and
 sessions evicted to the host tier and restored into a batch. Also: the kernels under the
 batch (one write for many rows, padded rows that read and write nothing), no compilation
-after warmup across batch compositions, a fault injected into one session of a batch, and
-the refusals (a repeated session, a batch over capacity) that change nothing.
+after warmup across batch compositions, a fault injected into one session of a batch, a
+sabotaged restore of one offloaded session of a batch (only it fails, left as ``generate``
+leaves it), a full host tier that never drops one of the batch's own sessions, and the
+refusals (a repeated session, a batch over capacity) that change nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ardiff_jax.models import (
     dit_preset,
 )
 from ardiff_jax.runtime import ARDiffusionBatchError, batch_buckets, bucket_for
+from ardiff_jax.runtime._batch import SessionRestoreError
 
 CONFIG = {"dtype": "float32", "available_memory_bytes": 2**28, "gpu_memory_fraction": 1.0}
 OBSERVATIONS = [SpriteWorld(seed, size=32).reset() for seed in range(6)]
@@ -268,6 +271,96 @@ def test_a_fault_in_one_session_releases_it_only_and_the_others_equal_unbatched(
     for tick in (3, 4):
         requests = [_request("s1", tick), _request("s2", tick, new=tick == 3), _request("s3", tick)]
         _assert_same(engine.generate_batch(requests), [sequential.generate(r) for r in requests])
+    engine.close()
+    sequential.close()
+
+
+@pytest.mark.parametrize("sabotage", ["page_write", "restore_import", "validation_import"])
+def test_a_failed_restore_in_a_batch_fails_its_session_only(modules, monkeypatch, sabotage):
+    """s2 is offloaded and its restore is sabotaged: s1 and s3 complete as if run alone, s2 alone fails.
+
+    ``page_write``: its pages cannot be written back (before the import): it stays offloaded, unchanged, and
+    continues exactly later. ``restore_import`` / ``validation_import``: the pipeline refuses its model state
+    (at the restore, or already when its request is validated): it is released with its close hook, as
+    ``generate`` leaves it.
+    """
+    pipeline, engine = _engine(modules, capacity=3, host_offload_bytes=2**26)
+    _, sequential = _engine(modules, capacity=4)
+    events = []
+    engine.runner.add_session_listener(events.append)
+
+    def run(requests):
+        _assert_same(engine.generate_batch(requests), [sequential.generate(r) for r in requests])
+
+    run([_request(sid, 0, new=True) for sid in ("s1", "s2", "s3")])
+    run([_request("s1", 1), _request("s3", 1), _request("s4", 1, new=True)])  # s4 evicts s2 to the host tier
+    assert engine.offloaded_sessions == ("s2",) and engine.sessions == ("s1", "s3", "s4")
+    cache = engine.runner.kv_cache
+    if sabotage == "page_write":
+        monkeypatch.setattr(cache, "write_slot", lambda slot, pages: (_ for _ in ()).throw(RuntimeError("H2D failed")))
+    else:
+        real_import, imports = pipeline.import_ar_diffusion_session, []
+
+        def import_(sid, state):  # the validation's import comes first, the restore's second
+            imports.append(sid)
+            if len(imports) == (1 if sabotage == "validation_import" else 2):
+                raise ValueError("not a state this pipeline exported")
+            real_import(sid, state)
+
+        monkeypatch.setattr(pipeline, "import_ar_diffusion_session", import_)
+    requests = [_request(sid, 2) for sid in ("s1", "s2", "s3")]
+    with pytest.raises(ARDiffusionBatchError) as raised:
+        engine.generate_batch(requests)
+    monkeypatch.undo()
+    error = raised.value
+    assert list(error.errors) == ["s2"] and error.outputs[1] is None
+    failure = error.errors["s2"]
+    assert isinstance(failure, SessionRestoreError) and failure.session_id == "s2"
+    assert "'s2' could not be restored" in str(failure) and "'s2'" in str(error)
+    assert ("H2D failed" if sabotage == "page_write" else "not a state this pipeline exported") in str(failure)
+    _assert_same([error.outputs[0], error.outputs[2]], [sequential.generate(requests[0]),
+                                                        sequential.generate(requests[2])])
+    released = [(e.session_id, e.reason) for e in events if e.kind == "released"]
+    if sabotage == "page_write":  # offloaded as before, no close hook; s4 made room for it and stays offloaded
+        assert failure.offloaded and "still offloaded" in str(failure)
+        assert engine.sessions == ("s1", "s3") and set(engine.offloaded_sessions) == {"s2", "s4"}
+        assert released == [] and "s2" not in pipeline.session_ids
+        run([_request(sid, 3) for sid in ("s1", "s2", "s3")])  # s2 continues exactly (its failed block never ran)
+    else:  # released with its close hook; its next request starts it anew
+        assert not failure.offloaded and "released" in str(failure)
+        assert "s2" not in engine.sessions + engine.offloaded_sessions and "s2" not in pipeline.session_ids
+        assert released == [("s2", "restore_failed")]
+        assert engine.sessions[-2:] == ("s1", "s3")
+        sequential.close_session("s2")
+        run([_request("s1", 3), _request("s2", 3, new=True), _request("s3", 3)])
+    assert _cursors(engine)["s1"] == _cursors(sequential)["s1"] and _cursors(engine)["s3"] == _cursors(sequential)["s3"]
+    engine.close()
+    sequential.close()
+
+
+def test_a_batch_never_drops_its_own_offloaded_session_from_a_full_host_tier(modules):
+    """A new session's eviction fills the host tier: the record it displaces is never one of the batch's own.
+
+    Capacity 2, a host tier of one record. The batch [s4 (new), s1 (offloaded)] must restore s1 (its record
+    leaves the tier first) rather than let s4's eviction drop s1's record and start s1 anew.
+    """
+    _, probe = _engine(modules, capacity=2)
+    record_bytes = probe.memory_plan.offload_bytes_per_session  # the tier holds one record, not two
+    probe.close()
+    pipeline, engine = _engine(modules, capacity=2, host_offload_bytes=record_bytes + record_bytes // 2)
+    _, sequential = _engine(modules, capacity=4)
+    closed = []
+    close = pipeline.close_ar_diffusion_session
+    pipeline.close_ar_diffusion_session = lambda sid: (closed.append(sid), close(sid))[-1]
+
+    def run(requests):
+        _assert_same(engine.generate_batch(requests), [sequential.generate(r) for r in requests])
+
+    run([_request(sid, 0, new=True) for sid in ("s1", "s2")])
+    run([_request("s3", 1, new=True)])  # s1 offloaded: the tier is full
+    assert engine.offloaded_sessions == ("s1",) and engine.sessions == ("s2", "s3")
+    run([_request("s4", 2, new=True), _request("s1", 2)])  # s1 continues; s2 dropped from the tier, s3 offloaded
+    assert engine.sessions == ("s4", "s1") and engine.offloaded_sessions == ("s3",) and closed == ["s2"]
     engine.close()
     sequential.close()
 

@@ -495,3 +495,37 @@ def test_a_load_whose_neighbours_hook_fails_afterwards_stays_placed(tmp_path):
         assert replica.sessions == ("d", "loaded") and replica.offloaded_sessions == ("b", "c")
         assert router.replica_of("loaded") == 0 and router.replica_of("a") is None
         assert router.replica_loads == _held(router) == (4,)
+
+
+# -- a close whose hook fails leaves no bookkeeping behind ----------------------------------------------
+
+
+def test_a_failed_close_leaves_the_engine_consistent_and_a_newcomer_evicts_nobody():
+    """The close hook raises: the session's slot is free, it is in neither tier, no stepwise start time is
+    kept for it, and a newcomer takes the freed slot without evicting a session the caller still serves."""
+    from ardiff_jax import StepSchedulerOutput
+    from runner_pipelines import StepPipeline
+
+    pipeline = StepPipeline()
+    engine = ARDiffusionEngine(pipeline, EngineConfig(**F32, step_execution=True))
+    closed = _closed_hooks(pipeline)
+    engine.generate(DiffusionRequest("r-a", extra_args={"session_id": "a"}, inputs={"seed": 1}))
+    chunk = StepSchedulerOutput(scheduled=(DiffusionRequest("q", inputs={"results": ("none", "output")}),))
+    assert engine.step(chunk).output is None  # q's chunk is in flight
+    assert engine.sessions == ("a", "q") and engine.runner.kv_cache.num_free_slots == 0
+    close = pipeline.close_ar_diffusion_session
+
+    def failing_close(session_id):
+        close(session_id)
+        raise RuntimeError(f"close hook of {session_id} failed")
+
+    pipeline.close_ar_diffusion_session = failing_close
+    with pytest.raises(RuntimeError, match="close hook of q failed"):
+        engine.close_session("q")
+    pipeline.close_ar_diffusion_session = close
+    assert engine.sessions == ("a",) and engine.offloaded_sessions == () and closed == ["q"]
+    assert engine.runner.kv_cache.num_free_slots == 1 and engine.session_capacity == 2
+    assert "q" not in engine.runner._stepwise_started  # a later q starts a chunk of its own
+    engine.generate(DiffusionRequest("r-n", extra_args={"session_id": "newcomer"}, inputs={"seed": 2}))
+    assert engine.sessions == ("a", "newcomer") and closed == ["q"]  # a was not evicted for it
+    engine.close()

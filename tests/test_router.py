@@ -502,6 +502,81 @@ def test_generate_batch_runs_each_owner_share_and_equals_each_session_alone():
             np.testing.assert_array_equal(np.asarray(out), alone(sent[r.extra_args["session_id"]])[-1])
 
 
+class _ValidatingExporting(ExportingPipeline):
+    """ExportingPipeline with a validator: an offloaded session's model state is imported to check its request."""
+
+    def validate_ar_diffusion_request(self, session_id, request):
+        if request.inputs.get("invalid"):
+            raise ValueError("invalid request")
+
+
+@pytest.mark.parametrize("sabotage", ["page_write", "import"])
+def test_a_failed_restore_in_a_routed_batch_fails_its_session_only(sabotage):
+    """A session offloaded on replica 0 cannot be restored: the router's batch runs everyone else's block.
+
+    ``import``: the pipeline refuses its model state already at validation (``validate_batch`` does not refuse
+    the batch for it); it is released there and forgotten. ``page_write``: it stays offloaded and placed.
+    """
+    from ardiff_jax.runtime import ARDiffusionBatchError
+    from ardiff_jax.runtime._batch import SessionRestoreError
+
+    sent = {}
+
+    def ran(*requests):
+        for r in requests:
+            sent.setdefault(r.extra_args["session_id"], []).append(r)
+        return requests
+
+    with make_router(2, pipeline_cls=_ValidatingExporting, host_offload_bytes=10**6) as router:
+        for seed, sid in enumerate("abcde"):  # a, c, e on replica 0 (capacity 2): a offloaded
+            router.generate(*ran(request(sid, seed)))
+        assert router.replicas[0].offloaded_sessions == ("a",) and router.replica_loads == (3, 2)
+        replica = router.replicas[0]
+        if sabotage == "page_write":
+            replica.runner.kv_cache.write_slot = lambda slot, pages: (_ for _ in ()).throw(RuntimeError("H2D failed"))
+        else:
+            replica.runner.pipeline.import_ar_diffusion_session = lambda sid, state: (_ for _ in ()).throw(
+                ValueError("corrupt model state"))
+        with pytest.raises(ARDiffusionBatchError) as raised:
+            router.generate_batch([request("a", 10), *ran(request("b", 11)), *ran(request("c", 12))])
+        vars(replica.runner.kv_cache).pop("write_slot", None)
+        vars(replica.runner.pipeline).pop("import_ar_diffusion_session", None)
+        error = raised.value
+        assert list(error.errors) == ["a"] and error.outputs[0] is None
+        assert isinstance(error.errors["a"], SessionRestoreError) and "'a' could not be restored" in str(error)
+        for position, sid in ((1, "b"), (2, "c")):
+            np.testing.assert_array_equal(np.asarray(error.outputs[position]), alone(sent[sid])[-1])
+        if sabotage == "page_write":
+            # Still offloaded and placed (e made room for its restore and went to the host tier: it stays there).
+            assert replica.offloaded_sessions == ("a", "e") and router.replica_of("a") == 0
+            out = router.generate(request("a", 13))  # a continues where it was
+            np.testing.assert_array_equal(np.asarray(out), alone(sent["a"] + [request("a", 13)])[-1])
+        else:
+            assert "a" not in replica.sessions + replica.offloaded_sessions and router.replica_of("a") is None
+            assert router.replica_loads == (2, 2)
+
+
+def test_a_close_whose_hook_fails_frees_the_placement_even_without_events():
+    engines = [ARDiffusionEngine(RecordingPipeline(), EngineConfig(**F32)) for _ in range(2)]
+    with ARDiffusionRouter([_Unlistened(engine) for engine in engines]) as router:
+        for sid in "abc":
+            router.generate(request(sid))
+        assert router.replica_loads == (2, 1)
+        pipeline = engines[0].runner.pipeline
+
+        def failing_close(sid):
+            raise RuntimeError(f"close hook of {sid} failed")
+
+        pipeline.close_ar_diffusion_session = failing_close
+        with pytest.raises(RuntimeError, match="close hook of a failed"):
+            router.close_session("a")
+        del pipeline.close_ar_diffusion_session
+        # The engine released a before its hook ran: nothing of it is held, so nothing of it is placed or loaded.
+        assert engines[0].sessions == ("c",) and router.replica_of("a") is None and router.replica_loads == (1, 1)
+        router.generate(request("d"))  # the newcomer takes the slot a left: nothing is evicted for it
+        assert router.replica_of("d") == 0 and engines[0].sessions == ("c", "d") and router.replica_loads == (2, 1)
+
+
 def test_the_realtime_server_serves_two_sessions_on_two_replicas():
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient

@@ -4,6 +4,9 @@ Rules: tick requests on a few session ids (committing and probe forwards, ``rese
 ``close_session`` flags, forwards that fail before or after committing), ``reset_session``
 / ``close_session`` calls, stepwise requests (denoise steps, the last one commits and
 finishes) and aborts, pipeline hooks that fail, and LRU pressure (four ids, capacity two).
+A close hook that fails (``close_session``, or ``engine.close()`` at stop) followed by a
+newcomer: the closed session is gone and its slot free, the newcomer evicts nobody (or is
+refused, "closed", after a stop).
 
 After every step: resident <= capacity, free + resident == capacity, distinct slots, the
 LRU order, exactly one close-or-reset hook per release (in order), and every resident
@@ -13,12 +16,16 @@ session's attention output equal to a float64 softmax over its sink + newest win
 ``ARDIFF_STATE_MACHINE_EXAMPLES`` raises the example count (default 200 in CI).
 
 A second machine drives the host tier and session files with injected faults: requests on
-more ids than slots (offload, restore, host-tier drops), saves and loads, closes, and
-faults at a restore's page write, at the pipeline's import (restore) and export (save), at
-the file write, and in close hooks. After every step the resident and offloaded sessions,
-their order, the hooks and the tier's bytes equal a model of the policy, every resident
-session's attention equals the float64 model, and no session but the one the step hit
-changed by a byte (pages of its slot or host record, cursors, run owners, model state).
+more ids than slots (offload, restore, host-tier drops), saves and loads, closes, batches
+(generate_batch), and faults at a restore's page write, at the pipeline's import (restore,
+also inside a batch: only that request fails, with a SessionRestoreError) and export (save),
+at the file write, and in close hooks (then a newcomer that needs room evicts only the least
+recently used session, to the tier; at stop every held session still gets its hook).
+After every step the resident and offloaded sessions, their order, the hooks and the tier's
+bytes equal a model of the policy, every resident session's attention equals the float64
+model, and no session but the ones the step hit changed by a byte (pages of its slot or host
+record, cursors, run owners, model state; a batch's session whose restore failed before the
+import is not hit: it must be exactly as before).
 ``ARDIFF_HOST_MACHINE_EXAMPLES`` raises its example count (default 30).
 """
 
@@ -50,6 +57,7 @@ from hypothesis.stateful import (
 from ardiff_jax import ARDiffusionEngine, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec, DiffusionRequest, EngineConfig
 from ardiff_jax.kv import PagedKVCaches
 from ardiff_jax.runtime import ARDiffusionBatchError, branch_cursor_array
+from ardiff_jax.runtime._batch import SessionRestoreError
 from ardiff_jax.runtime import _runner as runner_module
 from ardiff_jax.types import StepResult, StepSchedulerOutput
 
@@ -182,13 +190,16 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pipeline = MachinePipeline()
-        self.engine = ARDiffusionEngine(self.pipeline, EngineConfig(
-            dtype="float32", available_memory_bytes=10**6, gpu_memory_fraction=1.0, step_execution=True))
+        self.engine = self._new_engine()
         self.resident: collections.OrderedDict[str, list[np.ndarray]] = collections.OrderedDict()
         self.hooks: list[tuple[str, str]] = []
         self.fail_pending = False
         self.step_plan: dict[str, list[int]] = {}  # stepwise request id -> [steps, steps done]
         self.counter = 0
+
+    def _new_engine(self) -> ARDiffusionEngine:
+        return ARDiffusionEngine(self.pipeline, EngineConfig(
+            dtype="float32", available_memory_bytes=10**6, gpu_memory_fraction=1.0, step_execution=True))
 
     def teardown(self) -> None:
         self.engine.close()
@@ -344,6 +355,48 @@ class EngineMachine(RuleBasedStateMachine):
         self.pipeline.fail_next_hook = True
         self.fail_pending = True
 
+    @precondition(lambda self: self.resident and not self.fail_pending)
+    @rule(pick=st.integers(0, CAPACITY - 1), newcomer=st.sampled_from(TICK_IDS),
+          at_stop=st.sampled_from([False, False, False, True]))
+    def failing_close_hook_then_newcomer(self, pick: int, newcomer: str, at_stop: bool) -> None:
+        """A close hook that raises (``close_session``, or ``engine.close()`` at stop), then a newcomer.
+
+        The engine drops a session's KV before its hook, so after the failed close the session is gone
+        and its slot free: the newcomer takes it and evicts no session the caller still serves. At stop
+        every session still gets its hook (errors logged), and the newcomer is refused with a clear error
+        (the engine is closed; nothing is evicted); a fresh engine on the same pipeline then starts empty.
+        """
+        self.pipeline.fail_next_hook = True
+        self.fail_pending = True
+        request = DiffusionRequest("n", extra_args={"session_id": newcomer},
+                                   inputs={"kind": "commit", "kv": self._fresh_kv()})
+        if at_stop:
+            for session_id in list(self.resident):  # LRU order, every hook error logged, none raised
+                self._release(session_id, "close", suppress=True)
+            self.engine.close()
+            assert self.engine.sessions == () and self.pipeline.hooks == self.hooks
+            with pytest.raises(RuntimeError, match="closed"):
+                self.engine.generate(request)
+            assert self.pipeline.hooks == self.hooks  # the refused newcomer released nothing
+            self.engine = self._new_engine()
+            return
+        closed = list(self.resident)[pick % len(self.resident)]
+        kept = [sid for sid in self.resident if sid != closed]
+        self._release(closed, "close", suppress=False)
+        with pytest.raises(HookFailure):
+            self.engine.close_session(closed)
+        assert list(self.engine.sessions) == kept
+        assert self.engine.runner.kv_cache.num_free_slots == CAPACITY - len(kept)
+        if newcomer in self.resident:
+            return
+        self._admit(newcomer)  # a free slot: evicts nobody
+        kv = request.inputs["kv"]
+        expected = self._expect_output(newcomer, kv)
+        self.resident[newcomer].extend(zip(kv[0], kv[1]))
+        out = self.engine.generate(request)
+        np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), expected, rtol=2e-5, atol=2e-6)
+        assert list(self.engine.sessions) == kept + [newcomer]  # nobody the caller serves was evicted for it
+
     # -- invariants -----------------------------------------------------------------------------
     @invariant()
     def bookkeeping(self) -> None:
@@ -411,6 +464,13 @@ class ExportingMachinePipeline(MachinePipeline):
         self.model[session_id] = blocks + np.float32(request.inputs["kind"] == "commit")
         return out
 
+    def forward_batch(self, requests):
+        outs = super().forward_batch(requests)
+        for state, request in zip(self.batch.states, requests, strict=True):
+            blocks = self.model.get(state.session_id, np.zeros(1, np.float32))
+            self.model[state.session_id] = blocks + np.float32(request.inputs["kind"] == "commit")
+        return outs
+
     def export_ar_diffusion_session(self, session_id):
         if self.fail_next_export:
             self.fail_next_export = False
@@ -433,9 +493,7 @@ class HostTierMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pipeline = ExportingMachinePipeline()
-        self.engine = ARDiffusionEngine(self.pipeline, EngineConfig(
-            dtype="float32", available_memory_bytes=10**6, gpu_memory_fraction=1.0,
-            host_offload_bytes=HOST_RECORDS * RECORD_BYTES + RECORD_BYTES // 2))
+        self.engine = self._new_engine()
         self.directory = Path(tempfile.mkdtemp(prefix="ardiff-host-machine-"))
         self.resident: collections.OrderedDict[str, list] = collections.OrderedDict()
         self.offloaded: collections.OrderedDict[str, list] = collections.OrderedDict()
@@ -444,6 +502,11 @@ class HostTierMachine(RuleBasedStateMachine):
         self.snapshots: dict[str, tuple] = {}
         self.hit: set[str] = set()
         self.counter = 0
+
+    def _new_engine(self) -> ARDiffusionEngine:
+        return ARDiffusionEngine(self.pipeline, EngineConfig(
+            dtype="float32", available_memory_bytes=10**6, gpu_memory_fraction=1.0,
+            host_offload_bytes=HOST_RECORDS * RECORD_BYTES + RECORD_BYTES // 2))
 
     def teardown(self) -> None:
         self.engine.close()
@@ -470,10 +533,18 @@ class HostTierMachine(RuleBasedStateMachine):
         return [self.resident.popitem(last=False)] if len(self.resident) >= CAPACITY else []
 
     @contextlib.contextmanager
-    def _failing_page_write(self, armed: bool):
+    def _failing_page_write(self, armed: bool, *, once: bool = False):
+        """While armed, a restore's page write raises (``once``: only the first write, later ones run)."""
         cache = self.engine.runner.kv_cache
         if armed:
-            cache.write_slot = lambda slot, pages: (_ for _ in ()).throw(InjectedFault("page write failed"))
+            real_write = cache.write_slot
+
+            def failing_write(slot, pages):
+                if once:
+                    cache.write_slot = real_write
+                raise InjectedFault("page write failed")
+
+            cache.write_slot = failing_write
         try:
             yield
         finally:
@@ -526,6 +597,116 @@ class HostTierMachine(RuleBasedStateMachine):
         np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), expected, rtol=2e-5, atol=2e-6)
         if kind == "commit":
             self.resident[session_id].extend(zip(kv[0], kv[1]))
+
+    @rule(session_ids=st.lists(st.sampled_from(HOST_IDS), min_size=1, max_size=CAPACITY, unique=True),
+          kind=st.sampled_from(["commit", "commit", "probe"]), fault=st.sampled_from(["none", "page_write", "import"]))
+    def batch(self, session_ids: list[str], kind: str, fault: str) -> None:
+        """generate_batch with the restore of its first offloaded session failing: only that session fails.
+
+        Admission restores the batch's offloaded sessions first (so an eviction that fills the tier never
+        drops one of them), then creates the new ones; victims are the least recently used sessions outside
+        the batch; the LRU order is then the request order. The failed session ends as ``generate`` leaves
+        it: offloaded, byte for byte as before (page write), or released with its close hook (import).
+        """
+        kvs = [self._fresh_kv() for _ in session_ids]
+        requests = [DiffusionRequest(f"b{i}", extra_args={"session_id": sid}, inputs={"kind": kind, "kv": kv})
+                    for i, (sid, kv) in enumerate(zip(session_ids, kvs, strict=True))]
+        restores = [sid for sid in session_ids if sid in self.offloaded]
+        target = restores[0] if restores and fault != "none" else None
+        admitted = []
+        for session_id in restores + [sid for sid in session_ids if sid not in restores]:
+            victims = []
+            if session_id not in self.resident and len(self.resident) >= CAPACITY:
+                victim = next(sid for sid in self.resident if sid not in session_ids)
+                victims = [(victim, self.resident.pop(victim))]
+            if session_id in self.resident:
+                admitted.append(session_id)
+            elif session_id == target:  # the restore fails; the victim made room all the same
+                frames = self.offloaded.pop(session_id)
+                if fault == "page_write":
+                    self.offloaded[session_id] = frames
+                    for victim, victim_frames in victims:
+                        if len(self.offloaded) >= HOST_RECORDS and session_id in self.offloaded:
+                            self._drop(session_id)
+                        self._to_tier(victim, victim_frames)
+                else:
+                    self.hooks.append(("close", session_id))
+                    for victim, victim_frames in victims:
+                        self._to_tier(victim, victim_frames)
+            else:
+                frames = self.offloaded.pop(session_id, [])
+                for victim, victim_frames in victims:
+                    self._to_tier(victim, victim_frames)
+                self.resident[session_id] = frames
+                admitted.append(session_id)
+        for session_id in session_ids:
+            if session_id in admitted:
+                self.resident.move_to_end(session_id)
+        expected = {sid: float64_attention(self.resident[sid], kv)
+                    for sid, kv in zip(session_ids, kvs, strict=True) if sid in admitted}
+        for session_id, kv in zip(session_ids, kvs, strict=True):
+            if session_id in admitted and kind == "commit":
+                self.resident[session_id].extend(zip(kv[0], kv[1]))
+        # A failed page write leaves its session exactly as it was: the invariant checks it byte for byte.
+        self.hit = set(session_ids) - ({target} if fault == "page_write" and target in self.offloaded else set())
+        self.pipeline.fail_next_import = fault == "import" and target is not None
+        try:
+            with self._failing_page_write(fault == "page_write" and target is not None, once=True):
+                if target is None:
+                    outputs = self.engine.generate_batch(requests)
+                else:
+                    with pytest.raises(ARDiffusionBatchError) as raised:
+                        self.engine.generate_batch(requests)
+                    error = raised.value
+                    assert list(error.errors) == [target]
+                    failure = error.errors[target]
+                    assert isinstance(failure, SessionRestoreError) and failure.session_id == target
+                    assert failure.offloaded == (target in self.offloaded)
+                    assert isinstance(failure.__cause__, InjectedFault) and repr(target) in str(failure)
+                    outputs = error.outputs
+        finally:
+            self.pipeline.fail_next_import = False
+        for session_id, out in zip(session_ids, outputs, strict=True):
+            if session_id not in admitted:
+                assert out is None
+            else:
+                np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), expected[session_id],
+                                           rtol=2e-5, atol=2e-6)
+
+    @rule(session_id=st.sampled_from(HOST_IDS + LOAD_IDS), newcomer=st.sampled_from(HOST_IDS),
+          at_stop=st.sampled_from([False, False, False, True]))
+    def failing_close_hook_then_newcomer(self, session_id: str, newcomer: str, at_stop: bool) -> None:
+        """A close hook that raises, then a newcomer that needs room.
+
+        ``close_session``: the closed session is gone (its slot or record freed) and the newcomer evicts
+        (offloads, never drops) only the least recently used sessions, and only if the device is full.
+        ``engine.close()`` at stop: every resident and offloaded session still gets its hook once, the
+        newcomer is refused with a clear error, and a fresh engine starts empty.
+        """
+        if at_stop:
+            self.pipeline.fail_next_hook = True
+            for held in list(self.resident) + list(self.offloaded):  # resident, then the tier; LRU order
+                self._drop(held)
+            self.engine.close()
+            self.pipeline.fail_next_hook = False  # still armed when nothing was held: no hook ran
+            assert self.pipeline.hooks == self.hooks and self.engine.runner.closed
+            with pytest.raises(RuntimeError, match="closed"):
+                self.engine.generate(DiffusionRequest("n", extra_args={"session_id": newcomer},
+                                                      inputs={"kind": "commit", "kv": self._fresh_kv()}))
+            assert self.pipeline.hooks == self.hooks and not self.pipeline.model
+            self.engine = self._new_engine()
+            self.snapshots, self.hit = {}, set()
+            return
+        self.close(session_id, hook_fails=True)
+        assert session_id not in self.engine.sessions + self.engine.offloaded_sessions
+        assert self.engine.runner.kv_cache.num_free_slots + len(self.engine.sessions) == CAPACITY
+        if newcomer in self.resident or newcomer in self.offloaded:
+            return
+        before = list(self.resident)
+        self.tick(newcomer, "commit", "none")
+        evicted = [sid for sid in before if sid not in self.engine.sessions]
+        assert evicted == before[:len(evicted)] and len(evicted) == max(0, len(before) + 1 - CAPACITY)
+        assert all(sid in self.engine.offloaded_sessions for sid in evicted)  # offloaded, never dropped
 
     @rule(session_id=st.sampled_from(HOST_IDS + LOAD_IDS), hook_fails=st.booleans())
     def close(self, session_id: str, hook_fails: bool) -> None:

@@ -19,7 +19,13 @@ Power-user names live here; :mod:`ardiff_jax` re-exports what most users start w
   (each replica a Ray actor owning its engine; ``RayReplica`` is built on first use).
 """
 
-from ardiff_jax.runtime._batch import ARDiffusionBatchError, ARDiffusionKVBatch, batch_buckets, bucket_for
+from ardiff_jax.runtime._batch import (
+    ARDiffusionBatchError,
+    ARDiffusionKVBatch,
+    SessionRestoreError,
+    batch_buckets,
+    bucket_for,
+)
 from ardiff_jax.runtime._engine import ARDiffusionEngine
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import (
@@ -73,6 +79,7 @@ __all__ = [
     "SESSION_FORMAT_VERSION",
     "WARMUP_SESSION_ID",
     "ARDiffusionBatchError",
+    "SessionRestoreError",
     "ARDiffusionEngine",
     "ARDiffusionKVBatch",
     "batch_buckets",

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
     from ardiff_jax.runtime._state import ARDiffusionKVState
 
-__all__ = ["ARDiffusionBatchError", "ARDiffusionKVBatch", "batch_buckets", "bucket_for"]
+__all__ = ["ARDiffusionBatchError", "ARDiffusionKVBatch", "SessionRestoreError", "batch_buckets", "bucket_for"]
 
 
 def batch_buckets(capacity: int) -> tuple[int, ...]:
@@ -69,22 +69,56 @@ class ARDiffusionBatchError(RuntimeError):
     """Some requests of a batch failed; the others completed exactly as if run one by one.
 
     Raised by :meth:`~ardiff_jax.ARDiffusionEngine.generate_batch` after every request ran.
-    Each failing session was released as ``generate`` releases it (fail-closed: KV dropped,
-    close hook, event reason ``"forward_exception"``); every other session advanced by one
-    block and its output is here.
+    Each failing session was left as ``generate`` leaves it when the same step fails:
+
+    * a failed forward releases it (fail-closed: KV dropped, close hook, event reason
+      ``"forward_exception"``);
+    * a failed restore of an offloaded session (its pages could not be written back, or the
+      pipeline refused its model state) leaves it offloaded when the failure came before the
+      pipeline's import, and releases it (close hook, ``"restore_failed"``) when the import
+      failed; its error is a :class:`SessionRestoreError` naming the session, the cause and
+      where the session is now (the original exception is its ``__cause__``).
+
+    Every other session advanced by one block and its output is here.
 
     Attributes:
       outputs: one entry per request, in request order: the output, or ``None`` for a
         request that failed.
-      errors: ``{session_id: exception}`` of the failed requests.
+      errors: ``{session_id: exception}`` of the failed requests, in request order.
     """
 
     def __init__(self, outputs: Sequence[Any], errors: dict[str, BaseException]) -> None:
         self.outputs = list(outputs)
         self.errors = dict(errors)
         failed = ", ".join(f"{sid!r}: {error!r}" for sid, error in errors.items())
-        super().__init__(f"{len(errors)} of {len(self.outputs)} requests of the batch failed ({failed}); "
-                         "those sessions were released, the others' outputs are in .outputs")
+        super().__init__(f"{len(errors)} of {len(self.outputs)} requests of the batch failed ({failed}); only those "
+                         "sessions failed (released, or left offloaded by a restore that failed before the "
+                         "pipeline's import), the others' outputs are in .outputs")
+
+
+class SessionRestoreError(RuntimeError):
+    """An offloaded session could not be made resident again for a request of a batch.
+
+    ``session_id`` names it, ``offloaded`` says where it is now: ``True``, still in the host
+    tier exactly as before (the failure came before the pipeline's import; its next request
+    tries the restore again), or ``False``, released with its close hook (the pipeline's
+    import or the check of its model state failed; its next request starts it anew). The
+    exception that made the restore fail is ``__cause__``.
+    """
+
+    session_id: str = ""
+    offloaded: bool = False
+
+    @classmethod
+    def wrap(cls, session_id: str, cause: BaseException, *, offloaded: bool) -> SessionRestoreError:
+        where = ("it is still offloaded, unchanged, and its next request tries the restore again" if offloaded else
+                 "it was released (close hook) and its next request starts it anew")
+        error = cls(f"AR-Diffusion session {session_id!r} could not be restored from the host tier "
+                    f"({type(cause).__name__}: {cause}); {where}")
+        error.session_id = session_id  # attributes, not arguments: the exception pickles (Ray) as it is
+        error.offloaded = offloaded
+        error.__cause__ = cause
+        return error
 
 
 class ARDiffusionKVBatch:

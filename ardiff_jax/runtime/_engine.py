@@ -83,12 +83,19 @@ class ARDiffusionEngine:
         recompiles); a batch of one, a pipeline without the protocol, or pools on a mesh run
         the requests one by one.
 
-        Failures: a request that fails releases its own session only (as ``generate``:
-        KV dropped, close hook); the other requests complete, and
+        Failures: a request that fails fails alone; the other requests complete, and
         :class:`~ardiff_jax.runtime.ARDiffusionBatchError` is raised once all ran, with
         ``.outputs`` (``None`` for the failed) and ``.errors`` (``{session_id: exception}``).
-        A batched forward that raises is rerun one request at a time, so only the bad
-        session fails. Thread-safe like ``generate`` (one engine call at a time).
+        A failed forward releases its own session only (as ``generate``: KV dropped, close
+        hook); a batched forward that raises is rerun one request at a time, so only the bad
+        session fails. A session whose restore from the host tier fails (its pages cannot be
+        written back, or the pipeline refuses its model state, at the restore or already when
+        its request is validated) is left as ``generate`` leaves it (still offloaded, or
+        released with its close hook) and its error is a
+        :class:`~ardiff_jax.runtime._batch.SessionRestoreError` naming it, the cause and where
+        it is now. The batch's offloaded sessions are restored before its new sessions are
+        created, so an eviction into a full host tier never drops one of the batch's own.
+        Thread-safe like ``generate`` (one engine call at a time).
         """
         return self._runner.execute_model_batch(requests)
 

@@ -452,11 +452,23 @@ class ARDiffusionRouter:
                 self._replicas[index].reset_session(session_id)
 
     def close_session(self, session_id: str) -> None:
-        """Close the session on its replica and forget its placement; nothing for an id the router never placed."""
+        """Close the session on its replica and forget its placement; nothing for an id the router never placed.
+
+        A close whose pipeline hook raises still released the session there (an engine drops
+        the KV before the hook): the placement is forgotten unless the replica still holds the
+        session, and the error is raised. So a replica's load never counts a session it let go,
+        with or without session events.
+        """
         check_session_id(session_id)
         with self._owning(session_id, place=False) as index:
             if index is not None:
-                self._replicas[index].close_session(session_id)
+                try:
+                    self._replicas[index].close_session(session_id)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # a replica that cannot answer keeps the placement
+                        if not self._holds(index, session_id):
+                            self._forget(index, (session_id,))
+                    raise
                 self._forget(index, (session_id,))
 
     def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:

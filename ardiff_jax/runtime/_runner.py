@@ -51,7 +51,13 @@ from ardiff_jax.capability import (
     SupportsStepExecution,
     spec_summary,
 )
-from ardiff_jax.runtime._batch import ARDiffusionBatchError, ARDiffusionKVBatch, batch_buckets, bucket_for
+from ardiff_jax.runtime._batch import (
+    ARDiffusionBatchError,
+    ARDiffusionKVBatch,
+    SessionRestoreError,
+    batch_buckets,
+    bucket_for,
+)
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
@@ -402,22 +408,38 @@ class ARDiffusionModelRunner:
         (batched or not) releases its own session only (fail-closed, as ``execute_model``);
         the others complete, and :class:`~ardiff_jax.runtime.ARDiffusionBatchError` is raised
         at the end with every output (``None`` for the failed) and the errors by session.
-        ``close_session`` requests release their session after success.
+        A session that cannot be made resident fails alone the same way, left as
+        ``execute_model`` leaves it: a failed restore from the host tier (at the validation's
+        import of its model state, the page write or the import) is a
+        :class:`~ardiff_jax.runtime._batch.SessionRestoreError`, the session still offloaded or
+        released (``"restore_failed"``); a failed eviction for a new session raises its error
+        for that session only. ``close_session`` requests release their session after success.
         """
         requests = self._checked_batch_types(requests)
         with self._locked():
             self._check_open()
             self._check_not_reentrant("execute_model_batch")
-            parsed = self._checked_batch(requests)
+            restore_failures: dict[str, BaseException] = {}
+            parsed = self._checked_batch(requests, restore_failures)
             session_ids = [entry[0] for entry in parsed]
             if not requests:
                 return []
+            failures = {sid: SessionRestoreError.wrap(sid, error, offloaded=sid in self._host)
+                        for sid, error in restore_failures.items()}
             for session_id, (_, reset, _, _) in zip(session_ids, parsed, strict=True):
-                if reset:
+                if reset and session_id not in failures:
                     self._release_session(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
-            states = self._admit_batch(session_ids)
-            outputs, errors = self._run_batch(session_ids, requests, states)
+            states, admission_failures = self._admit_batch([sid for sid in session_ids if sid not in failures])
+            failures.update(admission_failures)
+            running = [i for i, sid in enumerate(session_ids) if sid not in failures]
+            ran_outputs, errors = self._run_batch([session_ids[i] for i in running], [requests[i] for i in running],
+                                                  [states[session_ids[i]] for i in running]) if running else ([], {})
+            outputs: list[Any] = [None] * len(requests)
+            for i, output in zip(running, ran_outputs, strict=True):
+                outputs[i] = output
+            errors = {sid: failures[sid] if sid in failures else errors[sid] for sid in session_ids
+                      if sid in failures or sid in errors}  # request order
             elapsed = time.perf_counter() - start
             for session_id, (_, _, close_after, _) in zip(session_ids, parsed, strict=True):
                 if session_id not in errors:
@@ -433,13 +455,15 @@ class ARDiffusionModelRunner:
 
         Raises what ``execute_model_batch`` would raise for ``requests`` now (TypeError /
         ValueError); changes nothing. A router calls it on every replica's share of a batch
-        before running any share, so a refused batch runs nowhere.
+        before running any share, so a refused batch runs nowhere. An offloaded session whose
+        model state cannot be imported for its validation is not a refusal (the batch would
+        fail that request alone): it is left offloaded here, and the batch reports it.
         """
         requests = self._checked_batch_types(requests)
         with self._locked():
             self._check_open()
             self._check_not_reentrant("validate_batch")
-            self._checked_batch(requests)
+            self._checked_batch(requests, dry_run=True)
 
     @staticmethod
     def _checked_batch_types(requests: Any) -> list[DiffusionRequest]:
@@ -453,13 +477,19 @@ class ARDiffusionModelRunner:
             check_not_traced("engine.generate_batch / execute_model_batch", *_request_values(request))
         return requests
 
-    def _checked_batch(self, requests: list[DiffusionRequest]) -> list[tuple[Any, ...]]:
-        """The requests' parsed session flags, after the batch's admission and every request's validation."""
+    def _checked_batch(self, requests: list[DiffusionRequest], restore_failures: dict[str, BaseException] | None = None,
+                       *, dry_run: bool = False) -> list[tuple[Any, ...]]:
+        """The requests' parsed session flags, after the batch's admission and every request's validation.
+
+        An offloaded session whose model state cannot be imported for its validation is a
+        restore failure of that request only (recorded in ``restore_failures``; see
+        :meth:`_validate_request`), never a refusal of the batch.
+        """
         parsed = [self._request_session(request) for request in requests]
         session_ids = [entry[0] for entry in parsed]
         self._check_batch_admission(session_ids)
         for session_id, request in zip(session_ids, requests, strict=True):
-            self._validate_request(session_id, request)
+            self._validate_request(session_id, request, restore_failures, dry_run=dry_run)
         return parsed
 
     def _check_batch_admission(self, session_ids: list[str]) -> None:
@@ -475,30 +505,55 @@ class ARDiffusionModelRunner:
             raise ValueError(f"a batch of {len(session_ids)} sessions cannot be resident beside the pinned sessions "
                              f"{pinned} (capacity {capacity})")
 
-    def _admit_batch(self, session_ids: list[str]) -> list[ARDiffusionKVState]:
+    def _admit_batch(self, session_ids: list[str]
+                     ) -> tuple[dict[str, ARDiffusionKVState], dict[str, BaseException]]:
         """Make every session of the batch resident (create or restore); none evicts another of the batch.
 
-        The batch's resident sessions are pinned first and each admitted one right after its
-        admission, so an admission's LRU eviction only picks sessions outside the batch.
+        Returns ``(states, failures)`` by session id. The batch's resident sessions are pinned
+        first and each admitted one right after its admission, so an admission's LRU eviction
+        only picks sessions outside the batch. Offloaded sessions are restored before any new
+        session is created: a record displaced from a full host tier by an eviction is then
+        never one of the batch's own (the batch would silently start it anew). A session that
+        cannot be admitted (its restore fails, or an eviction for it raises) fails alone, as
+        ``generate`` would leave it (a restore error is a :class:`SessionRestoreError`); the
+        others are admitted all the same. Finally the admitted sessions are touched in request
+        order: the LRU order is the one ``generate`` in request order would leave.
         """
         table = self._table
+        host = self._host
         pinned: list[str] = []
+        states: dict[str, ARDiffusionKVState] = {}
+        failures: dict[str, BaseException] = {}
+        restores = [sid for sid in session_ids if sid in host]
+        order = restores + [sid for sid in session_ids if sid not in host]
         try:
             for session_id in session_ids:
                 if session_id in table:
                     table.pin(session_id)
                     pinned.append(session_id)
-            states = []
-            for session_id in session_ids:
-                states.append(self._get_or_create_session(session_id))
+            for session_id in order:
+                try:
+                    states[session_id] = self._get_or_create_session(session_id)
+                except Exception as error:
+                    logger.warning("AR-Diffusion session %r of a batch could not be made resident (%r); only its "
+                                   "request fails", session_id, error)
+                    failures[session_id] = error
+                    continue
                 if session_id not in pinned:
                     table.pin(session_id)
                     pinned.append(session_id)
+            for session_id in session_ids:
+                if session_id in states and session_id in table:
+                    table.touch(session_id)
         finally:
             for session_id in pinned:
                 if session_id in table:
                     table.unpin(session_id)
-        return states
+        for session_id in restores:  # where the session is now: after every admission of the batch
+            if session_id in failures:
+                failures[session_id] = SessionRestoreError.wrap(session_id, failures[session_id],
+                                                                offloaded=session_id in host)
+        return states, failures
 
     def _run_batch(self, session_ids: list[str], requests: list[DiffusionRequest],
                    states: list[ARDiffusionKVState]) -> tuple[list[Any], dict[str, BaseException]]:
@@ -681,12 +736,20 @@ class ARDiffusionModelRunner:
             raise RuntimeError("ARDiffusionModelRunner is closed")
 
     # -- internals -----------------------------------------------------------------------------
-    def _validate_request(self, session_id: str, request: DiffusionRequest) -> None:
+    def _validate_request(self, session_id: str, request: DiffusionRequest,
+                          restore_failures: dict[str, BaseException] | None = None, *, dry_run: bool = False) -> None:
         """The pipeline's optional host-side check, before any session or KV changes.
 
         An offloaded session is checked against its model state: the state is imported for
         the call and exported straight back (a copy of the small model state, no pages), so
         a refused request leaves the session offloaded and every other session where it was.
+        If that import or export fails, the session cannot be restored: it is released
+        (``"restore_failed"``, close hook) and the error raised, as a failed restore's.
+
+        With ``restore_failures`` (a batch) such a failure is recorded there instead of
+        raised: only that request fails. With ``dry_run`` (``validate_batch``) a failed import
+        is ignored and nothing released: nothing was imported, and the batch that follows
+        probes again and reports it as that request's failure.
         """
         if self._request_validator is None:
             return
@@ -698,18 +761,45 @@ class ARDiffusionModelRunner:
             try:
                 self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
                                                                                  self._kv_cache.state_placement))
-            except Exception:
+            except Exception as error:
+                if dry_run:
+                    logger.info("AR-Diffusion validation of offloaded session %r could not import its model state "
+                                "(%r); its request will fail when it runs", session_id, error)
+                    return
                 self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
-                raise
+                if restore_failures is None:
+                    raise
+                restore_failures[session_id] = error
+                return
             try:
                 self._request_validator(session_id, request)
-            finally:
-                try:
-                    self._exporter.export_ar_diffusion_session(session_id)  # the record keeps its own copy
-                except Exception:
-                    self._release_session(session_id, reset_model=False, reason="restore_failed",
-                                          suppress_errors=True)
+            except BaseException:
+                if self._export_validated(session_id, restore_failures, dry_run):
                     raise
+                return  # the session is gone: its request fails as a restore, its refusal is moot
+            self._export_validated(session_id, restore_failures, dry_run)
+
+    def _export_validated(self, session_id: str, restore_failures: dict[str, BaseException] | None,
+                          dry_run: bool) -> bool:
+        """Export the state imported for a validation back out (the record keeps its own copy); whether it could.
+
+        If the pipeline fails at it, it may hold the session's state beside the record: the
+        session is released (``"restore_failed"``) and the error raised, or recorded in
+        ``restore_failures`` (a batch), or logged (``dry_run``).
+        """
+        try:
+            self._exporter.export_ar_diffusion_session(session_id)
+        except Exception as error:
+            self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            if restore_failures is not None:
+                restore_failures[session_id] = error
+            elif dry_run:
+                logger.warning("AR-Diffusion validation of offloaded session %r could not export its model state back "
+                               "(%r); the session was released", session_id, error)
+            else:
+                raise
+            return False
+        return True
 
     def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
         state = self._table.get(session_id)
@@ -988,8 +1078,14 @@ class ARDiffusionModelRunner:
 
     def _release_session(self, session_id: str, *, reset_model: bool, reason: str,
                          suppress_errors: bool = False) -> None:
-        """KV first, then the pipeline hook (even when nothing was resident)."""
+        """KV first, then the pipeline hook (even when nothing was resident).
+
+        Everything the runner keeps for the session goes before the hook runs, so a hook that
+        raises leaves no bookkeeping behind: the slot (or host record) is free, the session is
+        in neither the table nor the tier, and a stepwise chunk's start time is forgotten.
+        """
         errors: list[BaseException] = []
+        self._stepwise_started.pop(session_id, None)  # a released chunk is over (close_session, LRU, reset)
         state = self._table.remove(session_id)
         if state is not None:
             try:
