@@ -31,6 +31,7 @@ from ardiff_jax.models import WorldPipeline, WorldPipelineConfig
 from ardiff_jax.runtime import SessionFileError
 from ardiff_jax.runtime._ray import EngineReplica
 from ardiff_jax.runtime._router import ARDiffusionRouter
+from ardiff_jax.runtime._persist import seal_manifest
 from runner_pipelines import RecordingPipeline
 
 HOST = 10**8  # plenty: every offloaded session fits
@@ -174,7 +175,8 @@ def _manifest(path: Path) -> dict:
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
-    (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    # Re-sealed: these tests edit a field on purpose to test its own check, not the digest's.
+    (path / "manifest.json").write_text(json.dumps(seal_manifest(manifest)), encoding="utf-8")
 
 
 def _snapshot(engine: ARDiffusionEngine) -> tuple:

@@ -8,6 +8,12 @@
   shapes) is a SessionFileError naming what is wrong, and the engine it was loaded into is
   unchanged (resident sessions, pool bytes, no events); save to an existing path, of an
   unknown id, or by a pipeline without the export capability is refused.
+* The manifest is sealed: an edit of any field (a prompt, an id, a cursor, a recorded
+  digest) that is not re-sealed is refused by ``manifest_sha256``; a version-1 file (before
+  the seal) is refused saying why; a manifest that is a FIFO, a device, a directory or over
+  the size bound is refused without being read (nothing blocks), and saving refuses a
+  manifest that reading would refuse. (Corruption tests below that test a deeper check
+  re-seal their edit with ``seal_manifest``, as a writer of such values would.)
 * Storage: a bfloat16 engine's pages (uint16 bits on CPU) load into another bfloat16
   engine, and a file whose pages are stored as bfloat16 loads into one that keeps uint16.
 """
@@ -41,6 +47,7 @@ from ardiff_jax.models import (
     dit_preset,
 )
 from ardiff_jax.runtime import SessionFileError
+from ardiff_jax.runtime._persist import MAX_MANIFEST_BYTES, seal_manifest
 
 HOST = 10**8  # plenty: every offloaded session fits
 TESTS = Path(__file__).resolve().parent
@@ -147,6 +154,13 @@ def _manifest(path: Path) -> dict:
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
+    """Write an edited manifest re-sealed (its digest recomputed): what a writer of these values would produce,
+    so the check under test is the one the edit breaks, not the seal."""
+    (path / "manifest.json").write_text(json.dumps(seal_manifest(manifest)), encoding="utf-8")
+
+
+def _write_unsealed(path: Path, manifest: dict) -> None:
+    """Write an edited manifest as an editor would: its recorded digest left as it was."""
     (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
 
 
@@ -301,9 +315,10 @@ def _set_shape(name_of, shape):
 
 
 CORRUPTIONS = {
-    "manifest_truncated": (lambda p: _truncate_file(p / "manifest.json"), r"manifest\.json is corrupt or truncated"),
+    "manifest_truncated": (lambda p: _truncate_file(p / "manifest.json"),
+                           r"manifest\.json is not valid JSON \(truncated or malformed"),
     "manifest_not_json": (lambda p: (p / "manifest.json").write_bytes(b"\xff\xfe not json"),
-                          r"manifest\.json is corrupt or truncated"),
+                          r"manifest\.json is not valid JSON \(truncated or malformed: not UTF-8 at byte 0"),
     "manifest_not_an_object": (lambda p: (p / "manifest.json").write_text("[1, 2]"), r"is not a manifest"),
     "manifest_missing": (lambda p: (p / "manifest.json").unlink(), r"has no manifest\.json"),
     "session_is_a_file": (lambda p: (shutil.rmtree(p), p.write_text("{}")), r"is not a session file"),
@@ -412,6 +427,120 @@ def test_a_blank_saved_session_id_is_refused_before_anything_changes(world_base,
     _assert_unchanged(engine, before, events)
 
 
+#: ``name: edit(manifest)``, each a plausible value the loader would accept if the manifest were not sealed.
+EDITS = {
+    "prompt": lambda m: m["pipeline_state"]["dict"].__setitem__("prompt", "a blue boat"),
+    "session_id": lambda m: m.__setitem__("session_id", "someone-else"),
+    "saved_unix": lambda m: m.__setitem__("saved_unix", m["saved_unix"] + 1.0),
+    "block_index": lambda m: m["pipeline_state"]["dict"].__setitem__("block_index",
+                                                                    m["pipeline_state"]["dict"]["block_index"] + 1),
+    "weights_fingerprint_dropped": lambda m: m.pop("weights_fingerprint"),
+    "storage_dtype": lambda m: m.__setitem__("storage_dtype", "anything"),
+}
+
+
+def _refuse(engine: ARDiffusionEngine, path: Path, message: str) -> None:
+    events = _events(engine)
+    before = _snapshot(engine)
+    with pytest.raises(SessionFileError, match=message):
+        engine.load_session(path, session_id="loaded")
+    _assert_unchanged(engine, before, events)
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_an_edited_manifest_is_refused_by_its_digest(world_base, world_file, tmp_path, edit):
+    # An edited prompt used to load: the session then generated from the old prompt's cross-attention
+    # while reporting the new one. Every field is sealed by manifest_sha256.
+    path = tmp_path / "session"
+    shutil.copytree(world_file, path)
+    manifest = _manifest(path)
+    assert "prompt" in manifest["pipeline_state"]["dict"] and "weights_fingerprint" in manifest
+    EDITS[edit](manifest)
+    _write_unsealed(path, manifest)
+    _refuse(_full_world_target(world_base), path,
+            r"manifest\.json does not match its manifest_sha256: the manifest was edited")
+    # Sealed anew (a writer of these values), an edit that keeps the session plausible loads: the seal is
+    # what refused it, not a check of the value.
+    if edit in ("saved_unix", "weights_fingerprint_dropped"):
+        _write_manifest(path, manifest)
+        engine = _world(world_base)
+        assert engine.load_session(path, session_id="resealed") == "resealed"
+
+
+@pytest.mark.parametrize("digest", [None, 5, "0" * 63, "z" * 64])
+def test_a_missing_or_malformed_digest_is_refused(world_base, world_file, tmp_path, digest):
+    path = tmp_path / "session"
+    shutil.copytree(world_file, path)
+    manifest = _manifest(path)
+    if digest is None:
+        del manifest["manifest_sha256"]
+    else:
+        manifest["manifest_sha256"] = digest
+    _write_unsealed(path, manifest)
+    _refuse(_full_world_target(world_base), path, r"has no valid manifest_sha256")
+
+
+def test_a_version_1_file_is_refused_saying_why(world_base, world_file, tmp_path):
+    # Files written before the seal cannot be checked: refused (not accepted unverified), with the reason.
+    path = tmp_path / "session"
+    shutil.copytree(world_file, path)
+    manifest = _manifest(path)
+    manifest["format_version"] = 1
+    del manifest["manifest_sha256"]
+    _write_unsealed(path, manifest)
+    _refuse(_full_world_target(world_base), path, r"format version 1, written before manifests were sealed by a digest")
+
+
+def _unblock_fifo(fifo: Path) -> None:
+    """Give a reader blocked on opening ``fifo`` its end of file (opening for writing, non-blocking)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader is blocked on it
+        pass
+
+
+def test_a_manifest_that_is_not_a_regular_file_is_refused_without_reading_it(world_base, world_file, tmp_path):
+    import threading
+
+    path = tmp_path / "session"
+    shutil.copytree(world_file, path)
+    manifest = path / "manifest.json"
+    target = _full_world_target(world_base)
+    # A FIFO: opening it to read used to block forever.
+    manifest.unlink()
+    os.mkfifo(manifest)
+    outcome: list = []
+
+    def load() -> None:
+        try:
+            _refuse(target, path, r"manifest\.json is a FIFO \(named pipe\), not a regular file")
+            outcome.append("refused")
+        except BaseException as error:  # noqa: BLE001 - reported below
+            outcome.append(error)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    blocked = worker.is_alive()
+    while worker.is_alive():
+        _unblock_fifo(manifest)
+        worker.join(timeout=1)
+    assert not blocked, "loading a session whose manifest is a FIFO blocked"
+    assert outcome == ["refused"], outcome
+    # A device (/dev/zero would run to MemoryError; /dev/null is as much a device) and a directory.
+    manifest.unlink()
+    manifest.symlink_to("/dev/null")
+    _refuse(target, path, r"manifest\.json is a character device, not a regular file")
+    manifest.unlink()
+    manifest.mkdir()
+    _refuse(target, path, r"manifest\.json is a directory, not a regular file")
+    # Larger than any manifest: refused by its size, before it is read (a valid one, padded).
+    manifest.rmdir()
+    text = json.dumps(_manifest(world_file))
+    manifest.write_text(text[:-1] + " " * MAX_MANIFEST_BYTES + "}", encoding="utf-8")
+    _refuse(target, path, rf"manifest\.json is \d+ bytes, more than the {MAX_MANIFEST_BYTES}")
+
+
 # -- 4. saving -------------------------------------------------------------------------------------------
 
 
@@ -429,6 +558,19 @@ def test_save_refuses_an_unknown_id_and_an_existing_path(world_base, tmp_path):
         engine.save_session("a", existing)
     assert sorted(tmp_path.rglob("*")) == listing and (existing / "keep.txt").read_text() == "mine"
     assert engine.sessions == ("a",)
+
+
+def test_save_refuses_a_manifest_reading_would_refuse(world_base, tmp_path):
+    # A prompt of 5 MiB lands in the manifest's pipeline state: more than a manifest may have, refused at save
+    # (it used to be written, and every later load would refuse it).
+    engine = _world(world_base)
+    huge = "a red car " * (MAX_MANIFEST_BYTES // 10 + 1)
+    engine.generate(DiffusionRequest("big", prompt=huge, extra_args={"session_id": "big"},
+                                     inputs=_world_request("big", 0).inputs))
+    with pytest.raises(ValueError, match=rf"more than the {MAX_MANIFEST_BYTES} a session file holds"):
+        engine.save_session("big", tmp_path / "big")
+    assert list(tmp_path.iterdir()) == []
+    assert engine.sessions == ("big",)
 
 
 def test_saving_is_invisible_to_the_saved_session(world_base, tmp_path):

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ardiff_jax._files import read_json_file
 from ardiff_jax.models._common import DiTModules, FewStepSchedule
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._sprite import SpriteWorldPipeline, SpriteWorldPipelineConfig
@@ -91,13 +92,10 @@ def save_weights(modules: DiTModules, path: str | Path, metadata: dict[str, Any]
 def _read_sidecar(path: Path) -> dict[str, Any]:
     """The sidecar of ``path``, its digest checked against the arrays file and itself."""
     sidecar_path = path.with_suffix(".json")
-    try:
-        sidecar = json.loads(sidecar_path.read_text())
+    try:  # a regular file of at most a few MB of UTF-8 JSON (a diverged loss may be NaN); failures name it
+        sidecar = read_json_file(sidecar_path, error=ValueError, what="weights sidecar", allow_nan=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"weight file {path} has no JSON sidecar {sidecar_path}") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise ValueError(f"{sidecar_path} is not a valid weights sidecar (truncated or malformed JSON: "
-                         f"{error})") from None
     if not isinstance(sidecar, dict):
         raise ValueError(f"{sidecar_path} is not a valid weights sidecar (a JSON object is expected)")
     if sidecar.get("format_version") != WEIGHTS_FORMAT_VERSION:

@@ -3,13 +3,16 @@
 A session file is a directory::
 
     <path>/manifest.json   format, version, geometry fingerprint, pipeline, cursors,
-                           cross caches, the pipeline state's structure, and the shape,
-                           dtype and SHA-256 of every array
+                           cross caches, the pipeline state's structure, the shape,
+                           dtype and SHA-256 of every array, and ``manifest_sha256``: the
+                           SHA-256 of every other field (canonical JSON), so that the
+                           manifest and, through the array digests, the arrays are sealed
     <path>/arrays/         an orbax-checkpoint of the arrays (a flat dict of numpy arrays)
 
 Nothing is unpickled: the manifest is JSON and the arrays are read with a target built
 from the manifest. Reading validates, in order and before any pool is touched: the
-manifest parses, is nested at most :data:`MAX_MANIFEST_DEPTH` levels, holds no integer
+manifest is a regular file of at most :data:`MAX_MANIFEST_BYTES` (a FIFO, a device or a
+directory is refused, never read), parses, is nested at most :data:`MAX_MANIFEST_DEPTH` levels, holds no integer
 outside the int32 range the device computes in (the geometry aside: it must equal the
 engine's), and names this format and version; the geometry fingerprint and the pipeline
 class equal the engine's (the error names every field that differs); the weights
@@ -17,8 +20,16 @@ fingerprint, when both the file and the pipeline have one, equals the pipeline's
 the caller allows other weights; every array has the shape and dtype the engine's
 geometry implies; orbax reads them; each read array has its recorded shape, dtype and
 SHA-256 (a truncated or corrupted file fails here even when orbax does not notice); the
-cursors are ones the spec could produce. Writing refuses a pipeline state that reading
-would refuse (an int outside int32, nesting too deep), so every file written can be read.
+cursors are ones the spec could produce; and last, the manifest equals what was written:
+its ``manifest_sha256`` matches every field. A manifest edited after it was written (a
+prompt, a cursor, a recorded array digest) is refused even when each field is plausible:
+the session's KV was computed from the old values, and loading it would generate from
+them while reporting the new ones. (The digest detects edits and corruption; it is not a
+signature: whoever can write the file can recompute it.) Files of format version 1,
+written before manifests were sealed, are refused with a message that says so: nothing
+tells an edited one from an intact one. Writing refuses a pipeline state that reading
+would refuse (an int outside int32, nesting too deep, a manifest over the size bound), so
+every file written can be read.
 
 Writing goes to a temporary directory next to ``path`` that is renamed into place at the
 end, so an interrupted save never leaves a half-written session at ``path``.
@@ -39,6 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ardiff_jax._files import read_json_file
 from ardiff_jax.capability import ARDiffusionKVCacheSpec, spec_summary
 from ardiff_jax.kv import KVLayout, KVPools
 from ardiff_jax.runtime._offload import OffloadedSession, record_nbytes
@@ -48,11 +60,15 @@ from ardiff_jax.runtime._session import (
     session_kv_from_saved,
 )
 
-__all__ = ["MAX_MANIFEST_DEPTH", "SESSION_FORMAT", "SESSION_FORMAT_VERSION", "SessionFileError",
-           "check_weights_fingerprint", "session_fingerprint", "read_session_file", "write_session_file"]
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_MANIFEST_DEPTH", "SESSION_FORMAT", "SESSION_FORMAT_VERSION", "SessionFileError",
+           "check_weights_fingerprint", "seal_manifest", "session_fingerprint", "read_session_file",
+           "write_session_file"]
 
 SESSION_FORMAT = "ardiff_jax.session"
-SESSION_FORMAT_VERSION = 1
+#: 2: the manifest carries ``manifest_sha256`` over every other field (version 1 files are refused).
+SESSION_FORMAT_VERSION = 2
+#: The manifest field holding the SHA-256 of all the others.
+MANIFEST_DIGEST = "manifest_sha256"
 MANIFEST = "manifest.json"
 ARRAYS = "arrays"
 
@@ -60,6 +76,8 @@ ARRAYS = "arrays"
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 #: Levels of JSON nesting a manifest may have (the pipeline state takes two per level of its own).
 MAX_MANIFEST_DEPTH = 64
+#: The largest manifest read or written (bytes): arrays live in ``arrays/``, the manifest is a few KB.
+MAX_MANIFEST_BYTES = 4 * 2**20
 #: Manifest fields compared for equality with the engine's own values, not range-checked.
 _COMPARED_FIELDS = ("geometry",)
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -236,18 +254,52 @@ def write_session_file(path: str | os.PathLike[str], record: OffloadedSession, *
         "arrays": {name: {"shape": list(array.shape), "dtype": array.dtype.name, "sha256": _sha256(array)}
                    for name, array in arrays.items()},
     }
+    text = json.dumps(seal_manifest(manifest), indent=1, allow_nan=True)
+    if len(text.encode("utf-8")) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"the session's manifest would be {len(text.encode('utf-8'))} bytes, more than the "
+                         f"{MAX_MANIFEST_BYTES} a session file holds; keep large pipeline state in arrays")
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(staging / ARRAYS, arrays)
         checkpointer.wait_until_finished()
         checkpointer.close()
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=True), encoding="utf-8")
+        (staging / MANIFEST).write_text(text, encoding="utf-8")
         staging.rename(path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return path
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON (sorted keys, no spaces, NaN spelled ``NaN``) of every field but the digest."""
+    fields = {key: value for key, value in manifest.items() if key != MANIFEST_DIGEST}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def seal_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` as JSON gives it back, with ``manifest_sha256`` over every other field (what a reader checks).
+
+    Written files are sealed by :func:`write_session_file`; this is for tools (and tests) that
+    write a manifest on purpose.
+    """
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}, allow_nan=True))
+    body[MANIFEST_DIGEST] = _manifest_digest(body)
+    return body
+
+
+def _check_manifest_digest(path: Path, manifest: dict[str, Any]) -> None:
+    """SessionFileError unless the manifest's ``manifest_sha256`` is the digest of its other fields."""
+    recorded = manifest.get(MANIFEST_DIGEST)
+    if not (isinstance(recorded, str) and _SHA256_HEX.fullmatch(recorded)):
+        raise SessionFileError(f"{path / MANIFEST} has no valid {MANIFEST_DIGEST} (got {str(recorded)[:80]!r}): "
+                               "corrupt or edited")
+    if _manifest_digest(manifest) != recorded:
+        raise SessionFileError(f"{path / MANIFEST} does not match its {MANIFEST_DIGEST}: the manifest was edited or "
+                               "corrupted after it was written (a session's KV was computed from the values it was "
+                               "saved with; an edited prompt, cursor or array record would not describe it)")
 
 
 # -- reading ------------------------------------------------------------------------------------------
@@ -256,19 +308,20 @@ def write_session_file(path: str | os.PathLike[str], record: OffloadedSession, *
 def _read_manifest(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise SessionFileError(f"{path} is not a session file (expected a directory with {MANIFEST} and {ARRAYS}/)")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    try:  # a regular file of bounded size (a FIFO or /dev/zero is refused, never read); nesting checked below
+        manifest = read_json_file(path / MANIFEST, error=SessionFileError, what="session manifest",
+                                  max_bytes=MAX_MANIFEST_BYTES, max_depth=None, allow_nan=True)
     except FileNotFoundError:
         raise SessionFileError(f"{path} has no {MANIFEST}: not a session file, or a truncated one") from None
-    except RecursionError:
-        raise SessionFileError(f"{path / MANIFEST} is nested deeper than {MAX_MANIFEST_DEPTH} levels: corrupt or not "
-                               "a session file") from None
-    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer too long to parse
-        raise SessionFileError(f"{path / MANIFEST} is corrupt or truncated: {error}") from None
     _check_manifest_values(path, manifest)
     if not isinstance(manifest, dict) or manifest.get("format") != SESSION_FORMAT:
         raise SessionFileError(f"{path} is not an ardiff_jax session file (format {manifest.get('format')!r})"
                                if isinstance(manifest, dict) else f"{path / MANIFEST} is not a manifest")
+    if manifest.get("format_version") == 1:
+        raise SessionFileError(f"{path} has session format version 1, written before manifests were sealed by a "
+                               f"digest: an edited one cannot be told from an intact one, so it is not loaded; this "
+                               f"ardiff_jax reads version {SESSION_FORMAT_VERSION} (start the session anew and save "
+                               "it with this version)")
     if manifest.get("format_version") != SESSION_FORMAT_VERSION:
         raise SessionFileError(f"{path} has session format version {manifest.get('format_version')!r}; this ardiff_jax "
                                f"reads version {SESSION_FORMAT_VERSION}")
@@ -390,6 +443,9 @@ def read_session_file(path: str | os.PathLike[str], *, spec: ARDiffusionKVCacheS
     arrays = _read_arrays(path, targets)
     pages = KVPools(k=_as_storage(arrays["pages_k"], layout), v=_as_storage(arrays["pages_v"], layout))
     session = _session_value(manifest, arrays, spec)
+    # Last of the checks on the file: every field above was plausible; the manifest must also be the one
+    # written (an edit of any field, a prompt in the pipeline state included, is refused here).
+    _check_manifest_digest(path, manifest)
     state = _decode_tree(manifest["pipeline_state"], arrays, device)
     return OffloadedSession(session=session, pages=pages, pipeline_state=state,
                             nbytes=record_nbytes(session, pages, state))

@@ -31,6 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ardiff_jax.models.wan._checkpoint import (
+    CheckpointError,
+    _as_checkpoint_error,
+    _safetensors_tensors,
+    _tensor_dict,
+    _torch_load,
+    _torch_tensors,
+)
+from ardiff_jax.models.wan._safetensors import MAX_EXPECTED_TENSORS, SafetensorsFile, header_budget
+
 __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
@@ -222,10 +232,12 @@ def _skipped(name: str, naming: str, config: ClipVisionConfig) -> bool:
 def load_clip_vision(source: str | os.PathLike[str] | dict[str, Any], config: ClipVisionConfig = ClipVisionConfig()
                      ) -> ClipVisionEncoder:
     """A :class:`ClipVisionEncoder` from the original ``models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth``
-    (torch's safe unpickler), a transformers ``CLIPVisionModel`` directory / ``.safetensors``, or a dict of
-    arrays. Missing, unexpected (other than the unused text tower, final norm, projection and last block)
-    and mis-shaped tensors are refused by name before anything is built."""
-    tensors = _read(source)
+    (torch's safe unpickler, memory-mapped), a transformers ``CLIPVisionModel`` directory / ``.safetensors``, or a
+    dict of arrays. Missing, unexpected (other than the unused text tower, final norm, projection and last block),
+    mis-shaped and non-floating tensors are refused by name (``CheckpointError``, a ValueError, naming the file)
+    from the files' headers, before any tensor is read: a file is read lazily, only the tensors used, and a
+    ``.pt`` tensor must be a view of bytes the file stores (no stride-0 expansion)."""
+    tensors, where = _read(source)
     naming = "wan" if any(n.startswith("visual.") for n in tensors) else "transformers"
     if naming == "transformers":  # transformers 4 prefixes "vision_model.", 5 does not
         tensors = {n.removeprefix("vision_model."): t for n, t in tensors.items()}
@@ -233,14 +245,17 @@ def load_clip_vision(source: str | os.PathLike[str] | dict[str, Any], config: Cl
     used = {n: t for n, t in tensors.items() if not _skipped(n, naming, config)}
     missing = sorted(set(expected) - set(used))
     unexpected = sorted(set(used) - set(expected))
-    wrong = [f"{n} is {list(np.shape(used[n]))}, needs {list(s)}" for n, s in expected.items()
-             if n in used and tuple(np.shape(used[n])) != s]
+    wrong = [f"{n} is {list(used[n].shape)}, needs {list(s)}" for n, s in expected.items()
+             if n in used and tuple(used[n].shape) != s]
+    wrong += [f"{n} is {used[n].dtype}, not floating-point" for n in expected
+              if n in used and not jnp.issubdtype(used[n].dtype, jnp.floating)]
     if missing or unexpected or wrong:
-        raise ValueError(f"CLIP vision checkpoint does not fit ({naming} names): "
-                         + "; ".join(filter(None, [missing and f"missing tensors: {', '.join(missing[:8])}",
-                                                   unexpected and f"unexpected tensors: {', '.join(unexpected[:8])}",
-                                                   "; ".join(wrong[:8])])))
-    get = {n: np.asarray(t, np.float32) for n, t in used.items()}
+        parts = [missing and f"missing tensors: {', '.join(missing[:8])}",
+                 unexpected and f"unexpected tensors: {', '.join(unexpected[:8])}", "; ".join(wrong[:8])]
+        raise CheckpointError(f"CLIP vision checkpoint {where}does not fit ({naming} names): "
+                              + "; ".join(filter(None, parts)))
+    with _as_checkpoint_error():
+        get = {n: np.asarray(t.read(), np.float32) for n, t in used.items()}
     d, p = config.dim, config.patch_size
     if naming == "wan":
         patch, cls, pos = (get["visual.patch_embedding.weight"], get["visual.cls_embedding"].reshape(d),
@@ -295,17 +310,28 @@ def load_clip_vision(source: str | os.PathLike[str] | dict[str, Any], config: Cl
     return model
 
 
-def _read(source: Any) -> dict[str, Any]:
+class _Array:
+    """An in-memory array as a lazily read tensor (shape and dtype without a copy)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.shape = tuple(np.shape(value))
+        dtype = getattr(value, "dtype", None)
+        self.dtype = np.dtype(dtype) if isinstance(dtype, np.dtype) else np.asarray(value).dtype
+
+    def read(self) -> Any:
+        return self.value
+
+
+def _read(source: Any) -> tuple[dict[str, Any], str]:
+    """Name -> tensor (``shape``, ``dtype``, ``read()``), headers only, and the file for messages ("" for a dict)."""
     if isinstance(source, dict):
-        return dict(source)
+        return {str(k): _Array(v) for k, v in source.items()}, ""
     path = Path(source)
     if path.is_dir():
         path = path / "model.safetensors"
-    if path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
-        return load_file(str(path))
-    import torch
-
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return {k: v.float().numpy() for k, v in state.items()}
+    with _as_checkpoint_error():
+        if path.suffix == ".safetensors":
+            file = SafetensorsFile(path, max_header_bytes=header_budget(MAX_EXPECTED_TENSORS))
+            return _safetensors_tensors({path.name: file}), f"{path} "
+        return _torch_tensors(_tensor_dict(_torch_load(path), path, "the file"), path), f"{path} "

@@ -36,13 +36,24 @@ and shapes. Then each parameter is built on the host in its final dtype, one sta
 ``[L, ...]`` array at a time, and put on device (split over ``mesh`` by the model's own
 partition annotations), so host memory peaks near one stacked parameter and no device
 ever receives a full copy of a split parameter.
+
+What a file can make the loader allocate is bounded by the file, before anything is
+allocated: a ``.pt`` tensor must be a plain view of bytes the file stores (stride-0
+``expand``-ed or self-overlapping views are refused, and one state dict's tensors may span
+at most twice the file), a safetensors header at most a few KB per tensor the loader
+expects (:func:`~ardiff_jax.models.wan._safetensors.header_budget`), and a network inferred
+from the tensors no more blocks than the tensors can fill. Side files (config.json, shard
+indexes, adapter_config.json) are read by :func:`ardiff_jax._files.read_json_file`: regular
+files only (a FIFO, a device or a directory is refused without being read), a few MB at
+most, no NaN/Infinity, bounded nesting; every config.json number is checked (integers
+positive and not bools, ``eps`` finite and positive); a shard index may only name files of
+its own directory; and no error message quotes a file's bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
@@ -57,11 +68,17 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from ardiff_jax._files import check_regular_file, read_json_file
 from ardiff_jax.models._common import mesh_placement
 from ardiff_jax.models._config import CausalDiTConfig, dit_preset
 from ardiff_jax.models._pretrained import _path_name as weight_file_name
 from ardiff_jax.models._dit import CausalDiT
-from ardiff_jax.models.wan._safetensors import SafetensorsError, SafetensorsFile
+from ardiff_jax.models.wan._safetensors import (
+    MAX_EXPECTED_TENSORS,
+    SafetensorsError,
+    SafetensorsFile,
+    header_budget,
+)
 
 __all__ = ["CHECKPOINT_FORMATS", "CheckpointError", "checkpoint_config", "load_checkpoint", "wan_names"]
 
@@ -402,6 +419,8 @@ def _torch_dtype(tensor: Any) -> np.dtype:
 
 def _torch_load(path: Path) -> Any:
     torch = _torch()
+    # A FIFO or device would block torch or run it out of memory: a regular file, or refused.
+    check_regular_file(path, error=CheckpointError, what="torch checkpoint")
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -427,13 +446,59 @@ def _tensor_dict(obj: Any, path: Path, what: str) -> dict[str, Any]:
     return obj
 
 
+#: How many times the file's size the tensors of one state dict may span (tied weights, such as
+#: umT5's two token embeddings, are stored once and named twice).
+_LOGICAL_BYTES_PER_FILE_BYTE = 2
+#: ... plus this much, for tiny files.
+_LOGICAL_BYTES_SLACK = 2**20
+
+
+def _storage_problem(tensor: Any) -> str | None:
+    """Why ``tensor`` is not a plain view of its own stored elements (None: it is): a stride-0
+    (``expand``-ed) or otherwise self-overlapping view, or one reaching past its storage, would make a
+    few stored bytes load as an arbitrarily large tensor."""
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if any(size == 0 for size in shape):
+        return None
+    if any(stride < 0 for stride in strides):
+        return f"has negative strides {list(strides)}"
+    span = 1  # elements spanned by the dimensions of smaller stride, which a larger one must step over
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides) if sz > 1):
+        if stride < span:
+            return (f"is a stride-0 (expanded) or overlapping view (shape {list(shape)}, strides {list(strides)}): "
+                    f"its {tensor.numel()} elements are not each stored once")
+        span += stride * (size - 1)
+    end = (tensor.storage_offset() + span) * tensor.element_size()
+    stored = tensor.untyped_storage().nbytes()
+    if end > stored:
+        return f"reaches byte {end} of a {stored}-byte storage"
+    return None
+
+
 def _torch_tensors(state: dict[str, Any], path: Path) -> dict[str, _Tensor]:
+    """The state dict's tensors, each a view of bytes the file holds, their total bounded by the file's size.
+
+    Checked before any tensor is read: nothing here materialises a tensor.
+    """
     out = {}
+    bad = []
     for name, tensor in state.items():
         if tensor.layout != _torch().strided:
             raise CheckpointError(f"{path}: tensor {name} is {tensor.layout}, not a dense tensor")
+        problem = _storage_problem(tensor)
+        if problem is not None:
+            bad.append(f"{name} {problem}")
+            continue
         out[name] = _Tensor(name, str(path), tuple(tensor.shape), _torch_dtype(tensor),
                             tensor.numel() * tensor.element_size(), lambda t=tensor: _torch_numpy(t))
+    if bad:
+        raise CheckpointError(f"{path} holds tensors whose data the file does not store: " + "; ".join(bad[:6])
+                              + (f"; ... ({len(bad) - 6} more)" if len(bad) > 6 else ""))
+    size = os.stat(path).st_size
+    logical = sum(t.nbytes for t in out.values())
+    if logical > _LOGICAL_BYTES_PER_FILE_BYTE * size + _LOGICAL_BYTES_SLACK:
+        raise CheckpointError(f"{path}: its tensors span {logical} bytes but the file holds only {size} (views "
+                              "sharing their storage: a tiny file that would load as a large network)")
     return out
 
 
@@ -450,26 +515,60 @@ def _safetensors_tensors(files: dict[str, SafetensorsFile], only: dict[str, str]
     return out
 
 
-def _read_weights_dir(directory: Path, weights: str = _WEIGHTS, index: str = _INDEX) -> dict[str, _Tensor]:
+def _shard_file(directory: Path, shard: Any, index: Path) -> Path:
+    """The shard file ``shard`` of ``index`` names: a plain file name in ``directory`` that stays there.
+
+    Refused: anything but a file name (separators, ``..``, an absolute path), and a file that
+    resolves outside the directory (a symlink elsewhere), except into the ``blobs/`` of the
+    Hugging Face cache repository the directory is a snapshot of (where the hub's symlinks
+    point). The error quotes the entry, never the target's contents.
+    """
+    plain = (isinstance(shard, str) and shard not in ("", ".", "..") and not any(c in shard for c in "/\\\0")
+             and not Path(shard).is_absolute() and Path(shard).name == shard)
+    if not plain:
+        raise CheckpointError(f"{index}: the weight_map entry {shard!r} is not a shard file name in {directory} "
+                              "(a shard index may only name files of its own directory)")
+    root = directory.resolve()
+    target = (directory / shard).resolve()
+    if target.parent == root or _in_hub_blobs(root, target):
+        return directory / shard
+    raise CheckpointError(f"{index}: the shard {shard!r} resolves outside {directory} (a symlink elsewhere); "
+                          "a shard index may only name files of its own directory")
+
+
+def _in_hub_blobs(root: Path, target: Path) -> bool:
+    """Whether ``target`` is a blob of the Hugging Face cache repo whose snapshot holds ``root``
+    (``<repo>/snapshots/<revision>/...`` -> ``<repo>/blobs/<hash>``)."""
+    parts = root.parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots":
+            blobs = Path(*parts[:i]) / "blobs"
+            return target.parent == blobs
+    return False
+
+
+def _read_weights_dir(directory: Path, weights: str = _WEIGHTS, index: str = _INDEX,
+                      max_tensors: int = MAX_EXPECTED_TENSORS) -> dict[str, _Tensor]:
     """``weights`` (default ``diffusion_pytorch_model.safetensors``) or the shards its ``index`` lists,
-    cross-checked against the index."""
+    cross-checked against the index. ``max_tensors``: the most tensors the caller expects (bounds
+    the headers it will parse)."""
     index, single = directory / index, directory / weights
+    budget = header_budget(max_tensors)
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
-            raise CheckpointError(f"{index} is not a valid shard index (a JSON object with a 'weight_map' is "
-                                  f"expected): {type(error).__name__}: {error}") from None
+        data = read_json_file(index, error=CheckpointError, what="shard index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+            raise CheckpointError(f"{index} is not a valid shard index: a JSON object whose 'weight_map' maps "
+                                  "tensor names to shard file names is expected")
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             shards.setdefault(shard, []).append(name)
-        missing = [shard for shard in shards if not (directory / shard).is_file()]
+        paths = {shard: _shard_file(directory, shard, index) for shard in shards}
+        missing = [shard for shard in shards if not paths[shard].is_file()]
         if missing:
             raise CheckpointError(f"{directory}: the shard index {index.name} lists shard file(s) that do not exist: "
                                   + "; ".join(f"{s} (holding {_names(shards[s], 3)})" for s in missing))
-        files = {shard: SafetensorsFile(directory / shard) for shard in shards}
+        files = {shard: SafetensorsFile(paths[shard], max_header_bytes=budget) for shard in shards}
         for shard, names in shards.items():
             absent = [n for n in names if n not in files[shard]]
             if absent:
@@ -481,7 +580,7 @@ def _read_weights_dir(directory: Path, weights: str = _WEIGHTS, index: str = _IN
                                       f"there: {_names(extra)}")
         return _safetensors_tensors(files, weight_map)
     if single.exists():
-        return _safetensors_tensors({single.name: SafetensorsFile(single)})
+        return _safetensors_tensors({single.name: SafetensorsFile(single, max_header_bytes=budget)})
     found = sorted(p.name for p in directory.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
     raise CheckpointError(f"{directory} has neither {single.name} nor {index.name}"
                           + (f" (found {', '.join(found)}; pickled .bin/.pt weights are not read from a directory)"
@@ -512,10 +611,9 @@ def _action_json(path: Path, data: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    """A JSON side file (config.json, adapter_config.json): a regular file of at most a few MB holding a
+    JSON object (no NaN/Infinity, nesting bounded); anything else is a CheckpointError naming it."""
+    data = read_json_file(path, error=CheckpointError, what="JSON file")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return data
@@ -531,9 +629,39 @@ def _is_diffusers_json(data: dict[str, Any]) -> bool:
         {"num_attention_heads", "attention_head_dim", "in_channels"} <= set(data))
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def json_positive_int(path: Path, field: str, value: Any) -> int:
+    """``value`` if it is a JSON integer ``>= 1`` (not a bool, float or string), else CheckpointError naming it."""
+    if not _is_int(value) or value <= 0:
+        raise CheckpointError(f"{path}: {field} must be a positive integer, got {_shown(value)}")
+    return value
+
+
+def json_positive_float(path: Path, field: str, value: Any) -> float:
+    """``value`` if it is a finite JSON number ``> 0`` (not a bool or string), else CheckpointError naming it."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not (
+            math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{path}: {field} must be a finite positive number, got {_shown(value)}")
+    return float(value)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _checked_values(path: Path, values: dict[str, Any], spelled: dict[str, str]) -> dict[str, Any]:
+    """The config.json fields under our names, each checked: integers positive, ``eps`` finite and positive."""
+    return {ours: json_positive_float(path, spelled[ours], value) if ours == "eps"
+            else json_positive_int(path, spelled[ours], value) for ours, value in values.items()}
+
+
 def _patch(value: Any, path: Path, field: str) -> int:
-    if not (isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) for v in value)):
-        raise CheckpointError(f"{path}: {field} must be [t, h, w], got {value!r}")
+    if not (isinstance(value, (list, tuple)) and len(value) == 3 and all(_is_int(v) and v > 0 for v in value)):
+        raise CheckpointError(f"{path}: {field} must be [t, h, w] (positive integers), got {_shown(value)}")
     if value[0] != 1 or value[1] != value[2]:
         raise CheckpointError(f"{path}: {field} {list(value)} is not supported (CausalDiT patches each frame "
                               "with a square p x p patch: [1, p, p])")
@@ -558,6 +686,7 @@ def _wan_json(path: Path, data: dict[str, Any]) -> _JsonConfig:
     if action is not None:  # text_dim / text_len are unused leftovers in Matrix-Game's configs
         del spelled["text_dim"], spelled["text_len"]
     values = {ours: data[theirs] for ours, theirs in spelled.items() if theirs in data}
+    values = _checked_values(path, values, spelled)
     if "patch_size" in data:
         values["patch_size"], spelled["patch_size"] = _patch(data["patch_size"], path, "patch_size"), "patch_size"
     return _JsonConfig(path, values, spelled, action)
@@ -581,13 +710,15 @@ def _diffusers_json(path: Path, data: dict[str, Any]) -> _JsonConfig:
                "in_channels": "in_channels", "out_channels": "out_channels",
                "text_dim": "image_dim" if action is not None else "text_dim", "freq_dim": "freq_dim", "eps": "eps"}
     values = {ours: data[theirs] for ours, theirs in spelled.items() if theirs in data}
+    if values.get("out_channels", 0) is None:
+        del values["out_channels"]  # diffusers: out_channels null = in_channels
+    values = _checked_values(path, values, spelled)
     if "num_attention_heads" in data and "attention_head_dim" in data:
-        values["dim"] = data["num_attention_heads"] * data["attention_head_dim"]
+        head_dim = json_positive_int(path, "attention_head_dim", data["attention_head_dim"])
+        values["dim"] = values["num_heads"] * head_dim
         spelled["dim"] = "num_attention_heads * attention_head_dim"
     if "patch_size" in data:
         values["patch_size"], spelled["patch_size"] = _patch(data["patch_size"], path, "patch_size"), "patch_size"
-    if values.get("out_channels") is None:
-        values.pop("out_channels", None)  # diffusers: out_channels null = in_channels
     return _JsonConfig(path, values, spelled, action)
 
 
@@ -636,7 +767,20 @@ def _detect_format(path: Path) -> tuple[str, Path]:
                           f"{', '.join(CHECKPOINT_FORMATS)})")
 
 
-def _open(path: str | os.PathLike[str], format: str | None, checkpoint_key: str | None) -> _Checkpoint:
+def _expected_tensors(config: CausalDiTConfig | str | None) -> int:
+    """How many tensors a checkpoint for ``config`` holds (what bounds the headers read); a cap when unknown."""
+    try:
+        if isinstance(config, str):
+            config = dit_preset(config)
+        if isinstance(config, CausalDiTConfig):
+            return len(wan_names(config))
+    except (KeyError, ValueError, TypeError):  # refused later, with the reason
+        pass
+    return MAX_EXPECTED_TENSORS
+
+
+def _open(path: str | os.PathLike[str], format: str | None, checkpoint_key: str | None,
+          max_tensors: int = MAX_EXPECTED_TENSORS) -> _Checkpoint:
     path = Path(path)
     if format is None:
         format, path = _detect_format(path)
@@ -661,11 +805,12 @@ def _open(path: str | os.PathLike[str], format: str | None, checkpoint_key: str 
             raise CheckpointError(f"{path} has no config.json")
         data = _read_json(config_path)
         json_config = _wan_json(config_path, data) if format == "wan" else _diffusers_json(config_path, data)
-        stored = _read_weights_dir(path)
+        stored = _read_weights_dir(path, max_tensors=max_tensors)
     elif format == "safetensors":
         if path.is_dir():
             raise CheckpointError(f"format='safetensors' reads one .safetensors file; {path} is a directory")
-        stored = _safetensors_tensors({path.name: SafetensorsFile(path)})
+        file = SafetensorsFile(path, max_header_bytes=header_budget(max_tensors))
+        stored = _safetensors_tensors({path.name: file})
     else:
         if path.is_dir():
             raise CheckpointError(f"format='pt' reads one torch.save file; {path} is a directory")
@@ -741,7 +886,7 @@ def _geometry(ckpt: _Checkpoint) -> dict[str, tuple[int, str]]:
     head = shape("head.head.weight")
     if head is not None and len(head) == 2 and "patch_size" in out:
         p = out["patch_size"][0]
-        if head[0] % (p * p) == 0:
+        if p > 0 and head[0] % (p * p) == 0:
             out["out_channels"] = (head[0] // (p * p), where("head.head.weight"))
     layers = sorted({int(m.group(1)) for m in map(_BLOCK_NAME.fullmatch, t) if m})
     if layers:
@@ -818,6 +963,14 @@ def _build_config(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]]) -> Ca
         raise CheckpointError(f"{ckpt.path}: cannot infer the network's size, missing tensors: {', '.join(absent)} "
                               "(pass config= to get the full list of what is missing)")
     values = {field: geometry[field][0] for field in _GEOMETRY_FIELDS}
+    # The highest block index sizes the network: one stray "blocks.99999999.*" must not make it a
+    # network of 10**8 blocks (whose tensor table alone would not fit in memory).
+    # (A few missing tensors are left to the check that names them.)
+    needed = 15 + 27 * values["num_layers"]
+    if needed > 2 * len(ckpt.tensors) + 64:
+        raise CheckpointError(f"{ckpt.path}: {geometry['num_layers'][1]} makes a network of {values['num_layers']} "
+                              f"blocks ({needed} tensors) but the checkpoint holds {len(ckpt.tensors)}: corrupt, or "
+                              "pass config=")
     js = ckpt.json.values if ckpt.json is not None else {}
     heads = js.get("num_heads")
     for name in _PUBLISHED:
@@ -835,7 +988,11 @@ def _build_config(ckpt: _Checkpoint, geometry: dict[str, tuple[int, str]]) -> Ca
     extra = {"eps": js["eps"]} if "eps" in js else {}
     if "text_len" in js:
         extra["text_len"] = js["text_len"]
-    return base.replace(name="custom", num_heads=heads, **values, **extra)
+    try:
+        return base.replace(name="custom", num_heads=heads, **values, **extra)
+    except ValueError as error:  # e.g. a head width RoPE cannot split
+        raise CheckpointError(f"{ckpt.json.path if ckpt.json is not None else ckpt.path} describes no valid "
+                              f"CausalDiT: {error}") from None
 
 
 def _resolve_config(ckpt: _Checkpoint, config: CausalDiTConfig | str | None, dtype: Any) -> CausalDiTConfig:
@@ -891,11 +1048,33 @@ class _Lora:
 _LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_\-]+)?\.weight")
 
 
+#: The largest magnitude a LoRA delta may reach in float32 (half of float32's maximum: the base
+#: weight is added to it).
+_F32_HALF_MAX = float(np.finfo(np.float32).max) / 2
+
+
+def _lora_number(value: Any, where: str, field: str) -> float:
+    """A LoRA's alpha: a finite real number (not a bool, string or list), else CheckpointError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(
+            float(value)):
+        raise CheckpointError(f"LoRA {where}: {field} must be a finite number, got {_shown(value)}")
+    return float(value)
+
+
 def _read_lora(lora: str | os.PathLike[str], lora_alpha: float | None,
                expected: dict[str, tuple[int, ...]]) -> dict[str, _Lora]:
-    """Wan weight name -> its LoRA factors and scale; everything checked against ``expected`` shapes."""
+    """Wan weight name -> its LoRA factors and scale; everything checked against ``expected`` shapes.
+
+    Refused by name (the file, the tensor, why): tensors that are not factors, two names for one
+    factor, a half pair, mis-shaped, rank-0 or non-floating factors, factors holding NaN or
+    infinity, an alpha (or ``adapter_config.json`` field) that is not a finite number, and a
+    scale that would take the merged weights past float32's range.
+    """
     path = Path(lora)
+    if lora_alpha is not None:
+        lora_alpha = _lora_number(lora_alpha, str(path), "lora_alpha")
     adapter_config: dict[str, Any] = {}
+    budget = header_budget(2 * len(expected))  # at most two factors per weight
     if path.is_dir():
         config_path, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
         if not weights.exists():
@@ -903,9 +1082,9 @@ def _read_lora(lora: str | os.PathLike[str], lora_alpha: float | None,
                                   "is not read)")
         if config_path.exists():
             adapter_config = _read_json(config_path)
-        stored = _safetensors_tensors({weights.name: SafetensorsFile(weights)})
+        stored = _safetensors_tensors({weights.name: SafetensorsFile(weights, max_header_bytes=budget)})
     elif path.suffix == ".safetensors":
-        stored = _safetensors_tensors({path.name: SafetensorsFile(path)})
+        stored = _safetensors_tensors({path.name: SafetensorsFile(path, max_header_bytes=budget)})
     elif path.suffix in (".pt", ".pth"):
         obj = _torch_load(path)
         if isinstance(obj, dict) and isinstance(obj.get("generator_lora"), dict):
@@ -914,20 +1093,30 @@ def _read_lora(lora: str | os.PathLike[str], lora_alpha: float | None,
     elif not path.exists():
         raise FileNotFoundError(f"LoRA {path} does not exist")
     else:
-        raise CheckpointError(f"cannot tell the LoRA format of {path}: pass a .pt/.pth or .safetensors file, or a "
+        raise CheckpointError(f"cannot tell the format of {path}: pass a .pt/.pth or .safetensors file, or a "
                               "PEFT directory (adapter_model.safetensors + adapter_config.json)")
+    config_where = f"{path} (adapter_config.json)"
     for field in ("rank_pattern", "alpha_pattern"):
         if adapter_config.get(field):
             raise CheckpointError(f"{path}: adapter_config.json {field} (per-module ranks or alphas) is not supported")
+    for field in ("use_dora", "use_rslora"):
+        if not isinstance(adapter_config.get(field, False), bool):
+            raise CheckpointError(f"LoRA {config_where}: {field} must be true or false, got "
+                                  f"{_shown(adapter_config[field])}")
     if adapter_config.get("use_dora"):
         raise CheckpointError(f"{path}: a DoRA adapter (use_dora) is not supported, only plain LoRA")
+    rank_declared = adapter_config.get("r")
+    if rank_declared is not None and (not _is_int(rank_declared) or rank_declared <= 0):
+        raise CheckpointError(f"LoRA {config_where}: r must be a positive integer, got {_shown(rank_declared)}")
+    if lora_alpha is None and adapter_config.get("lora_alpha") is not None:
+        lora_alpha = _lora_number(adapter_config["lora_alpha"], config_where, "lora_alpha")
 
     cleaned = _strip_prefixes(stored, ("base_model.model.",))
     cleaned = {name: c.removeprefix("transformer.").removeprefix("model.diffusion_model.").removeprefix("model.")
                for name, c in cleaned.items()}
     modules = {n.rpartition(".")[0] for n in expected}
     factors: dict[str, dict[str, _Tensor]] = {}
-    unknown = []
+    unknown, twice = [], []
     for name, clean in cleaned.items():
         match = _LORA_KEY.fullmatch(clean)
         if match is None:
@@ -936,10 +1125,17 @@ def _read_lora(lora: str | os.PathLike[str], lora_alpha: float | None,
         module = match.group("module")
         if module not in modules:  # a diffusers-named LoRA (blocks.0.attn1.to_q, ...)
             module = _diffusers_module(module) or module
-        factors.setdefault(module, {})[match.group("ab")] = stored[name]
+        ab = match.group("ab")
+        if ab in factors.get(module, {}):
+            twice.append(f"{factors[module][ab].stored} and {name} (both {module}.lora_{ab})")
+            continue
+        factors.setdefault(module, {})[ab] = stored[name]
     if unknown:
         raise CheckpointError(f"LoRA {path} holds tensors that are not LoRA factors (*.lora_A.weight / "
                               f"*.lora_B.weight): {_names(unknown)}")
+    if twice:
+        raise CheckpointError(f"LoRA {path} names the same factor twice (which one would win is arbitrary): "
+                              f"{_names(twice, 6)}")
     if not factors:
         raise CheckpointError(f"LoRA {path} holds no LoRA factors")
     absent = sorted(m for m in factors if f"{m}.weight" not in expected or len(expected[f"{m}.weight"]) != 2
@@ -947,8 +1143,6 @@ def _read_lora(lora: str | os.PathLike[str], lora_alpha: float | None,
     if absent:
         raise CheckpointError(f"LoRA {path} targets modules this model does not have as linear layers (a LoRA for "
                               f"another model?): {_names(absent)}")
-    alpha_default = lora_alpha if lora_alpha is not None else adapter_config.get("lora_alpha")
-    rank_declared = adapter_config.get("r")
     out: dict[str, _Lora] = {}
     problems = []
     for module, ab in sorted(factors.items()):
@@ -962,16 +1156,52 @@ def _read_lora(lora: str | os.PathLike[str], lora_alpha: float | None,
             problems.append(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit its weight "
                             f"[{out_dim}, {in_dim}] (lora_A must be [r, {in_dim}], lora_B [{out_dim}, r])")
             continue
+        if rank == 0:
+            problems.append(f"{module}: lora_A {a.stored} / lora_B {b.stored} have rank 0")
+            continue
+        not_float = [t.stored for t in (a, b) if not jnp.issubdtype(t.dtype, jnp.floating)]
+        if not_float:
+            problems.append(f"{module}: {' and '.join(not_float)} {'is' if len(not_float) == 1 else 'are'} "
+                            f"{a.dtype if a.stored in not_float else b.dtype}, not floating-point")
+            continue
         if rank_declared is not None and rank != rank_declared:
             problems.append(f"{module}: rank {rank} but adapter_config.json r = {rank_declared}")
             continue
-        alpha = float(alpha_default) if alpha_default is not None else float(rank)
+        alpha = lora_alpha if lora_alpha is not None else float(rank)
         scale = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
+        if not abs(scale) <= _F32_HALF_MAX:
+            problems.append(f"{module}: the scale alpha / r = {alpha:g} / {rank} is beyond float32's range")
+            continue
         out[f"{module}.weight"] = _Lora(a, b, scale)
     if problems:
         raise CheckpointError(f"LoRA {path} does not fit the model: " + "; ".join(problems[:12])
                               + (f"; ... ({len(problems) - 12} more)" if len(problems) > 12 else ""))
+    _check_lora_values(path, out)
     return out
+
+
+def _check_lora_values(path: Path, loras: dict[str, _Lora]) -> None:
+    """CheckpointError naming the factors that hold NaN or infinity, or whose scaled product could leave
+    float32's range (``|scale| * r * max|A| * max|B|`` bounds every entry of the delta and its partial sums).
+    Runs before anything is merged or placed; the factors are small (rank x width)."""
+    problems = []
+    for name, factors in sorted(loras.items()):
+        peaks = []
+        for tensor in (factors.a, factors.b):
+            values = np.asarray(tensor.read(), np.float32)
+            if not np.isfinite(values).all():
+                problems.append(f"{tensor.stored} holds NaN or infinite values")
+                break
+            peaks.append(float(np.abs(values).max(initial=0.0)))
+        else:
+            rank = factors.a.shape[0]
+            bound = rank * peaks[0] * peaks[1]
+            if not (bound <= _F32_HALF_MAX and abs(factors.scale) * bound <= _F32_HALF_MAX):
+                problems.append(f"{name.removesuffix('.weight')}: scale {factors.scale:g} x r {rank} x max|A| "
+                                f"{peaks[0]:g} x max|B| {peaks[1]:g} can overflow float32")
+    if problems:
+        raise CheckpointError(f"LoRA {path} cannot be merged: " + "; ".join(problems[:12])
+                              + (f"; ... ({len(problems) - 12} more)" if len(problems) > 12 else ""))
 
 
 # -- the plan: everything checked before anything is read ------------------------------------------------
@@ -1103,12 +1333,20 @@ def load_checkpoint(
     Raises:
       CheckpointError: (a ValueError) a missing, unexpected, mis-shaped or non-float tensor,
         a corrupt or truncated file, a missing shard, a config or config.json that disagrees
-        with the tensors, a LoRA that does not fit; the message names them. Nothing is
-        placed on device before every check has passed.
+        with the tensors or holds a value of the wrong kind (a bool, string, NaN, infinite or
+        non-positive size or epsilon), a ``.pt`` tensor the file does not store (stride-0 or
+        overlapping views), a header larger than the expected tensors need, a side or weight
+        file that is not a regular file or is too large, a shard index naming a file outside
+        its directory, a LoRA that does not fit (shapes, rank 0, integer or non-finite factors,
+        a factor named twice, an alpha that is not a finite number, a merge that could
+        overflow float32); the message names the file and the tensor or field. Nothing is
+        placed on device before every check has passed (a merge past float32's range
+        through a base weight near float32's maximum is the one refusal found while
+        building).
       ImportError: a ``.pt`` file without torch installed (``pip install "ardiff_jax[torch]"``).
     """
     with _as_checkpoint_error():
-        ckpt = _open(path, format, checkpoint_key)
+        ckpt = _open(path, format, checkpoint_key, _expected_tensors(config))
     config = _resolve_config(ckpt, config, dtype)
     expected = wan_names(config)
     _check_tensors(ckpt, expected)
@@ -1144,7 +1382,11 @@ def load_checkpoint(
             factors = loras[name]
             a = factors.a.read().astype(np.float32)
             b = factors.b.read().astype(np.float32)
-            array = array.astype(np.float32) + np.float32(factors.scale) * (b @ a)
+            base = array.astype(np.float32)
+            array = base + np.float32(factors.scale) * (b @ a)
+            if not np.isfinite(array[np.isfinite(base)]).all():  # only a base weight near float32's maximum
+                raise CheckpointError(f"merging LoRA {lora} into {tensor.stored} of {ckpt.path} gives infinite "
+                                      "weights (the base weight plus the scaled delta leaves float32's range)")
             nbytes += factors.a.nbytes + factors.b.nbytes
         if bar is not None:
             bar.update(nbytes)

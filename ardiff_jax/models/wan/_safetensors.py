@@ -10,6 +10,15 @@ multi-gigabyte file costs no host memory until a tensor is actually read.
 Every header is checked before any tensor is handed out: offsets in range and
 non-overlapping, byte sizes equal to ``prod(shape) * itemsize``, the file not truncated;
 a malformed file raises :class:`SafetensorsError` naming the file and what is wrong.
+
+What opening a file may cost is bounded before anything is allocated: the path must be a
+regular file (a FIFO or device is refused, never read), and the JSON header at most
+``max_header_bytes`` (the format's 100 MB by default; the checkpoint loaders pass
+:func:`header_budget` of the tensor count they expect, a few KB per tensor, since parsing a
+JSON header costs about 15 times its size). Every tensor's bytes lie in the file, so a
+file can describe no more data than it holds. Errors never quote the file's bytes (a
+header length that is out of range is not printed: it would be the first 8 bytes of
+whatever file the path names).
 """
 
 from __future__ import annotations
@@ -25,7 +34,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SafetensorsError", "SafetensorsFile", "TensorInfo", "SAFETENSORS_DTYPES"]
+from ardiff_jax._files import open_regular_file
+
+__all__ = ["SafetensorsError", "SafetensorsFile", "TensorInfo", "SAFETENSORS_DTYPES", "header_budget",
+           "MAX_EXPECTED_TENSORS"]
 
 #: safetensors dtype codes -> numpy dtypes (little-endian, as the format stores them).
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
@@ -41,6 +53,17 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
 
 #: The format's own limit on the JSON header (the reference implementation refuses larger ones).
 _MAX_HEADER_BYTES = 100_000_000
+#: Header bytes allowed per expected tensor (a real entry is ~100-200 bytes) and for ``__metadata__``.
+_HEADER_BYTES_PER_TENSOR = 2048
+_HEADER_METADATA_BYTES = 2**20
+#: The tensor count a loader expects when it does not know the network yet (the largest
+#: published networks it reads have ~1100: Wan 14B's 40 blocks).
+MAX_EXPECTED_TENSORS = 4096
+
+
+def header_budget(tensors: int) -> int:
+    """The header size (bytes) a file of ``tensors`` tensors may need: a few KB each, plus 1 MiB of metadata."""
+    return min(_MAX_HEADER_BYTES, _HEADER_METADATA_BYTES + _HEADER_BYTES_PER_TENSOR * max(int(tensors), 1))
 
 
 class SafetensorsError(ValueError):
@@ -72,25 +95,27 @@ class SafetensorsFile:
         array = file.read("patch_embedding.weight")  # a read-only view of the memory map
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, max_header_bytes: int | None = None) -> None:
         self.path = Path(path)
         self._map: np.memmap | None = None
-        try:
-            size = self.path.stat().st_size
-            with self.path.open("rb") as handle:
-                prefix = handle.read(8)
-                if len(prefix) < 8:
-                    raise self._error(f"is {size} bytes long, shorter than the 8-byte header length (truncated?)")
-                (header_len,) = struct.unpack("<Q", prefix)
-                if header_len > _MAX_HEADER_BYTES:
-                    raise self._error(f"declares a {header_len}-byte header (corrupt header length; the format "
-                                      f"allows at most {_MAX_HEADER_BYTES})")
-                if 8 + header_len > size:
-                    raise self._error(f"declares a {header_len}-byte header but the file is only {size} bytes "
-                                      "(truncated)")
-                raw = handle.read(header_len)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"safetensors file {self.path} does not exist") from None
+        limit = _MAX_HEADER_BYTES if max_header_bytes is None else min(int(max_header_bytes), _MAX_HEADER_BYTES)
+        with open_regular_file(self.path, error=SafetensorsError, what="safetensors file") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise self._error(f"is {size} bytes long, shorter than the 8-byte header length (truncated?)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > limit:  # the value is not shown: it is the first 8 bytes of whatever file this is
+                raise self._error("declares a header longer than " + (
+                    f"the {limit} bytes the format allows (corrupt header length)" if limit == _MAX_HEADER_BYTES
+                    else f"the {limit} bytes the tensors this loader expects can need (corrupt header length, "
+                         "or a file of another model)"))
+            if 8 + header_len > size:
+                raise self._error(f"declares a header longer than the file's {size} bytes (truncated)")
+            raw = handle.read(header_len)
+        if len(raw) < header_len:
+            raise self._error(f"ends inside its {header_len}-byte header (truncated while reading)")
+        self._size = size
         self._data_start = 8 + header_len
         self.metadata, self._tensors = self._parse(raw, size - self._data_start)
 
@@ -100,8 +125,14 @@ class SafetensorsFile:
     def _parse(self, raw: bytes, data_size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as error:
-            raise self._error(f"has a corrupt JSON header ({type(error).__name__}: {error})") from None
+        except UnicodeDecodeError as error:  # (its message would quote the byte)
+            raise self._error(f"has a corrupt JSON header (not UTF-8 at byte {error.start})") from None
+        except RecursionError:
+            raise self._error("has a corrupt JSON header (nested too deeply)") from None
+        except json.JSONDecodeError as error:
+            raise self._error(f"has a corrupt JSON header ({error.msg} at byte {error.pos})") from None
+        except ValueError as error:  # an integer too long to convert
+            raise self._error(f"has a corrupt JSON header ({error})") from None
         if not isinstance(header, dict):
             raise self._error("has a JSON header that is not an object")
         metadata = header.pop("__metadata__", None) or {}
@@ -163,7 +194,11 @@ class SafetensorsFile:
         if info.nbytes == 0:
             return np.zeros(info.shape, info.dtype)
         if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            with open_regular_file(self.path, error=SafetensorsError, what="safetensors file") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size < self._size:
+                    raise self._error(f"shrank from {self._size} to {size} bytes since its header was read")
+                self._map = np.memmap(handle, dtype=np.uint8, mode="r", shape=(self._size,))
         return self._map[info.start:info.end].view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:

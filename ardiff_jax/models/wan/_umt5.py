@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ardiff_jax._files import read_regular_file
 from ardiff_jax.models.wan._checkpoint import (
     CheckpointError,
     _as_checkpoint_error,
@@ -79,8 +80,10 @@ from ardiff_jax.models.wan._checkpoint import (
     _torch_load,
     _torch_tensors,
     float_dtype_name,
+    json_positive_float,
+    json_positive_int,
 )
-from ardiff_jax.models.wan._safetensors import SafetensorsFile
+from ardiff_jax.models.wan._safetensors import MAX_EXPECTED_TENSORS, SafetensorsFile, header_budget
 
 __all__ = ["UMT5Config", "UMT5Encoder", "WanTextEncoder", "load_umt5", "umt5_config", "umt5_names",
            "relative_position_buckets", "clean_prompt", "WAN_UMT5_FILE"]
@@ -91,6 +94,8 @@ _F32 = jnp.float32
 WAN_UMT5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 
 _HF_WEIGHTS = "model.safetensors"
+#: The largest tokenizer.json read (umT5-XXL's is about 16 MB).
+_MAX_TOKENIZER_BYTES = 64 * 2**20
 _HF_INDEX = "model.safetensors.index.json"
 
 
@@ -136,8 +141,9 @@ class UMT5Config:
         if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 4:
             raise ValueError(f"UMT5Config needs num_buckets >= 4 and max_distance > num_buckets // 4, got "
                              f"num_buckets={self.num_buckets}, max_distance={self.max_distance}")
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
-            raise ValueError(f"UMT5Config.eps must be a positive number, got {self.eps!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (
+                math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"UMT5Config.eps must be a finite positive number, got {self.eps!r}")
         for field in ("dtype", "param_dtype"):
             try:
                 dtype = jnp.dtype(getattr(self, field))
@@ -460,7 +466,7 @@ class _Opened:
 
 def _read_index_dir(directory: Path) -> dict[str, _Tensor]:
     """``model.safetensors`` or the shards ``model.safetensors.index.json`` lists, cross-checked."""
-    return _read_weights_dir(directory, _HF_WEIGHTS, _HF_INDEX)
+    return _read_weights_dir(directory, _HF_WEIGHTS, _HF_INDEX, max_tensors=MAX_EXPECTED_TENSORS)
 
 
 _STATE_KEYS = ("state_dict", "model", "module", "text_encoder", "t5")
@@ -526,7 +532,8 @@ def _open(path: str | os.PathLike[str]) -> _Opened:
         data = _read_json(json_path)
         stored = _read_index_dir(path)
     elif kind == "safetensors":
-        stored = _safetensors_tensors({path.name: SafetensorsFile(path)})
+        stored = _safetensors_tensors({path.name: SafetensorsFile(
+            path, max_header_bytes=header_budget(MAX_EXPECTED_TENSORS))})
     else:
         stored = _torch_tensors(_pick_state(_torch_load(path), path), path)
 
@@ -612,7 +619,11 @@ def _json_values(opened: _Opened) -> dict[str, Any]:
     if proj != "gated-gelu" or act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise CheckpointError(f"{where}: feed_forward_proj={proj!r} / dense_act_fn={act!r}: the umT5 encoder here is "
                               "the gated tanh-GELU FFN (feed_forward_proj 'gated-gelu', gelu_new) of umT5")
-    return {ours: data[theirs] for ours, theirs in _JSON_FIELDS.items() if theirs in data}
+    # Each field checked here, naming the file and the field: a bool, string, NaN or infinite epsilon
+    # would load and give NaN or zero features.
+    return {ours: json_positive_float(where, theirs, data[theirs]) if ours == "eps"
+            else json_positive_int(where, theirs, data[theirs])
+            for ours, theirs in _JSON_FIELDS.items() if theirs in data}
 
 
 def _float_dtype(opened: _Opened) -> str:
@@ -641,6 +652,11 @@ def _resolve_config(opened: _Opened, config: UMT5Config | None, dtype: Any) -> U
                                   f"{', '.join(absent)} (pass config= to get the full list of what is wrong)")
         values: dict[str, Any] = {field: value for field, (value, _) in geometry.items()}
         values.update({f: js[f] for f in ("max_distance", "eps") if f in js})
+        needed = 2 + 10 * values["num_layers"]  # one stray "blocks.99999999.*" must not size the encoder
+        if needed > 2 * len(opened.tensors) + 64:  # (a few missing tensors are left to the check naming them)
+            raise CheckpointError(f"{opened.path}: {geometry['num_layers'][1]} makes an encoder of "
+                                  f"{values['num_layers']} layers ({needed} tensors) but the checkpoint holds "
+                                  f"{len(opened.tensors)}: corrupt, or pass config=")
         stored = _float_dtype(opened)
         try:
             config = UMT5Config(**values, dtype=stored, param_dtype=stored)
@@ -841,7 +857,7 @@ def _tokenizer_file(path: str | os.PathLike[str]) -> Path:
                 return candidate
         raise FileNotFoundError(f"{path} holds no tokenizer.json (Wan ships google/umt5-xxl/tokenizer.json in its "
                                 "model directory; a spiece.model alone is not read)")
-    if not path.is_file():
+    if not path.exists():  # (anything else that is not a regular file is refused, by name, when read)
         raise FileNotFoundError(f"tokenizer file {path} does not exist")
     return path
 
@@ -881,7 +897,15 @@ class WanTextEncoder:
         self.text_len = text_len
         self.cache_size = cache_size
         self.tokenizer_path = _tokenizer_file(tokenizer_path)
-        tokenizer = Tokenizer.from_file(str(self.tokenizer_path))
+        # A regular file of bounded size (umT5's is 16 MB), read here: a FIFO or /dev/zero is refused.
+        raw = read_regular_file(self.tokenizer_path, max_bytes=_MAX_TOKENIZER_BYTES, what="tokenizer file")
+        try:
+            tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"tokenizer file {self.tokenizer_path} is not UTF-8 (at byte {error.start})") from None
+        except Exception as error:  # noqa: BLE001 - tokenizers raises its own Exception type
+            raise ValueError(f"tokenizer file {self.tokenizer_path} is not a tokenizer.json: "
+                             f"{str(error)[:200]}") from None
         self.eos_id = tokenizer.token_to_id("</s>")
         self.pad_id = tokenizer.token_to_id("<pad>")
         if self.eos_id is None or self.pad_id is None:

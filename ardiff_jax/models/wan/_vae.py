@@ -75,8 +75,9 @@ from ardiff_jax.models.wan._checkpoint import (
     _torch,
     _torch_load,
     _torch_tensors,
+    json_positive_int,
 )
-from ardiff_jax.models.wan._safetensors import SafetensorsFile
+from ardiff_jax.models.wan._safetensors import MAX_EXPECTED_TENSORS, SafetensorsFile, header_budget
 
 __all__ = [
     "CACHE_T",
@@ -156,12 +157,22 @@ class WanVAEConfig:
                              f"transition of dim_mult {mult}), got {self.temperal_downsample!r}")
         object.__setattr__(self, "temperal_downsample", down)
         for field in ("latents_mean", "latents_std"):
-            values = tuple(float(v) for v in getattr(self, field))
+            # Real numbers only (a bool or a string would be coerced by float()), finite: a NaN or an
+            # infinite statistic makes every latent NaN or zero.
+            raw = getattr(self, field)
+            if isinstance(raw, (str, bytes)) or any(
+                    isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating))
+                    for v in raw):
+                raise ValueError(f"WanVAEConfig {field} must hold real numbers, got {raw!r}")
+            values = tuple(float(v) for v in raw)
             if len(values) != self.z_dim:
                 raise ValueError(f"WanVAEConfig {field} needs z_dim = {self.z_dim} entries, got {len(values)}")
+            positive = field == "latents_std"
+            bad = [i for i, v in enumerate(values) if not math.isfinite(v) or (positive and v <= 0)]
+            if bad:
+                raise ValueError(f"WanVAEConfig {field} must be finite{' and positive' if positive else ''}, got "
+                                 f"{values[bad[0]]} (entry {bad[0]})")
             object.__setattr__(self, field, values)
-        if any(not s > 0 for s in self.latents_std):
-            raise ValueError(f"WanVAEConfig latents_std must be positive, got {self.latents_std}")
         try:
             object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
         except TypeError:
@@ -903,7 +914,8 @@ def _open_vae(path: str | os.PathLike[str]) -> _VAECheckpoint:
     elif not path.exists():
         raise FileNotFoundError(f"VAE checkpoint {path} does not exist")
     elif path.suffix == ".safetensors":
-        stored = _safetensors_tensors({path.name: SafetensorsFile(path)})
+        stored = _safetensors_tensors({path.name: SafetensorsFile(
+            path, max_header_bytes=header_budget(MAX_EXPECTED_TENSORS))})
     elif path.suffix in (".pth", ".pt", ".ckpt", ".bin"):
         stored = _torch_tensors(_pick_vae_state(_torch_load(path), path), path)
     else:
@@ -945,7 +957,36 @@ def _config_from_json(ckpt: _VAECheckpoint) -> dict[str, Any]:
         refusals.append(f"decoder_base_dim {data['decoder_base_dim']} differs from base_dim")
     if refusals:
         raise CheckpointError(f"{where} describes a VAE this port does not implement: " + "; ".join(refusals))
-    return {field: data[field] for field in _JSON_FIELDS if data.get(field) is not None}
+    found = {field: data[field] for field in _JSON_FIELDS if data.get(field) is not None}
+    _check_json_fields(where, found)
+    return found
+
+
+def _check_json_fields(where: Path | None, found: dict[str, Any]) -> None:
+    """CheckpointError naming the file and field for a config.json value of the wrong kind: sizes positive
+    integers, ``dim_mult`` a list of them, ``temperal_downsample`` of true/false, the latent statistics lists
+    of finite numbers (``latents_std`` positive). Bools, strings, NaN and infinities are refused, never coerced."""
+    assert where is not None
+    for field in ("base_dim", "z_dim", "num_res_blocks"):
+        if field in found:
+            json_positive_int(where, field, found[field])
+    lists = {"dim_mult": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+             "temperal_downsample": lambda v: isinstance(v, bool),
+             "latents_mean": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+             "latents_std": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+             and v > 0}
+    kinds = {"dim_mult": "positive integers", "temperal_downsample": "true/false values",
+             "latents_mean": "finite numbers", "latents_std": "finite positive numbers"}
+    for field, ok in lists.items():
+        if field not in found:
+            continue
+        value = found[field]
+        if not isinstance(value, list) or not all(ok(v) for v in value):
+            bad = next((v for v in value if not ok(v)), None) if isinstance(value, list) else value
+            raise CheckpointError(f"{where}: {field} must be a list of {kinds[field]}, got {bad!r}"
+                                  + (" in it" if isinstance(value, list) else ""))
+    if len(found.get("dim_mult", ())) > 16:
+        raise CheckpointError(f"{where}: dim_mult has {len(found['dim_mult'])} stages (Wan's VAE has 4)")
 
 
 def _infer_config(ckpt: _VAECheckpoint) -> dict[str, Any]:
@@ -1033,6 +1074,13 @@ def load_vae(path: str | os.PathLike[str], config: WanVAEConfig | None = None, *
     with _as_checkpoint_error():
         ckpt = _open_vae(path)
     config = _resolve_vae_config(ckpt, config, dtype)
+    # Every residual block has 6 tensors: a config far larger than the file is refused before the
+    # (abstract) network is built, which would take time and memory in its size.
+    least = 6 * len(config.dim_mult) * (2 * config.num_res_blocks + 1)
+    if least > len(ckpt.tensors):
+        raise CheckpointError(f"{ckpt.json_path or ckpt.path} describes a VAE of at least {least} tensors "
+                              f"(dim_mult {config.dim_mult}, num_res_blocks {config.num_res_blocks}) but "
+                              f"{ckpt.path} holds {len(ckpt.tensors)}")
     abstract = nnx.eval_shape(lambda: WanVAE(config, rngs=nnx.Rngs(0)))
     expected = _slots(abstract, ckpt.naming)
     _check_vae_tensors(ckpt, expected, config)
