@@ -314,6 +314,35 @@ def test_an_action_script_plays_into_an_mp4(parts, tmp_path):
         assert sum(1 for _ in container.decode(video=0)) == 21
 
 
+def test_an_action_script_is_read_bounded(tmp_path):
+    """A FIFO, a deeply nested file, NaN and a missing file are each a quick ValueError naming the file (a FIFO
+    is never opened for a blocking read; the nesting never reaches the parser's recursion)."""
+    import os
+    import time
+
+    from ardiff_jax.models.matrix_game import ActionScript
+
+    good = tmp_path / "actions.json"
+    good.write_text(json.dumps({"keyboard": [[1, 0], [0, 1]], "mouse": [[0.5, -0.5], [0, 0]]}))
+    script = ActionScript.load(good)
+    assert script.keyboard.shape == (2, 2) and script.mouse.shape == (2, 2)
+
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"keyboard": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    fifo = tmp_path / "actions.fifo"
+    os.mkfifo(fifo)  # no writer: a blocking open or read would hang
+    big = tmp_path / "big.json"
+    big.write_text('{"keyboard": [[' + "0," * (2 * 2**20) + "0]]}")
+    nan = tmp_path / "nan.json"
+    nan.write_text('{"keyboard": [[NaN]]}')
+    for path, message in ((nested, "nested"), (fifo, "FIFO"), (big, "bytes"), (nan, "not valid JSON"),
+                          (tmp_path / "absent.json", "does not exist")):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=message) as refused:
+            ActionScript.load(path)
+        assert str(path) in str(refused.value) and time.monotonic() - start < 5
+
+
 def test_the_cli_refuses_bad_matrix_game_arguments_before_building(tmp_path, capsys):
     from ardiff_jax.cli import main
 

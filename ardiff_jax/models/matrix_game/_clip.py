@@ -31,15 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ardiff_jax.models.wan._checkpoint import (
+from ardiff_jax._checkpoint_files import (
+    MAX_EXPECTED_TENSORS,
     CheckpointError,
-    _as_checkpoint_error,
-    _safetensors_tensors,
-    _tensor_dict,
-    _torch_load,
-    _torch_tensors,
+    SafetensorsFile,
+    as_checkpoint_error,
+    header_budget,
+    safetensors_tensors,
+    tensor_dict,
+    torch_load,
+    torch_tensors,
 )
-from ardiff_jax.models.wan._safetensors import MAX_EXPECTED_TENSORS, SafetensorsFile, header_budget
 
 __all__ = [
     "CLIP_MEAN",
@@ -254,7 +256,7 @@ def load_clip_vision(source: str | os.PathLike[str] | dict[str, Any], config: Cl
                  unexpected and f"unexpected tensors: {', '.join(unexpected[:8])}", "; ".join(wrong[:8])]
         raise CheckpointError(f"CLIP vision checkpoint {where}does not fit ({naming} names): "
                               + "; ".join(filter(None, parts)))
-    with _as_checkpoint_error():
+    with as_checkpoint_error():
         get = {n: np.asarray(t.read(), np.float32) for n, t in used.items()}
     d, p = config.dim, config.patch_size
     if naming == "wan":
@@ -330,8 +332,8 @@ def _read(source: Any) -> tuple[dict[str, Any], str]:
     path = Path(source)
     if path.is_dir():
         path = path / "model.safetensors"
-    with _as_checkpoint_error():
+    with as_checkpoint_error():
         if path.suffix == ".safetensors":
             file = SafetensorsFile(path, max_header_bytes=header_budget(MAX_EXPECTED_TENSORS))
-            return _safetensors_tensors({path.name: file}), f"{path} "
-        return _torch_tensors(_tensor_dict(_torch_load(path), path, "the file"), path), f"{path} "
+            return safetensors_tensors({path.name: file}), f"{path} "
+        return torch_tensors(tensor_dict(torch_load(path), path, "the file"), path), f"{path} "

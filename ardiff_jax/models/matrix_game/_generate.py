@@ -13,13 +13,13 @@ steps of about 0.1; GTA drive ``[W, S]``; Temple Run a 7-way one-hot (index 0 = 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ardiff_jax._files import read_json_file
 from ardiff_jax.models.wan import random_vae, write_mp4
 from ardiff_jax.types import DiffusionRequest
 
@@ -38,10 +38,15 @@ class ActionScript:
 
     @classmethod
     def load(cls, path: str | Path) -> ActionScript:
+        """The script in the JSON file ``path``: ``{"keyboard": [[...], ...], "mouse": [[...], ...]}`` (mouse
+        optional). Read bounded (:func:`ardiff_jax._files.read_json_file`): a FIFO, device or directory, a file over
+        4 MiB, malformed or too deeply nested JSON, NaN/Infinity, or a missing file are a ValueError naming it."""
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{path}: not a JSON action script ({error})") from None
+            data = read_json_file(path, error=ValueError, what="action script")
+        except FileNotFoundError as error:
+            raise ValueError(str(error)) from None
+        except OSError as error:
+            raise ValueError(f"action script {path} could not be read ({error.strerror or error})") from None
         if not isinstance(data, dict) or "keyboard" not in data:
             raise ValueError(f"{path}: an action script is a JSON object with 'keyboard' (and 'mouse') rows")
         keyboard = np.asarray(data["keyboard"], np.float32)

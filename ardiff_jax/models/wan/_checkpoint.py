@@ -41,7 +41,7 @@ What a file can make the loader allocate is bounded by the file, before anything
 allocated: a ``.pt`` tensor must be a plain view of bytes the file stores (stride-0
 ``expand``-ed or self-overlapping views are refused, and one state dict's tensors may span
 at most twice the file), a safetensors header at most a few KB per tensor the loader
-expects (:func:`~ardiff_jax.models.wan._safetensors.header_budget`), and a network inferred
+expects (:func:`~ardiff_jax._checkpoint_files.header_budget`), and a network inferred
 from the tensors no more blocks than the tensors can fill. Side files (config.json, shard
 indexes, adapter_config.json) are read by :func:`ardiff_jax._files.read_json_file`: regular
 files only (a FIFO, a device or a directory is refused without being read), a few MB at
@@ -52,32 +52,39 @@ its own directory; and no error message quotes a file's bytes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from ardiff_jax._files import check_regular_file, read_json_file
+from ardiff_jax._files import read_json_file
 from ardiff_jax.models._common import mesh_placement
 from ardiff_jax.models._config import CausalDiTConfig, dit_preset
 from ardiff_jax.models._pretrained import _path_name as weight_file_name
 from ardiff_jax.models._dit import CausalDiT
-from ardiff_jax.models.wan._safetensors import (
+# The model-independent file readers; the underscore aliases are the names this package's loaders use.
+from ardiff_jax._checkpoint_files import (
     MAX_EXPECTED_TENSORS,
-    SafetensorsError,
+    CheckpointError,
     SafetensorsFile,
+    StoredTensor as _Tensor,
+    as_checkpoint_error as _as_checkpoint_error,
     header_budget,
+    import_torch as _torch,
+    safetensors_tensors as _safetensors_tensors,
+    shown_names as _names,
+    tensor_dict as _tensor_dict,
+    torch_load as _torch_load,
+    torch_tensors as _torch_tensors,
 )
 
 __all__ = ["CHECKPOINT_FORMATS", "CheckpointError", "checkpoint_config", "load_checkpoint", "wan_names"]
@@ -96,16 +103,6 @@ _PROGRESS_BYTES = 256 * 2**20
 
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or LoRA, or config) that cannot be loaded into the requested ``CausalDiT``."""
-
-
-def _names(names: Iterable[str], limit: int = 12) -> str:
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 # -- the name mapping: our parameters <-> Wan's state dict ------------------------------------------
@@ -373,146 +370,6 @@ def _strip_prefixes(names: Iterable[str], prefixes: tuple[str, ...]) -> dict[str
 
 
 # -- tensor sources ------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Tensor:
-    stored: str  # the name in the file
-    where: str  # the file, for messages
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    nbytes: int
-    read: Callable[[], np.ndarray]
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise ImportError('reading .pt checkpoints needs torch: pip install "ardiff_jax[torch]"') from None
-    return torch
-
-
-def _torch_numpy(tensor: Any) -> np.ndarray:
-    """A CPU torch tensor -> numpy without a float32 detour (bf16/fp8 reinterpreted bit for bit)."""
-    torch = _torch()
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    fp8 = {getattr(torch, "float8_e4m3fn", None): ml_dtypes.float8_e4m3fn,
-           getattr(torch, "float8_e5m2", None): ml_dtypes.float8_e5m2}
-    if tensor.dtype in fp8:
-        return tensor.view(torch.int8).numpy().view(fp8[tensor.dtype])
-    return tensor.numpy()
-
-
-def _torch_dtype(tensor: Any) -> np.dtype:
-    torch = _torch()
-    special = {torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
-    if tensor.dtype in special:
-        return special[tensor.dtype]
-    try:
-        return np.dtype(str(tensor.dtype).removeprefix("torch."))
-    except TypeError:
-        return np.dtype(ml_dtypes.float8_e4m3fn) if "e4m3" in str(tensor.dtype) else np.dtype(np.uint8)
-
-
-def _torch_load(path: Path) -> Any:
-    torch = _torch()
-    # A FIFO or device would block torch or run it out of memory: a regular file, or refused.
-    check_regular_file(path, error=CheckpointError, what="torch checkpoint")
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:
-            if "mmap" not in str(error):
-                raise
-            # A legacy (non-zip) torch.save file cannot be memory-mapped: read it whole.
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {path} does not exist") from None
-    except Exception as error:  # noqa: BLE001 - torch raises many kinds for a bad file
-        raise CheckpointError(f"{path} could not be read as a torch checkpoint with the safe (weights_only) "
-                              f"unpickler: {type(error).__name__}: {error}") from None
-
-
-def _tensor_dict(obj: Any, path: Path, what: str) -> dict[str, Any]:
-    torch = _torch()
-    if not isinstance(obj, dict) or not obj:
-        raise CheckpointError(f"{path}: {what} is not a state dict (a non-empty dict of tensors)")
-    bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        raise CheckpointError(f"{path}: {what} holds entries that are not tensors: {_names(bad)}")
-    return obj
-
-
-#: How many times the file's size the tensors of one state dict may span (tied weights, such as
-#: umT5's two token embeddings, are stored once and named twice).
-_LOGICAL_BYTES_PER_FILE_BYTE = 2
-#: ... plus this much, for tiny files.
-_LOGICAL_BYTES_SLACK = 2**20
-
-
-def _storage_problem(tensor: Any) -> str | None:
-    """Why ``tensor`` is not a plain view of its own stored elements (None: it is): a stride-0
-    (``expand``-ed) or otherwise self-overlapping view, or one reaching past its storage, would make a
-    few stored bytes load as an arbitrarily large tensor."""
-    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
-    if any(size == 0 for size in shape):
-        return None
-    if any(stride < 0 for stride in strides):
-        return f"has negative strides {list(strides)}"
-    span = 1  # elements spanned by the dimensions of smaller stride, which a larger one must step over
-    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides) if sz > 1):
-        if stride < span:
-            return (f"is a stride-0 (expanded) or overlapping view (shape {list(shape)}, strides {list(strides)}): "
-                    f"its {tensor.numel()} elements are not each stored once")
-        span += stride * (size - 1)
-    end = (tensor.storage_offset() + span) * tensor.element_size()
-    stored = tensor.untyped_storage().nbytes()
-    if end > stored:
-        return f"reaches byte {end} of a {stored}-byte storage"
-    return None
-
-
-def _torch_tensors(state: dict[str, Any], path: Path) -> dict[str, _Tensor]:
-    """The state dict's tensors, each a view of bytes the file holds, their total bounded by the file's size.
-
-    Checked before any tensor is read: nothing here materialises a tensor.
-    """
-    out = {}
-    bad = []
-    for name, tensor in state.items():
-        if tensor.layout != _torch().strided:
-            raise CheckpointError(f"{path}: tensor {name} is {tensor.layout}, not a dense tensor")
-        problem = _storage_problem(tensor)
-        if problem is not None:
-            bad.append(f"{name} {problem}")
-            continue
-        out[name] = _Tensor(name, str(path), tuple(tensor.shape), _torch_dtype(tensor),
-                            tensor.numel() * tensor.element_size(), lambda t=tensor: _torch_numpy(t))
-    if bad:
-        raise CheckpointError(f"{path} holds tensors whose data the file does not store: " + "; ".join(bad[:6])
-                              + (f"; ... ({len(bad) - 6} more)" if len(bad) > 6 else ""))
-    size = os.stat(path).st_size
-    logical = sum(t.nbytes for t in out.values())
-    if logical > _LOGICAL_BYTES_PER_FILE_BYTE * size + _LOGICAL_BYTES_SLACK:
-        raise CheckpointError(f"{path}: its tensors span {logical} bytes but the file holds only {size} (views "
-                              "sharing their storage: a tiny file that would load as a large network)")
-    return out
-
-
-def _safetensors_tensors(files: dict[str, SafetensorsFile], only: dict[str, str] | None = None) -> dict[str, _Tensor]:
-    """Tensors of ``files`` (by file name); ``only``: name -> file name (a shard index's weight map)."""
-    out = {}
-    for file_name, file in files.items():
-        for name in file.keys():
-            if only is not None and only.get(name) != file_name:
-                continue
-            info = file.info(name)
-            out[name] = _Tensor(name, str(file.path), info.shape, info.dtype, info.nbytes,
-                                lambda f=file, n=name: f.read(n))
-    return out
 
 
 def _shard_file(directory: Path, shard: Any, index: Path) -> Path:
@@ -1262,15 +1119,6 @@ def _progress_bar(progress: bool | None, total: int, path: Path) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {path.name}")
-
-
-@contextlib.contextmanager
-def _as_checkpoint_error() -> Iterator[None]:
-    """A corrupt safetensors file is one kind of checkpoint refusal."""
-    try:
-        yield
-    except SafetensorsError as error:
-        raise CheckpointError(str(error)) from None
 
 
 # -- public API -------------------------------------------------------------------------------------------
