@@ -27,12 +27,17 @@ from ardiff_jax.models._cfg import (
     cfg_commit,
     cfg_step,
 )
-from ardiff_jax.models._common import DiTModules, FewStepSchedule
+from ardiff_jax.models._common import DiTModules, FewStepSchedule, noise_key
 from ardiff_jax.models._config import DIT_PRESETS, CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import (
+    ActionInputs,
+    ActionKV,
     ByteTextEncoder,
     CausalDiT,
     DiTOutput,
+    commit_action_cache,
+    init_action_cache,
+    block_causal_action_mask,
     tokenize_prompt,
 )
 from ardiff_jax.models._pixels import (
@@ -64,6 +69,12 @@ from ardiff_jax.models._world import (
 )
 
 __all__ = [
+    "ActionInputs",
+    "ActionKV",
+    "commit_action_cache",
+    "init_action_cache",
+    "block_causal_action_mask",
+    "noise_key",
     "save_weights",
     "pretrained_metadata",
     "pretrained",

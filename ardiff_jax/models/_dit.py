@@ -32,6 +32,8 @@ Matrix-Game 2.0 (``config.action``, ``input_channels``, ``context_embedding="ima
 patch embedding reads extra condition channels, the context is CLIP image tokens through
 Wan I2V's MLPProj, and an :class:`ActionModule` (keyboard/mouse, with its own per-session
 key/value ring, :class:`ActionKV`) runs between cross-attention and FFN in the first blocks.
+The training-mode :meth:`CausalDiT.forward_blocks` runs them over many block instances at once
+(:func:`block_causal_action_mask` plays the ring).
 A config without these builds and computes exactly what it did before.
 
 The layers are stacked (``nnx.vmap`` at construction) and run with ``jax.lax.scan``, so
@@ -60,7 +62,8 @@ from ardiff_jax.models._config import ActionConfig, CausalDiTConfig
 
 __all__ = ["CausalDiT", "DiTOutput", "ByteTextEncoder", "tokenize_prompt", "patchify", "unpatchify",
            "rope_rotation", "apply_rope", "timestep_embedding", "ActionModule", "ActionInputs", "ActionKV",
-           "init_action_cache", "commit_action_cache", "action_history_mask", "action_cache_nbytes"]
+           "init_action_cache", "commit_action_cache", "action_history_mask", "action_cache_nbytes",
+           "block_causal_action_mask"]
 
 _F32 = jnp.float32
 
@@ -520,45 +523,104 @@ class ActionModule(nnx.Module):
         visible: jax.Array,  # bool[W]: ring slots the block sees (action_history_mask)
     ) -> tuple[jax.Array, ActionKV]:
         """``(x + mouse + keyboard residuals, this block's keys/values [f, ...])``."""
-        cfg, action = self.config, self.config.action
+        action = self.config.action
         frames = inputs.keyboard.shape[0]
-        tokens = cfg.tokens_per_frame
-        heads = action.heads
-        cos, sin = rotation
         mouse_k = mouse_v = None
+        mask = jnp.concatenate([visible, jnp.ones((frames,), bool)])
         if action.mouse_dim:
-            if inputs.mouse is None:
-                raise ValueError("this action module has a mouse path: inputs.mouse is required")
-            h = x.reshape(frames, tokens, cfg.dim)
-            window = jnp.broadcast_to(inputs.mouse.reshape(frames, 1, -1).astype(_F32),
-                                      (frames, tokens, action.rows * action.mouse_dim))
-            feats = jnp.concatenate([h, window], axis=-1).astype(cfg.dtype)
-            feats = self.mouse_mlp_out(jax.nn.gelu(self.mouse_mlp_in(feats), approximate=True))
-            feats = self.mouse_mlp_norm(feats)
-            qkv = self.mouse_qkv(feats).reshape(frames, tokens, 3, heads, action.mouse_head_dim)
-            q = _rotate_leading(self.mouse_q_norm(qkv[:, :, 0]), cos, sin, action.rope_dim)
-            mouse_k = _rotate_leading(self.mouse_k_norm(qkv[:, :, 1]), cos, sin, action.rope_dim)
-            mouse_v = qkv[:, :, 2]
+            q, mouse_k, mouse_v = self._mouse_qkv(x, inputs, rotation)
             # Per spatial token, over frames: the ring's (masked) frames, then the block's own.
             keys = jnp.concatenate([history.mouse_k.astype(mouse_k.dtype), mouse_k])
             values = jnp.concatenate([history.mouse_v.astype(mouse_v.dtype), mouse_v])
-            mask = jnp.concatenate([visible, jnp.ones((frames,), bool)])
-            out = _window_attention(q, keys, values, mask, "fshd,gshd->shfg|shfg,gshd->fshd")
-            out = self.mouse_proj(out.reshape(frames * tokens, action.mouse_hidden_dim).astype(cfg.dtype))
-            x = x + out.astype(_F32)
-        embedded = self.keyboard_embed_out(jax.nn.silu(self.keyboard_embed_in(inputs.keyboard.astype(cfg.dtype))))
-        kv = self.keyboard_kv(embedded.reshape(frames, action.rows * action.keyboard_embed_dim))
-        kv = kv.reshape(frames, 2, heads, action.keyboard_head_dim)
-        keyboard_k = _rotate_leading(self.keyboard_k_norm(kv[:, 0]), cos, sin, action.rope_dim)
-        keyboard_v = kv[:, 1]
-        q = self.keyboard_q(x.astype(cfg.dtype)).reshape(frames, tokens, heads, action.keyboard_head_dim)
-        q = _rotate_leading(self.keyboard_q_norm(q), cos, sin, action.rope_dim)
+            x = self._mouse_out(x, _window_attention(q, keys, values, mask, _MOUSE_SPEC))
+        keyboard_k, keyboard_v = self._keyboard_kv(inputs, rotation)
+        q = self._keyboard_query(x, rotation)
         keys = jnp.concatenate([history.keyboard_k.astype(keyboard_k.dtype), keyboard_k])
         values = jnp.concatenate([history.keyboard_v.astype(keyboard_v.dtype), keyboard_v])
-        mask = jnp.concatenate([visible, jnp.ones((frames,), bool)])
-        out = _window_attention(q, keys, values, mask, "fshd,ghd->fshg|fshg,ghd->fshd")
-        out = self.keyboard_proj(out.reshape(frames * tokens, action.keyboard_hidden_dim).astype(cfg.dtype))
-        return x + out.astype(_F32), ActionKV(mouse_k, mouse_v, keyboard_k, keyboard_v)
+        x = self._keyboard_out(x, _window_attention(q, keys, values, mask, _KEYBOARD_SPEC))
+        return x, ActionKV(mouse_k, mouse_v, keyboard_k, keyboard_v)
+
+    def attend_frames(
+        self,
+        x: jax.Array,  # f32[n*S, dim]: the video tokens of n latent frames (frame-major) after cross-attention
+        inputs: ActionInputs,  # each frame's windows: keyboard f32[n, rows, K], mouse f32[n, rows, M] or None
+        rotation: tuple[jax.Array, jax.Array],  # action RoPE of each frame (cos, sin) f32[n, rope_dim/2]
+        visible: jax.Array,  # bool[n, n]: visible[i, j] iff frame i's tokens see frame j's keys
+    ) -> tuple[jax.Array, ActionKV]:
+        """:meth:`__call__` over the frames of many block instances at once (training mode): every frame's
+        keys/values come from these frames themselves and ``visible`` says which each frame attends over
+        (:func:`block_causal_action_mask`: its own block and the clean frames its ring would hold), instead
+        of a ring plus the block's own. Returns ``(x, keys/values [n, ...])``."""
+        action = self.config.action
+        mouse_k = mouse_v = None
+        if action.mouse_dim:
+            q, mouse_k, mouse_v = self._mouse_qkv(x, inputs, rotation)
+            x = self._mouse_out(x, _window_attention(q, mouse_k, mouse_v, visible, _MOUSE_SPEC))
+        keyboard_k, keyboard_v = self._keyboard_kv(inputs, rotation)
+        q = self._keyboard_query(x, rotation)
+        x = self._keyboard_out(x, _window_attention(q, keyboard_k, keyboard_v, visible[:, None, None, :],
+                                                    _KEYBOARD_SPEC))
+        return x, ActionKV(mouse_k, mouse_v, keyboard_k, keyboard_v)
+
+    # The pieces both forwards share (one latent frame's tokens, keys and values at a time along axis 0).
+    def _mouse_qkv(self, x: jax.Array, inputs: ActionInputs, rotation: tuple[jax.Array, jax.Array]
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Mouse ``q, k, v [f, S, Hm, Dm]``: every token with its frame's mouse window through the MLP, q/k
+        normalised and rotated at the token's latent frame."""
+        cfg, action = self.config, self.config.action
+        frames = inputs.keyboard.shape[0]
+        tokens = cfg.tokens_per_frame
+        cos, sin = rotation
+        if inputs.mouse is None:
+            raise ValueError("this action module has a mouse path: inputs.mouse is required")
+        h = x.reshape(frames, tokens, cfg.dim)
+        window = jnp.broadcast_to(inputs.mouse.reshape(frames, 1, -1).astype(_F32),
+                                  (frames, tokens, action.rows * action.mouse_dim))
+        feats = jnp.concatenate([h, window], axis=-1).astype(cfg.dtype)
+        feats = self.mouse_mlp_out(jax.nn.gelu(self.mouse_mlp_in(feats), approximate=True))
+        feats = self.mouse_mlp_norm(feats)
+        qkv = self.mouse_qkv(feats).reshape(frames, tokens, 3, action.heads, action.mouse_head_dim)
+        q = _rotate_leading(self.mouse_q_norm(qkv[:, :, 0]), cos, sin, action.rope_dim)
+        mouse_k = _rotate_leading(self.mouse_k_norm(qkv[:, :, 1]), cos, sin, action.rope_dim)
+        return q, mouse_k, qkv[:, :, 2]
+
+    def _mouse_out(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """``x`` plus the projected mouse attention output ``out [f, S, Hm, Dm]``."""
+        cfg, action = self.config, self.config.action
+        out = self.mouse_proj(out.reshape(x.shape[0], action.mouse_hidden_dim).astype(cfg.dtype))
+        return x + out.astype(_F32)
+
+    def _keyboard_kv(self, inputs: ActionInputs, rotation: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """Keyboard ``k, v [f, Hk, Dk]``: one per latent frame from its window of rows (k rotated at the frame)."""
+        cfg, action = self.config, self.config.action
+        frames = inputs.keyboard.shape[0]
+        cos, sin = rotation
+        embedded = self.keyboard_embed_out(jax.nn.silu(self.keyboard_embed_in(inputs.keyboard.astype(cfg.dtype))))
+        kv = self.keyboard_kv(embedded.reshape(frames, action.rows * action.keyboard_embed_dim))
+        kv = kv.reshape(frames, 2, action.heads, action.keyboard_head_dim)
+        keyboard_k = _rotate_leading(self.keyboard_k_norm(kv[:, 0]), cos, sin, action.rope_dim)
+        return keyboard_k, kv[:, 1]
+
+    def _keyboard_query(self, x: jax.Array, rotation: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """Keyboard queries ``[f, S, Hk, Dk]`` of the tokens (after the mouse residual), rotated at their frame."""
+        cfg, action = self.config, self.config.action
+        cos, sin = rotation
+        frames = cos.shape[0]
+        q = self.keyboard_q(x.astype(cfg.dtype)).reshape(frames, cfg.tokens_per_frame, action.heads,
+                                                         action.keyboard_head_dim)
+        return _rotate_leading(self.keyboard_q_norm(q), cos, sin, action.rope_dim)
+
+    def _keyboard_out(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """``x`` plus the projected keyboard attention output ``out [f, S, Hk, Dk]``."""
+        cfg, action = self.config, self.config.action
+        out = self.keyboard_proj(out.reshape(x.shape[0], action.keyboard_hidden_dim).astype(cfg.dtype))
+        return x + out.astype(_F32)
+
+
+#: The einsum specs of the two action attentions (scores | output): the mouse path attends per spatial token
+#: over frames, the keyboard path from every token to one key per frame.
+_MOUSE_SPEC = "fshd,gshd->shfg|shfg,gshd->fshd"
+_KEYBOARD_SPEC = "fshd,ghd->fshg|fshg,ghd->fshd"
 
 
 def _action_shapes(config: CausalDiTConfig, frames: int) -> ActionKV:
@@ -608,6 +670,32 @@ def commit_action_cache(config: CausalDiTConfig, cache: ActionKV, block: ActionK
         return None if ring is None else ring.at[:, slots].set(new.astype(ring.dtype))
 
     return ActionKV(*(write(r, n) for r, n in zip(cache, block, strict=True)))
+
+
+def block_causal_action_mask(
+    config: CausalDiTConfig,
+    frame_starts: Any,  # int[B]: each block instance's absolute first frame
+    clean: Any,  # bool[B]: which instances are clean context (committed at inference)
+) -> jax.Array:
+    """``bool[B, B*f]``: which instance frames each instance's action modules attend to in
+    :meth:`CausalDiT.forward_blocks` (``mask[i, j * f + g]``: instance ``i`` sees frame ``g`` of instance ``j``).
+
+    The action counterpart of :func:`~ardiff_jax.models.block_causal_mask`: instance ``i`` at
+    frame ``p`` sees its own frames and the frames ``[p + f - W, p)`` of every clean instance,
+    exactly the ring slots :func:`action_history_mask` shows a block at ``p`` (the action ring
+    holds the last ``W`` committed frames and has no sink). Traceable.
+    """
+    if config.action is None:
+        raise ValueError(f"config {config.name!r} has no action modules")
+    f, window = config.frames_per_block, config.window_frames
+    starts = jnp.asarray(frame_starts, jnp.int32)
+    clean = jnp.asarray(clean, bool)
+    num_instances = starts.shape[0]
+    key_frames = starts[:, None] + jnp.arange(f, dtype=jnp.int32)[None, :]  # [Bk, f]
+    query = starts[:, None, None]  # [Bq, 1, 1]
+    history = (key_frames[None] >= query + f - window) & (key_frames[None] < query) & clean[None, :, None]
+    itself = jnp.eye(num_instances, dtype=bool)[:, :, None]
+    return (history | itself).reshape(num_instances, num_instances * f)
 
 
 class CausalDiT(nnx.Module):
@@ -770,20 +858,33 @@ class CausalDiT(nnx.Module):
         block's action keys/values come back ``[A, f, ...]``.
         """
         cfg = self.config
-        num_action = cfg.action.num_blocks
-        graphdef, stacked = nnx.split(self.blocks)
-        action_graphdef, action_stacked = nnx.split(self.action_blocks)
         frames = actions.keyboard.shape[0]
         action_rot = action_rotation(cfg.action, frame_start, frames)
         visible = action_history_mask(cfg, frame_start)
+
+        def run(module: ActionModule, x: jax.Array, pick: Any) -> tuple[jax.Array, ActionKV]:
+            layer_history = ActionKV(*(None if h is None else pick(h) for h in history))
+            return module(x, actions, action_rot, layer_history, visible)
+
+        return self._scan_action_layers(x, e0, num_video, rotation, attention, text_kv, frames, run)
+
+    def _scan_action_layers(self, x: jax.Array, e0: jax.Array, num_video: int,
+                            rotation: tuple[jax.Array, jax.Array], attention: SelfAttentionBackend,
+                            text_kv: tuple[jax.Array, jax.Array], frames: int, run: Any
+                            ) -> tuple[jax.Array, jax.Array, jax.Array, ActionKV]:
+        """The layer scan of :meth:`_action_layers`; ``run(module, x, pick)`` is one action module's forward
+        (``pick`` indexes a layer-stacked array at the current layer) returning ``(x, keys/values [frames, ...])``."""
+        cfg = self.config
+        num_action = cfg.action.num_blocks
+        graphdef, stacked = nnx.split(self.blocks)
+        action_graphdef, action_stacked = nnx.split(self.action_blocks)
         empty = ActionKV(*(None if shape is None else jnp.zeros(shape[1:], cfg.dtype)
                            for shape in _action_shapes(cfg, frames)))
 
         def with_action(x: jax.Array, layer: jax.Array) -> tuple[jax.Array, ActionKV]:
             pick = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0, keepdims=False)
             module = nnx.merge(action_graphdef, jax.tree.map(pick, action_stacked))
-            layer_history = ActionKV(*(None if h is None else pick(h) for h in history))
-            x, new = module(x, actions, action_rot, layer_history, visible)
+            x, new = run(module, x, pick)
             return x, ActionKV(*(None if n is None else n.astype(cfg.dtype) for n in new))
 
         def layer_step(x: jax.Array, xs: Any) -> tuple[jax.Array, tuple[Any, ...]]:
@@ -924,6 +1025,42 @@ class CausalDiT(nnx.Module):
         if got != tuple(want):
             raise ValueError(f"action_history must be shaped {tuple(want)} (init_action_cache), got {got}")
 
+    def _check_instance_action_args(self, num_instances: int, frames: int, condition: jax.Array | None,
+                                    actions: ActionInputs | None, action_mask: jax.Array | None, image_kv: Any,
+                                    registers: Any) -> None:
+        """:meth:`_check_action_args` for :meth:`forward_blocks`' ``B`` instances (no ring: ``action_mask``)."""
+        cfg = self.config
+        extra = cfg.in_channels - cfg.latent_channels
+        if extra:
+            want = (num_instances, frames, extra, cfg.latent_height, cfg.latent_width)
+            if condition is None or tuple(condition.shape) != want:
+                raise ValueError(f"this CausalDiT reads {cfg.in_channels} channels: condition must be {list(want)} "
+                                 f"(each instance's channels after the {cfg.latent_channels} latent ones), got "
+                                 f"{None if condition is None else list(condition.shape)}")
+        elif condition is not None:
+            raise ValueError("this CausalDiT reads the latent channels only; condition must be None")
+        if cfg.action is None:
+            if actions is not None or action_mask is not None:
+                raise ValueError("this CausalDiT has no action modules; actions and action_mask must be None")
+            return
+        if image_kv is not None or registers is not None:
+            raise ValueError("a CausalDiT with action modules takes no image_kv or registers")
+        action = cfg.action
+        if actions is None or action_mask is None:
+            raise ValueError("this CausalDiT has action modules: actions (ActionInputs [B, f, rows, ...]) and "
+                             "action_mask (block_causal_action_mask) are required")
+        want = (num_instances, frames, action.rows, action.keyboard_dim)
+        if tuple(actions.keyboard.shape) != want:
+            raise ValueError(f"actions.keyboard must be {list(want)}, got {list(actions.keyboard.shape)}")
+        mouse_shape = None if actions.mouse is None else tuple(actions.mouse.shape)
+        want = (num_instances, frames, action.rows, action.mouse_dim) if action.mouse_dim else None
+        if mouse_shape != want:
+            raise ValueError(f"actions.mouse must be {None if want is None else list(want)}, got "
+                             f"{None if mouse_shape is None else list(mouse_shape)}")
+        if tuple(jnp.shape(action_mask)) != (num_instances, num_instances * frames):
+            raise ValueError(f"action_mask must be bool[{num_instances}, {num_instances * frames}] "
+                             f"(block_causal_action_mask), got {list(jnp.shape(action_mask))}")
+
     def forward_blocks(
         self,
         latents: jax.Array,  # [B, f, C, H, W]: B block instances (e.g. clean context copies and noisy targets)
@@ -935,6 +1072,9 @@ class CausalDiT(nnx.Module):
         controls: jax.Array | None = None,  # f32[B, f, control_dim]
         *,
         attention: SelfAttentionBackend,
+        condition: jax.Array | None = None,  # f32[B, f, in_channels - C, H, W]: each instance's I2V channels
+        actions: ActionInputs | None = None,  # each instance's windows: keyboard [B, f, rows, K], mouse [B, f, rows, M]
+        action_mask: jax.Array | None = None,  # bool[B, B*f]: block_causal_action_mask (config.action)
     ) -> DiTOutput:
         """Many block instances in one pass (training mode): the same modules as :meth:`__call__`.
 
@@ -946,20 +1086,34 @@ class CausalDiT(nnx.Module):
         paged runtime shows block ``i`` at inference (sink, sliding window, itself, its
         registers), which is what makes training and cached inference agree.
 
+        An I2V network (``input_channels``) reads each instance's ``condition`` after its
+        latent channels, as :meth:`__call__` does per block. A network with action modules
+        (Matrix-Game) runs them over every instance's frames at once: each instance's keys
+        and values come from its own windows (``actions``, leading ``[B]``) and its own tokens,
+        and ``action_mask[i, j * f + g]`` says whether instance ``i`` attends to frame ``g``
+        of instance ``j``: :func:`block_causal_action_mask` shows it its own block and the
+        frames of the clean instances its action ring would hold at inference (the window
+        ``[start + f - W, start)``, no sink), so a clean instance's keys play the committed
+        block's ring entries.
+
         Shapes:
           returns: DiTOutput with ``video f32[B, f, C, H, W]``, ``registers f32[B, E, R]`` or
-          None, ``k, v [L, B*f*T, H, D]``.
+          None, ``k, v [L, B*f*T, H, D]``; with action modules ``action_kv`` ``[A, B*f, ...]``
+          (every instance's frames, instance-major: a clean instance's entries are what
+          :func:`commit_action_cache` stores for that block).
         """
         cfg = self.config
-        if cfg.action is not None or cfg.input_channels:
-            raise NotImplementedError("forward_blocks (training mode) does not run I2V or action-conditioned "
-                                      "networks; use __call__ block by block")
         self._check_latents(latents, 2)
         num_instances, frames = latents.shape[:2]
         self._check_controls(controls, (num_instances, frames))
+        self._check_instance_action_args(num_instances, frames, condition, actions, action_mask, image_kv, registers)
         tokens = frames * cfg.tokens_per_frame
         num_video = num_instances * tokens
-        flat = latents.reshape(num_instances * frames, *latents.shape[2:]).astype(cfg.dtype)
+        if condition is None:
+            flat = latents.reshape(num_instances * frames, *latents.shape[2:]).astype(cfg.dtype)
+        else:  # as __call__: the latent channels, then the condition's
+            flat = jnp.concatenate([latents.astype(_F32), condition.astype(_F32)], axis=2)
+            flat = flat.reshape(num_instances * frames, *flat.shape[2:]).astype(cfg.dtype)
         x = self.patch_embedding(patchify(flat, cfg.patch_size)).astype(_F32)
         times = jnp.asarray(timesteps, _F32)
         if controls is None:
@@ -983,8 +1137,25 @@ class CausalDiT(nnx.Module):
             e0_tokens = jnp.concatenate([e0_tokens, jnp.repeat(e0, num_reg, axis=0)])
         cos, sin = jax.vmap(lambda start: rope_rotation(cfg, start, frames))(jnp.asarray(frame_starts))
         rotation = (cos.reshape(num_video, -1), sin.reshape(num_video, -1))
-        x, block_k, block_v = self._layers(x, e0_tokens, num_video, rotation, attention,
-                                           text_kv, image_kv)
+        action_kv = None
+        if cfg.action is None:
+            x, block_k, block_v = self._layers(x, e0_tokens, num_video, rotation, attention,
+                                               text_kv, image_kv)
+        else:
+            n = num_instances * frames
+            flat_actions = ActionInputs(actions.keyboard.reshape(n, *actions.keyboard.shape[2:]),
+                                        None if actions.mouse is None else
+                                        actions.mouse.reshape(n, *actions.mouse.shape[2:]))
+            action_cos, action_sin = jax.vmap(lambda start: action_rotation(cfg.action, start, frames))(
+                jnp.asarray(frame_starts))
+            action_rot = (action_cos.reshape(n, -1), action_sin.reshape(n, -1))
+            visible = jnp.repeat(jnp.asarray(action_mask, bool), frames, axis=0)  # [B*f query frames, B*f]
+
+            def run(module: ActionModule, x: jax.Array, pick: Any) -> tuple[jax.Array, ActionKV]:
+                return module.attend_frames(x, flat_actions, action_rot, visible)
+
+            x, block_k, block_v, action_kv = self._scan_action_layers(x, e0_tokens, num_video, rotation, attention,
+                                                                      text_kv, n, run)
         h = self._head(x, e_tokens)
         patches = self.head(h[:num_video]).astype(_F32).reshape(num_instances, tokens, cfg.patch_dim)
         video = jax.vmap(lambda p: unpatchify(p, frames, cfg.latent_channels, cfg.latent_height, cfg.latent_width,
@@ -992,7 +1163,7 @@ class CausalDiT(nnx.Module):
         reg_out = None
         if registers is not None:
             reg_out = self.register_head(h[num_video:]).astype(_F32).reshape(num_instances, -1, cfg.register_dim)
-        return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v)
+        return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v, action_kv=action_kv)
 
     @property
     def num_params(self) -> int:

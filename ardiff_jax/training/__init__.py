@@ -16,6 +16,23 @@ Needs the ``train`` extra (``pip install 'ardiff_jax[train]'``: optax, orbax-che
 matplotlib); inference with the shipped weights does not. Design notes: ``docs/models.md``.
 """
 
+from ardiff_jax.training._dmd import (
+    DMDConfig,
+    DMDInputs,
+    DMDState,
+    DMDKeys,
+    ScoreFn,
+    dmd_generator_loss,
+    critic_loss,
+    causal_score_fn,
+    make_dmd_step,
+    init_dmd_state,
+    dmd_rollout,
+    dmd_keys,
+    dmd_optimizer,
+    rollout_frame_starts,
+    sample_score_timesteps,
+)
 from ardiff_jax.training._evaluate import EVALUATION_SEED, OneStepAccuracy, one_step_accuracy
 from ardiff_jax.training._loop import (
     BOOKKEEPING_FIELDS,
@@ -96,4 +113,19 @@ __all__ = [
     "rollout_noise",
     "sample_exit_steps",
     "self_rollout",
+    "DMDConfig",
+    "DMDInputs",
+    "DMDState",
+    "DMDKeys",
+    "ScoreFn",
+    "dmd_generator_loss",
+    "critic_loss",
+    "causal_score_fn",
+    "make_dmd_step",
+    "init_dmd_state",
+    "dmd_rollout",
+    "dmd_keys",
+    "dmd_optimizer",
+    "rollout_frame_starts",
+    "sample_score_timesteps",
 ]

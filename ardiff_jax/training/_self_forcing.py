@@ -41,9 +41,14 @@ from flax import nnx
 
 from ardiff_jax._checks import check_flag, check_non_negative_int
 from ardiff_jax.kv import KVLayout, allocate_pools, make_cursor
-from ardiff_jax.models import FewStepSchedule, clean_estimate
-from ardiff_jax.models._common import noise_key
-from ardiff_jax.models._dit import ActionInputs, ActionKV, commit_action_cache, init_action_cache
+from ardiff_jax.models import (
+    ActionInputs,
+    FewStepSchedule,
+    clean_estimate,
+    commit_action_cache,
+    init_action_cache,
+    noise_key,
+)
 from ardiff_jax.rollout import scan_batched_blocks
 
 __all__ = ["Truncation", "RolloutConditioning", "RolloutBlocks", "sample_exit_steps", "self_rollout",
@@ -157,7 +162,7 @@ def pipeline_noise(session_key: jax.Array, first_block: int, num_blocks: int, nu
     """``f32[num_blocks, num_steps, *block_shape]``: the noise a world pipeline session draws for these blocks.
 
     Index ``[i, 0]`` is block ``first_block + i``'s initial noise, ``[i, s]`` the re-noise
-    after step ``s - 1``: the key tree of :func:`~ardiff_jax.models._common.noise_key`, so a
+    after step ``s - 1``: the key tree of :func:`~ardiff_jax.models.noise_key`, so a
     rollout fed this noise reproduces the engine's blocks.
     """
     # One draw per key, as the pipeline draws them: "rbg" keys give other numbers under vmap.
