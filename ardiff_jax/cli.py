@@ -12,9 +12,13 @@ tracking error and speed (``ardiff_jax.demo``).
 ``ardiff-jax train`` trains that model (``ardiff_jax.training``; needs the ``train`` extra)
 with checkpoints and resumption, and exports weights with ``--export``.
 
+``ardiff-jax generate`` writes an MP4: a causal Wan (Self-Forcing, LongLive, Krea) from prompts,
+or Matrix-Game 2.0 from a start picture and a JSON action script; ``--random-weights`` with a
+small preset (``wan-tiny``, ``matrix-game-tiny``) runs without any download.
+
 ``ardiff-jax serve`` serves a world model over WebSocket (``ardiff_jax.serve``; needs the ``serve``
-extra): ``--pretrained sprite_world`` for the trained SpriteWorld model, or ``--pipeline world
---preset tiny`` for a random-weights WorldPipeline.
+extra): ``--pretrained sprite_world`` for the trained SpriteWorld model, ``--model wan`` or
+``--model matrix-game``, or ``--pipeline world --preset tiny`` for a random-weights WorldPipeline.
 
 ``ardiff-jax rollout`` runs a timed multi-session generation with a reference pipeline
 (round-robin over sessions, one block per request) through the engine on the default
@@ -23,7 +27,10 @@ frames/s, compile time, memory plan).
 
 Arguments are checked before any work: a bad value ends the command with exit code 2 and
 a message on stderr that names the argument (no traceback). ``rollout`` also plans the KV
-memory of the preset from its spec before building any weights.
+memory of the preset from its spec before building any weights; ``generate`` also reads its
+input files (start picture, action script), checks them against the model and makes sure
+``--out`` can be written, before building the model. Every ``--preset`` lists the values it
+takes in ``--help`` and in its error.
 """
 
 from __future__ import annotations
@@ -185,6 +192,48 @@ def _non_negative_int(text: str) -> int:
     return _int_argument(text, 0, 2**31, "an integer in [0, 2**31)")
 
 
+# -- presets: which CausalDiT presets (ardiff_jax.models.DIT_PRESETS) each model runs on ----------
+# Written out here so that building the parser imports no model code; tests/test_first_hour.py
+# keeps them equal to what the pipelines accept.
+
+#: WorldPipeline (rollout --pipeline world, serve --pipeline world): random-weights reference geometries.
+WORLD_PRESETS = ("tiny", "medium", "wan_1_3b")
+#: CFGWorldActionPipeline (rollout --pipeline cfg): needs action and state register tokens.
+CFG_PRESETS = ("tiny", "medium")
+#: CausalWanPipeline (generate/serve --model wan, rollout --pipeline wan): wan-tiny is a small network for a CPU.
+WAN_PRESETS = ("wan-tiny", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b")
+#: MatrixGamePipeline (generate/serve --model matrix-game): matrix-game-tiny runs on a CPU.
+MATRIX_GAME_PRESETS = ("matrix-game-tiny", "matrix-game-2-universal", "matrix-game-2-gta-drive",
+                       "matrix-game-2-templerun")
+
+
+def _preset_choices(groups: dict[str, Sequence[str]]) -> str:
+    return "; ".join(f"{where}: {', '.join(names)}" for where, names in groups.items())
+
+
+def _preset_argument(groups: dict[str, Sequence[str]]) -> Any:
+    """An argument type taking the presets of ``groups`` (``{"--model wan": names, ...}``); its error lists them."""
+    valid = {name for names in groups.values() for name in names}
+
+    def preset(text: str) -> str:
+        if text not in valid:
+            raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose from {_preset_choices(groups)}")
+        return text
+
+    preset.__name__ = "preset"  # argparse names the type in some messages
+    return preset
+
+
+def _wrong_preset(flag: str, preset: str, names: Sequence[str]) -> str:
+    return f"argument --preset: {preset!r} is not a preset of {flag}; choose from {', '.join(names)}"
+
+
+_GENERATE_PRESETS = {"--model wan": WAN_PRESETS, "--model matrix-game": MATRIX_GAME_PRESETS}
+_ROLLOUT_PRESETS = {"--pipeline world": WORLD_PRESETS, "--pipeline cfg": CFG_PRESETS, "--pipeline wan": WAN_PRESETS}
+_SERVE_PRESETS = {"--pipeline world": WORLD_PRESETS, "--model wan": WAN_PRESETS,
+                  "--model matrix-game": MATRIX_GAME_PRESETS}
+
+
 def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="KV dtype (default: bfloat16)")
     budget = parser.add_mutually_exclusive_group()
@@ -270,9 +319,9 @@ def _add_rollout(subparsers: argparse._SubParsersAction) -> None:
     rollout.add_argument("--pipeline", default="world", choices=("world", "cfg", "wan"),
                          help="world: single-branch WorldPipeline; cfg: DreamZero-style CFGWorldActionPipeline; "
                               "wan: a published causal Wan (CausalWanPipeline; needs --checkpoint or --random-weights)")
-    rollout.add_argument("--preset", default="tiny",
-                         help="CausalDiT preset (tiny, medium, wan_1_3b; for --pipeline wan: wan2.1-t2v-1.3b, "
-                              "wan2.1-t2v-14b, wan2.2-ti2v-5b)")
+    rollout.add_argument("--preset", default="tiny", type=_preset_argument(_ROLLOUT_PRESETS), metavar="PRESET",
+                         help=f"network preset; {_preset_choices(_ROLLOUT_PRESETS)} (wan-tiny: a small network for "
+                              "a CPU)")
     weights = rollout.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", default=None,
                          help="--pipeline wan: the checkpoint to load (.pt, .safetensors, Wan or diffusers directory)")
@@ -293,18 +342,17 @@ def _run_rollout(args: argparse.Namespace) -> int:
         plan_timed_generation,
         run_timed_generation,
     )
-    from ardiff_jax.models import DIT_PRESETS
 
-    if args.preset not in DIT_PRESETS:
-        return _refuse("rollout", f"argument --preset: unknown preset {args.preset!r}; choose from "
-                                  f"{', '.join(sorted(DIT_PRESETS))}")
+    if args.checkpoint is not None and not os.path.exists(args.checkpoint):
+        return _refuse("rollout", f"argument --checkpoint: {args.checkpoint} does not exist")
+    names = _ROLLOUT_PRESETS[f"--pipeline {args.pipeline}"]
+    if args.preset not in names:
+        return _refuse("rollout", _wrong_preset(f"--pipeline {args.pipeline}", args.preset, names))
     options = TimedGenerationOptions(
         pipeline=args.pipeline, preset=args.preset, sessions=args.sessions, blocks=args.blocks, dtype=args.dtype,
         available_memory_bytes=_available_bytes(args), gpu_memory_fraction=args.fraction,
         checkpoint=args.checkpoint, random_weights=args.random_weights,
     )
-    if args.checkpoint is not None and not os.path.exists(args.checkpoint):
-        return _refuse("rollout", f"argument --checkpoint: {args.checkpoint} does not exist")
     try:
         options.validate()  # the argument types checked each value already; this is the library's own check
         options.kv_spec()
@@ -330,14 +378,17 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="train the SpriteWorld model (optax, orbax checkpoints, resumable)")
     train.add_argument("--out", required=True, type=_output_dir,
                        help="run directory: checkpoints/, losses.json, loss_curve.png")
-    train.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: TrainConfig's)")
-    train.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step")
+    train.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: 2000)")
+    train.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step (default: 16)")
     train.add_argument("--seed", type=_non_negative_int, default=0, help="weights, data and noise seed")
-    train.add_argument("--checkpoint-every", type=_positive_int, default=None, help="steps between checkpoints")
-    train.add_argument("--learning-rate", type=_non_negative_number, default=None, help="peak learning rate")
-    train.add_argument("--warmup-steps", type=_non_negative_int, default=None, help="linear warmup steps")
+    train.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                       help="steps between checkpoints (default: 250)")
+    train.add_argument("--learning-rate", type=_non_negative_number, default=None,
+                       help="peak learning rate (default: 0.003)")
+    train.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                       help="linear warmup steps (default: 100)")
     train.add_argument("--end-learning-rate", type=_non_negative_number, default=None,
-                       help="learning rate at the end of the cosine decay")
+                       help="learning rate at the end of the cosine decay (default: 0.0001)")
     train.add_argument("--encounter-share", type=_share, default=None,
                        help="share of gapped sequences placed at an agent-ball encounter (default 0)")
     train.add_argument("--encounter-weight", type=_non_negative_number, default=None,
@@ -349,6 +400,15 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--num-layers", type=_positive_int, default=None,
                        help="transformer depth (default: the preset's); with --init-weights, new layers start as "
                             "exact identities")
+    train.add_argument("--sequence-frames", type=_positive_int, default=None,
+                       help="frames per training sequence, the sink included (default 4)")
+    train.add_argument("--self-rollout", action="store_true", default=None,
+                       help="Self-Forcing: train through the model's own cached rollout (each sequence played as a "
+                            "session plays it), the loss on the generated frames against the simulator's")
+    train.add_argument("--gradient-frames", type=_non_negative_int, default=None,
+                       help="with --self-rollout: only the last N generated frames carry gradient (0: all)")
+    train.add_argument("--per-block-exit", action="store_true", default=None,
+                       help="with --self-rollout: draw each block's exit step separately (default: one for all)")
     train.add_argument("--no-resume", action="store_true", help="start over even if the run has checkpoints")
     train.add_argument("--force", action="store_true",
                        help="resume a run whose checkpoints were made under another config (named in the error)")
@@ -380,7 +440,8 @@ def _run_train(args: argparse.Namespace) -> int:
         return _refuse("train", str(error))
     overrides = {name: getattr(args, name) for name in (
         "steps", "batch_size", "checkpoint_every", "learning_rate", "warmup_steps", "end_learning_rate",
-        "encounter_share", "encounter_weight", "chase_probability", "init_weights", "num_layers")
+        "encounter_share", "encounter_weight", "chase_probability", "init_weights", "num_layers", "sequence_frames",
+        "self_rollout", "gradient_frames", "per_block_exit")
         if getattr(args, name) is not None}
     try:
         config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
@@ -425,7 +486,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--frames", type=lambda text: _int_argument(text, 2, 100_001, "an integer in [2, 100000]"),
                       default=64, help="generated frames per session (at least 2: the error compares two halves)")
     demo.add_argument("--capacity", type=_positive_int, default=None,
-                      help="session capacity of the engine (below --sessions: LRU eviction shows)")
+                      help="session capacity of the engine (default: --sessions; below it, LRU eviction shows)")
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="first world seed; actions are seeded too")
     demo.add_argument("--weights", type=_weights_input, default=None,
                       help="play a train --export weights file instead of the shipped weights")
@@ -444,8 +505,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     except ValueError as error:
         return _refuse("demo", str(error))
     quality, speed = summary["quality"], summary["speed"]
+    machine = summary.get("machine", {})
     print(f"{summary['sessions']} sessions x {quality['generated_frames_per_session']} frames on {summary['device']} "
-          f"(capacity {summary['session_capacity']}, {summary['lru_evictions']} LRU evictions)")
+          f"({machine.get('cpu_model', 'CPU model unknown')}, {machine.get('cpu_count', '?')} cores; capacity "
+          f"{summary['session_capacity']}, {summary['lru_evictions']} LRU evictions)")
     print(f"Does the model track the simulator better than repeating the first frame? {verdict(quality)}")
     line = (f"tracking error (mean |pixel| 0-255, second half): model {quality['model_second_half']:.2f}, "
             f"repeat-first-frame {quality['repeat_first_frame_second_half']:.2f}")
@@ -560,7 +623,7 @@ def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
                                            latents_std=(1.0,) * channels, dtype=args.dtype)
         # Filled on the host after a shape evaluation: WanVAE's eager initializers take minutes on a CPU.
         vae = random_vae(vae_config, 0)
-        print("random weights: the video is noise-like; this run measures speed", file=sys.stderr)
+        print(f"random weights of {config.name}: the video is noise-like; this run measures speed", file=sys.stderr)
         return CausalWanPipeline(config, pipeline_config, vae=vae,
                                  text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))
     text_encoder = None
@@ -575,29 +638,38 @@ def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     generate = subparsers.add_parser(
-        "generate", help="prompt -> umT5 -> causal Wan blocks -> streaming VAE -> MP4 (Self-Forcing, LongLive, Krea)")
+        "generate", help="write an MP4: a causal Wan from prompts (Self-Forcing, LongLive, Krea) or Matrix-Game 2.0 "
+                         "from a picture and keyboard/mouse actions (--model matrix-game)")
     _add_wan_arguments(generate, required=True)
     text = generate.add_mutually_exclusive_group()
     text.add_argument("--text-encoder", type=_existing_path, default=None,
                       help="models_t5_umt5-xxl-enc-bf16.pth or a transformers UMT5 encoder (needs --tokenizer)")
     text.add_argument("--prompt-embeds", type=_existing_path, action="append", default=None,
                       help="precomputed features (.npy, [L <= 512, 4096]), one per --prompt, in order")
-    generate.add_argument("--preset", default=None,
-                          help="network preset (default: read from the checkpoint; wan2.1-t2v-1.3b with --random-weights)")
+    generate.add_argument("--preset", default=None, type=_preset_argument(_GENERATE_PRESETS), metavar="PRESET",
+                          help=f"network preset; {_preset_choices(_GENERATE_PRESETS)} (default: read from the "
+                               "checkpoint; with --random-weights the full wan2.1-t2v-1.3b or matrix-game-2-universal; "
+                               "wan-tiny and matrix-game-tiny are small networks for a CPU)")
     generate.add_argument("--model", choices=("wan", "matrix-game"), default="wan",
-                          help="wan: prompt-conditioned causal Wan (default); matrix-game: Matrix-Game 2.0, an image "
+                          help="wan: prompt-conditioned causal Wan; matrix-game: Matrix-Game 2.0, an image "
                                "and keyboard/mouse actions (--image, --actions)")
     generate.add_argument("--prompt", action="append", default=None,
-                          help="a prompt, or 'SECONDS:text' entries (repeat the flag) for a prompt schedule")
-    generate.add_argument("--seconds", type=_positive_seconds, default=None, help="video length in seconds")
+                          help="--model wan: a prompt, or 'SECONDS:text' entries (repeat the flag) for a prompt "
+                               "schedule")
+    generate.add_argument("--seconds", type=_positive_seconds, default=None,
+                          help="--model wan: video length in seconds")
     generate.add_argument("--image", type=_existing_path, default=None,
                           help="--model matrix-game: the start frame (resized and center-cropped to the model's size)")
     generate.add_argument("--actions", type=_existing_path, default=None,
-                          help="--model matrix-game: JSON {'keyboard': [[...] per video frame], 'mouse': [[...]]}")
+                          help="--model matrix-game: JSON {\"keyboard\": [[...], ...], \"mouse\": [[...], ...]}, one "
+                               "row per video frame (keyboard: universal [W, S, A, D], gta-drive [W, S], templerun 7 "
+                               "one-hot, matrix-game-tiny 3; mouse [pitch, yaw], none for templerun); 9 rows make the "
+                               "first block, 12 each further one, and rows past the last whole block are dropped "
+                               f"(said on stderr); at most {MAX_ACTIONS_BYTES // 2**20} MiB")
     generate.add_argument("--clip", type=_existing_path, default=None,
                           help="--model matrix-game: the CLIP vision weights (open-clip .pth or a CLIPVisionModel)")
     generate.add_argument("--out", type=_mp4_output, required=True, help="the .mp4 to write")
-    generate.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="weights and KV dtype (default: bf16)")
+    generate.add_argument("--dtype", type=_kv_dtype, default="bfloat16", help="weights and KV dtype")
     generate.add_argument("--seed", type=_non_negative_int, default=0, help="noise seed")
     generate.add_argument("--no-recache", action="store_true",
                           help="keep the history's K/V at a prompt switch (default: LongLive's recache)")
@@ -607,15 +679,172 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     generate.set_defaults(run=_run_generate)
 
 
-def _run_generate(args: argparse.Namespace) -> int:
-    from ardiff_jax.models.wan import PromptSchedule
+#: The largest --actions file read (a row is about 30 bytes: 4 MiB is well over an hour of video at 25 fps).
+MAX_ACTIONS_BYTES = 4 * 2**20
 
+
+def _check_writable_file(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None: tried on the file system before any work (created, then removed)."""
+    try:
+        if os.path.exists(path):
+            if not os.path.isfile(path) or not os.access(path, os.W_OK):
+                return f"argument --out: {path} exists and cannot be overwritten"
+            return None
+        with open(path, "xb"):
+            pass
+        os.remove(path)
+    except OSError as error:
+        return f"argument --out: cannot create {path}: {error.strerror or error}"
+    return None
+
+
+def _check_prompts(prompts: Sequence[str]) -> str | None:
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:  # bytes the locale could not decode arrive as lone surrogates
+            shown = prompt.encode("utf-8", "replace")[:60]
+            return f"argument --prompt: not valid UTF-8 text ({shown!r}: {error.reason})"
+    return None
+
+
+def _read_action_script(path: str) -> tuple[Any, Any]:
+    """``(keyboard f32[N, K], mouse f32[N, M] or None)`` of a JSON action script; ValueError naming the problem."""
+    import numpy as np
+
+    size = os.path.getsize(path)
+    if size > MAX_ACTIONS_BYTES:
+        raise ValueError(f"{path} is {size:,} bytes; an action script is at most {MAX_ACTIONS_BYTES:,}")
+    try:
+        with open(path, "rb") as file:
+            data = json.loads(file.read())
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply for an action script (rows of numbers)") from None
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a JSON action script ({error})") from None
+    if not isinstance(data, dict) or "keyboard" not in data:
+        raise ValueError(f"{path}: an action script is a JSON object with 'keyboard' (and 'mouse') rows")
+    unknown = sorted(set(data) - {"keyboard", "mouse"})
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; an action script has 'keyboard' and 'mouse'")
+    arrays = []
+    for name in ("keyboard", "mouse"):
+        if data.get(name) is None:
+            arrays.append(None)
+            continue
+        try:
+            array = np.asarray(data[name], np.float32)
+        except (TypeError, ValueError, RecursionError):
+            raise ValueError(f"{path}: '{name}' must be rows of numbers, one row per video frame") from None
+        if array.ndim != 2 or array.shape[0] < 1:
+            raise ValueError(f"{path}: '{name}' must be rows of numbers [N, width], one row per video frame; "
+                             f"got shape {list(array.shape)}")
+        if not np.isfinite(array).all():
+            raise ValueError(f"{path}: '{name}' has values that are not finite numbers")
+        arrays.append(array)
+    keyboard, mouse = arrays
+    if mouse is not None and mouse.shape[0] != keyboard.shape[0]:
+        raise ValueError(f"{path}: {keyboard.shape[0]} keyboard rows but {mouse.shape[0]} mouse rows (one each per "
+                         "video frame)")
+    return keyboard, mouse
+
+
+_KEYBOARD_LAYOUT = {4: "[W, S, A, D]", 2: "[W, S]", 7: "a 7-way one-hot (index 0 = no-op)"}
+
+
+def _check_matrix_game_generate(args: argparse.Namespace) -> str | None:
+    """The first problem with ``generate --model matrix-game``'s arguments and files, or None. Host only: the
+    action script is checked against the variant and the picture is read before anything is built."""
+    for flag, value in (("--prompt", args.prompt), ("--prompt-embeds", args.prompt_embeds),
+                        ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer), ("--lora", args.lora),
+                        ("--policy", args.policy), ("--seconds", args.seconds)):
+        if value:
+            return (f"argument {flag}: not for --model matrix-game (an image and actions drive it; the actions set "
+                    "the length)")
+    if args.image is None or args.actions is None:
+        return "--model matrix-game needs --image and --actions"
+    if args.preset is not None and args.preset not in MATRIX_GAME_PRESETS:
+        return (f"argument --preset: {args.preset!r} is not a Matrix-Game preset; choose from "
+                f"{', '.join(MATRIX_GAME_PRESETS)}")
+    if args.random_weights:
+        if args.vae or args.clip:
+            return "--random-weights builds every part itself: drop --vae and --clip"
+    elif args.vae is None:
+        return "argument --vae: needed to encode the image and decode video (Wan2.1_VAE.pth)"
+    elif args.clip is None:
+        return "argument --clip: needed to encode the image (the open-clip ViT-H/14 .pth)"
+    from ardiff_jax.models import dit_preset
+
+    if args.preset is not None or args.random_weights:
+        config = dit_preset(args.preset or "matrix-game-2-universal")
+    else:
+        from ardiff_jax.models.wan import checkpoint_config
+
+        try:
+            config = checkpoint_config(args.weights)  # headers only
+        except (ValueError, OSError) as error:
+            return f"argument --weights: {error}"
+        if config.action is None:
+            return f"argument --weights: {args.weights} has no action modules: not a Matrix-Game checkpoint"
+    try:
+        keyboard, mouse = _read_action_script(args.actions)
+    except (ValueError, OSError) as error:
+        return f"argument --actions: {error}"
+    action, name = config.action, config.name
+    if keyboard.shape[1] != action.keyboard_dim:
+        layout = _KEYBOARD_LAYOUT.get(action.keyboard_dim)
+        return (f"argument --actions: keyboard rows have {keyboard.shape[1]} values; {name} takes "
+                f"{action.keyboard_dim}" + (f": {layout}" if layout else ""))
+    if action.mouse_dim == 0 and mouse is not None:
+        return f"argument --actions: {name} has no mouse (keyboard only): drop 'mouse'"
+    if action.mouse_dim and mouse is None:
+        return f"argument --actions: {name} needs 'mouse' rows ([pitch, yaw] per video frame) beside 'keyboard'"
+    if mouse is not None and mouse.shape[1] != action.mouse_dim:
+        return (f"argument --actions: mouse rows have {mouse.shape[1]} values; {name} takes {action.mouse_dim} "
+                "([pitch, yaw])")
+    first = action.num_rows(config.frames_per_block)  # 9: the first block's video frames
+    per_block = action.frames_per_latent * config.frames_per_block  # 12 per further block
+    rows = keyboard.shape[0]
+    if rows < first:
+        return (f"argument --actions: {rows} rows; the first block needs {first} (one row per video frame: {first}, "
+                f"then {per_block} per block)")
+    try:
+        _read_image(args.image)
+    except (ValueError, OSError) as error:
+        return str(error) if str(error).startswith("argument --image") else f"argument --image: {error}"
+    problem = _check_writable_file(args.out)
+    if problem is not None:
+        return problem
+    used = first + per_block * ((rows - first) // per_block)
+    if used < rows:
+        print(f"ardiff-jax generate: note: --actions has {rows} rows; the video has {used} frames ({first} for the "
+              f"first block, then {per_block} per block), so the last {rows - used} rows are dropped", file=sys.stderr)
+    return None
+
+
+def _run_generate(args: argparse.Namespace) -> int:
     if args.model == "matrix-game":
+        problem = _check_matrix_game_generate(args)
+        if problem is not None:
+            return _refuse("generate", problem)
+        if args.random_weights and args.preset is None:
+            print("ardiff-jax generate: note: --random-weights without --preset builds the full "
+                  "matrix-game-2-universal (1.6e9 parameters); --preset matrix-game-tiny is a small network for a CPU",
+                  file=sys.stderr)
         from ardiff_jax.models.matrix_game import run_generate_cli
 
         return run_generate_cli(args, _refuse)
+    for flag, value in (("--image", args.image), ("--actions", args.actions), ("--clip", args.clip)):
+        if value is not None:
+            return _refuse("generate", f"argument {flag}: not for --model wan (a causal Wan is driven by prompts); "
+                                       f"{flag} is for --model matrix-game")
     if args.prompt is None or args.seconds is None:
         return _refuse("generate", "--model wan needs --prompt and --seconds")
+    problem = _check_prompts(args.prompt)
+    if problem is not None:
+        return _refuse("generate", problem)
+    from ardiff_jax.models.wan import PromptSchedule
+
     try:
         schedule = PromptSchedule.parse(args.prompt)
     except ValueError as error:
@@ -626,11 +855,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.prompt_embeds and len(args.prompt_embeds) != len(schedule.prompts):
         return _refuse("generate", f"argument --prompt-embeds: {len(args.prompt_embeds)} files for "
                                    f"{len(schedule.prompts)} prompts (one each, in order)")
-    from ardiff_jax.models import DIT_PRESETS
-
-    if args.preset is not None and args.preset not in DIT_PRESETS:
-        return _refuse("generate", f"argument --preset: unknown preset {args.preset!r}; choose from "
-                                   f"{', '.join(sorted(DIT_PRESETS))}")
+    if args.preset is not None and args.preset not in WAN_PRESETS:
+        return _refuse("generate", _wrong_preset("--model wan", args.preset, WAN_PRESETS))
+    if args.preset == "wan2.2-ti2v-5b":
+        return _refuse("generate", "--preset wan2.2-ti2v-5b decodes with the Wan 2.2 VAE (48 channels, 16x), which "
+                                   "this repository does not have yet")
+    problem = _check_writable_file(args.out)
+    if problem is not None:
+        return _refuse("generate", problem)
+    if args.random_weights and args.preset is None:
+        print("ardiff-jax generate: note: --random-weights without --preset builds the full wan2.1-t2v-1.3b "
+              "(1.4e9 parameters); --preset wan-tiny is a small network for a CPU", file=sys.stderr)
     try:
         return _generate(args, schedule)
     except (ValueError, OSError, ImportError) as error:  # bad files and shapes, named by the loaders
@@ -743,6 +978,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="serve /metrics without the key (default: /metrics needs it when a key is set)")
     serve.add_argument("--max-connections-per-client", type=_positive_int, default=8, metavar="N",
                        help="open WebSockets per client address (default: 8)")
+    serve.add_argument("--trust-forwarded-for", action="append", default=[], metavar="PROXY",
+                       help="a reverse proxy (IP address or network) whose X-Forwarded-For names the client the "
+                            "per-address limit counts; repeatable (default: none, the header is never believed)")
     serve.set_defaults(run=_run_serve)
 
 
@@ -774,11 +1012,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         access = ServerAccess(api_key=args.api_key if args.api_key is not None else args.api_key_from_file,
                               allowed_origins=tuple(args.allow_origin), public_metrics=args.public_metrics,
-                              max_connections_per_client=args.max_connections_per_client)
+                              max_connections_per_client=args.max_connections_per_client,
+                              trusted_proxies=tuple(args.trust_forwarded_for))
     except (TypeError, ValueError) as error:
         return _refuse("serve", str(error))
     from ardiff_jax.models import (
-        DIT_PRESETS,
         WorldPipeline,
         WorldPipelineConfig,
         pretrained,
@@ -803,11 +1041,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         problem = _check_matrix_game_serve(args)
         if problem is not None:
             return _refuse("serve", problem)
-    elif args.preset is None:
+    elif args.preset is None and args.pipeline is not None:
         args.preset = "tiny"
-    if args.preset is not None and args.preset not in DIT_PRESETS:
-        return _refuse("serve", f"argument --preset: unknown preset {args.preset!r}; choose from "
-                                f"{', '.join(sorted(DIT_PRESETS))}")
+    family = f"--model {args.model}" if args.model else "--pipeline world" if args.pipeline else None
+    if args.preset is not None and args.preset not in _SERVE_PRESETS.get(family, ()):
+        if family is None:
+            return _refuse("serve", "argument --preset: for --pipeline world, --model wan or --model matrix-game")
+        return _refuse("serve", _wrong_preset(family, args.preset, _SERVE_PRESETS[family]))
     # Bind before building anything: a busy port is a one-line error, not a traceback after
     # the model loaded, and "serving on" is printed only once the socket really listens.
     try:
@@ -815,6 +1055,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         return _refuse("serve", f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
     with listener:
+        print(f"ardiff-jax serve: building {_serve_subject(args)} and compiling it (seconds to minutes); the "
+              "addresses follow when it is ready", file=sys.stderr, flush=True)
         if args.pretrained is not None:
             pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
         elif args.model == "wan":
@@ -858,13 +1100,27 @@ def _run_serve(args: argparse.Namespace) -> int:
             shown = f"[{host}]" if ":" in host else host
             print(f"serving {world.name} (capacity {app.state.server.capacity}) on ws://{shown}:{port}"
                   "/v1/realtime/video", flush=True)
+            page = "127.0.0.1" if host in ("0.0.0.0", "::") else shown  # a wildcard address: this machine's page
+            token = "?token=<key>" if args.api_key is not None or args.api_key_from_file is not None else ""
+            print(f"open http://{page}:{port}/{token} in a browser for the bundled player", flush=True)
             # The transport refuses frames far beyond the app's own limit before reading them whole.
-            server = uvicorn.Server(uvicorn.Config(app, log_level="info",
+            # proxy_headers=False: the app reads X-Forwarded-For itself, from --trust-forwarded-for proxies only.
+            server = uvicorn.Server(uvicorn.Config(app, log_level="info", proxy_headers=False,
                                                    ws_max_size=max(4 * args.max_message_bytes, 2**20)))
             server.run(sockets=[listener])
         finally:
             engine.close()
     return 0
+
+
+def _serve_subject(args: argparse.Namespace) -> str:
+    """What ``serve`` is about to build, in words (printed before the build starts)."""
+    if args.pretrained is not None:
+        return f"the trained {args.pretrained} model"
+    if args.model is None:
+        return f"a random-weights WorldPipeline ({args.preset})"
+    weights = "random weights" if args.random_weights else args.weights
+    return f"--model {args.model} {args.preset or '(preset read from the checkpoint)'} ({weights})"
 
 
 def _check_matrix_game_serve(args: argparse.Namespace) -> str | None:
@@ -926,15 +1182,63 @@ def _refuse(command: str, message: str) -> int:
     return 2
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        nothing = action.default is None or action.default is False or action.default == [] or \
+            action.default == argparse.SUPPRESS  # not `in (...)`: 0 == False would hide a default of 0
+        if "(default" in text or "default:" in text or nothing:
+            return action.help
+        return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        # As argparse's, but never inside a hyphenated name (matrix-game-2-universal stays whole).
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+DESCRIPTION = """\
+ardiff-jax: a JAX runtime for autoregressive video diffusion models.
+
+  demo      play the trained SpriteWorld model next to its simulator (no download)
+  train     train that model on a CPU
+  generate  write an MP4 with a causal Wan (Self-Forcing, LongLive, Krea) or Matrix-Game 2.0;
+            --random-weights with --preset wan-tiny or matrix-game-tiny needs no download
+  serve     stream a model to browsers over WebSocket (the bundled page at http://HOST:PORT/)
+  rollout   time a multi-session rollout of a reference pipeline
+  plan      print the KV memory plan of a geometry
+
+Every bad argument is refused before any work, with exit code 2. Run 'ardiff-jax COMMAND --help'."""
+
+
+def _version() -> str:
+    from ardiff_jax import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ardiff-jax", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="ardiff-jax", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan(subparsers)
     _add_rollout(subparsers)
     _add_train(subparsers)
     _add_demo(subparsers)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    for command in subparsers.choices.values():
+        command.formatter_class = _HelpFormatter
+    # serve's --preset is declared with its other flags (_add_serve); its values are listed here like every
+    # other --preset's, in --help and in the error.
+    for action in subparsers.choices["serve"]._actions:
+        if "--preset" in action.option_strings:
+            action.type, action.metavar = _preset_argument(_SERVE_PRESETS), "PRESET"
+            action.help = f"{action.help}; {_preset_choices(_SERVE_PRESETS)}"
     return parser
 
 

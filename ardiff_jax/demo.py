@@ -28,9 +28,12 @@ world is fully observable, so the demo restarts an evicted session from its own 
 generated frame (a new observation prefill) and counts the restarts; with host offload
 (a later feature) the session would resume exactly instead.
 
-Outputs (:func:`write_demo_outputs`): one GIF per session (generated | simulator), a
-contact-sheet PNG (per session a "model" row above a "simulator" row, frame numbers on
-top), ``summary.json``, and ``session_<i>.npz`` with ``frames``, ``truth`` and ``actions``.
+Outputs (:func:`write_demo_outputs`): one GIF per session (generated | simulator, with a caption
+strip naming each side, the frame number and the colours: the agent is the green square, the
+ball the one with red in it (red, yellow, magenta or white: its colour is its direction), blue
+cells are walls), a contact-sheet PNG (per session a "model" row above a
+"simulator" row, frame numbers on top), ``summary.json`` (with the machine it ran on), and
+``session_<i>.npz`` with ``frames``, ``truth`` and ``actions``.
 """
 
 from __future__ import annotations
@@ -205,18 +208,43 @@ def _scaled(frame: np.ndarray, scale: int) -> np.ndarray:
     return np.repeat(np.repeat(frame, scale, axis=0), scale, axis=1)
 
 
+#: The GIFs' caption strip: what the colours mean (``ardiff_jax.envs.SpriteWorld``: the ball is always red
+#: 255, plus green when it moves down and blue when it moves right).
+GIF_LEGEND = ("agent: green   walls: blue", "ball: red/yellow/magenta/white")
+
+
+def _gif_frame(generated: np.ndarray, truth: np.ndarray, index: int, seed: int, scale: int) -> Any:
+    """One GIF frame: the generated frame | the simulator's, above a caption strip that labels them."""
+    from PIL import Image, ImageDraw
+
+    side = generated.shape[1] * scale
+    gap = np.full((generated.shape[0] * scale, 2 * scale, 3), 255, np.uint8)
+    pair = np.concatenate([_scaled(generated, scale), gap, _scaled(truth, scale)], axis=1)
+    lines = 2 + len(GIF_LEGEND)
+    picture = Image.new("RGB", (pair.shape[1], pair.shape[0] + 11 * lines + 3), (255, 255, 255))
+    picture.paste(Image.fromarray(pair), (0, 0))
+    draw = ImageDraw.Draw(picture)
+    y = pair.shape[0] + 2
+    draw.text((2, y), "generated", fill=(0, 0, 0))
+    draw.text((side + 2 * scale + 2, y), "simulator", fill=(0, 0, 0))
+    frame = "obs" if index == 0 else f"frame {index}"
+    for row, text in enumerate((f"{frame}, seed {seed}", *GIF_LEGEND), start=1):
+        draw.text((2, y + 11 * row), text, fill=(96, 96, 96))
+    return picture
+
+
 def write_demo_outputs(out_dir: str | Path, tracks: Sequence[SessionTrack], summary: dict[str, Any], *,
                        gif_scale: int = 4, sheet_columns: int = 16) -> list[Path]:
-    """Write the GIFs, the contact sheet, ``summary.json`` and the ``.npz`` files; returns their paths."""
-    from PIL import Image  # the core install ships Pillow; imported here so importing the module stays light
+    """Write the GIFs, the contact sheet, ``summary.json`` and the ``.npz`` files; returns their paths.
 
+    Each GIF frame is the generated frame beside the simulator's, above a caption strip naming
+    the two sides, the frame and the colours (:data:`GIF_LEGEND`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for i, track in enumerate(tracks):
-        gap = np.full((track.frames.shape[1] * gif_scale, 2 * gif_scale, 3), 255, np.uint8)
-        pictures = [Image.fromarray(np.concatenate([_scaled(g, gif_scale), gap, _scaled(t, gif_scale)], axis=1))
-                    for g, t in zip(track.frames, track.truth, strict=True)]
+        pictures = [_gif_frame(g, t, n, track.seed, gif_scale)
+                    for n, (g, t) in enumerate(zip(track.frames, track.truth, strict=True))]
         gif = out / f"session_{i}.gif"
         pictures[0].save(gif, save_all=True, append_images=pictures[1:], duration=100, loop=0)
         npz = out / f"session_{i}.npz"
@@ -271,6 +299,43 @@ def _batched_fps(engine: ARDiffusionEngine, seeds: Sequence[int], num_frames: in
     return 1e3 * f * len(seeds) / statistics.fmean(steady)
 
 
+def _progress(bar: Any, frames_per_block: int) -> Callable[[int, float], None]:
+    """``on_block`` for :func:`drive_sessions`: advance ``bar``; after the phase's first block, restart its clock.
+
+    The first block of a phase follows the load and carries the compile and the observation
+    prefill; timed from the bar's start, it made the first line promise an ETA of an hour. The
+    count stays; only the rate and ETA start over (``tqdm.reset``, then the count put back)."""
+    first = True
+
+    def on_block(session: int, latency_ms: float) -> None:
+        nonlocal first
+        if not first:
+            bar.update(frames_per_block)
+            return
+        first = False
+        done = bar.n + frames_per_block
+        bar.reset()  # restarts the clock and the smoothed rate; keeps the total
+        bar.n = bar.last_print_n = bar.initial = done  # rates count from here: (n - initial) / elapsed
+        bar.refresh()
+
+    return on_block
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU this ran on (its model name and cores) and the JAX device: every speed figure names it."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_count": os.cpu_count(), "device": str(jax.devices()[0])}
+
+
 def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, capacity: int | None = None,
              seed: int = 0, compare_untrained: bool = True, progress: bool = True,
              available_memory_bytes: int = 2**28, weights: str | Path | None = None) -> dict[str, Any]:
@@ -293,7 +358,9 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     started = time.perf_counter()
     capacity = sessions if capacity is None else capacity
     # The bar starts before the model loads: loading and compiling take a few seconds, and
-    # a silent terminal looks hung. Its unit is generated frames; loading counts as none.
+    # a silent terminal looks hung. Its unit is generated frames; loading counts as none, and
+    # its clock (rate, ETA) restarts after the first block of each phase, so that neither the
+    # load nor the first block's compile and prefill make it promise an hour.
     bar = tqdm(total=sessions * num_frames * (2 if compare_untrained else 1), unit="frame", disable=not progress,
                desc="loading and compiling")
     with bar:
@@ -311,8 +378,7 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
             lambda event: evictions.append(event.session_id) if event.reason == "lru_eviction" else None)
         bar.set_description("trained model")
         run_start = time.perf_counter()
-        tracks = drive_sessions(engine, seeds, num_frames, action_seed=seed,
-                                on_block=lambda i, ms: bar.update(f))
+        tracks = drive_sessions(engine, seeds, num_frames, action_seed=seed, on_block=_progress(bar, f))
         interleaved_fps = total_blocks * f / (time.perf_counter() - run_start)
         single_fps = _single_session_fps(engine, seed + 2000, min(num_frames, 32))
         batched_sessions = min(4, engine.session_capacity)
@@ -324,7 +390,7 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
             untrained = SpriteWorldPipeline(pipeline.config, pipeline.pipeline_config)
             with ARDiffusionEngine(untrained, config) as untrained_engine:
                 untrained_tracks = drive_sessions(untrained_engine, seeds, num_frames, action_seed=seed,
-                                                  on_block=lambda i, ms: bar.update(f))
+                                                  on_block=_progress(bar, f))
         bar.set_description("one-step accuracy")
         accuracy = one_step_accuracy(pipeline.modules, pipeline.config, prediction=pipeline.prediction,
                                      decoder=pipeline.pipeline_config.decoder)
@@ -334,6 +400,7 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     summary = {
         "model": "sprite_world",
         "device": str(jax.devices()[0]),
+        "machine": _machine(),
         "sessions": sessions,
         "session_capacity": planned_capacity,
         "frames_per_block": f,

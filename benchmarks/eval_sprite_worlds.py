@@ -16,8 +16,10 @@ random actions, and reports against the simulator:
 ``--weights`` scores a ``train --export`` file instead of the shipped weights (for example an
 earlier stage of the shipped chain), through the same code. Quality only: no timing.
 
-Run: ``python -m benchmarks.eval_sprite_worlds [--weights runs/x.npz]``; results go to
-``benchmarks/results/sprite_worlds[_<name>].json``.
+Run: ``python -m benchmarks.eval_sprite_worlds [--weights runs/x.npz] [--out DIR]``; the record
+goes to ``DIR/sprite_worlds[_<name>].json`` (default ``DIR``: ``eval_sprite_worlds_out/``).
+``--update-results`` writes it to ``benchmarks/results/`` instead, replacing the committed
+record that ``docs/models.md`` quotes: only for a change that means to update those figures.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from ardiff_jax.models import pretrained, pretrained_metadata
 from benchmarks.common import machine_info
 
 RESULTS = Path(__file__).with_name("results")
+#: Where a run writes unless told otherwise: never over the committed results.
+DEFAULT_OUT = Path("eval_sprite_worlds_out")
 BALL_STATES = ("right", "missing", "wrong cell or colour", "two or more")
 
 
@@ -54,7 +58,7 @@ def ball_state(frame: np.ndarray, truth: np.ndarray) -> str:
 
 
 def run(*, worlds: int = 32, first_seed: int = 100, frames: int = 64, action_seed: int = 5,
-        weights: str | None = None, batch: int = 8, out_dir: Path = RESULTS) -> dict[str, Any]:
+        weights: str | None = None, batch: int = 8, out_dir: Path = DEFAULT_OUT) -> dict[str, Any]:
     if first_seed < 4:
         raise ValueError(f"first_seed must leave out the demo's worlds 0-3, got {first_seed}")
     pipeline = pretrained("sprite_world", session_capacity=batch, weights=weights)
@@ -83,9 +87,12 @@ def run(*, worlds: int = 32, first_seed: int = 100, frames: int = 64, action_see
         "second_half_ball": {state: states[state] / second_half_frames for state in BALL_STATES},
         "second_half_frames": second_half_frames,
     }
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if weights is None else "_" + Path(weights).stem
-    (out_dir / f"sprite_worlds{suffix}.json").write_text(json.dumps(record, indent=1))
+    path = out_dir / f"sprite_worlds{suffix}.json"
+    path.write_text(json.dumps(record, indent=1))
+    record["written_to"] = str(path)  # for the caller; not in the file
     return record
 
 
@@ -96,9 +103,14 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=64)
     parser.add_argument("--action-seed", type=int, default=5)
     parser.add_argument("--weights", default=None, help="a train --export .npz (default: the shipped weights)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                       help=f"folder for the record (default: {DEFAULT_OUT})")
+    where.add_argument("--update-results", action="store_true",
+                       help=f"write the record to {RESULTS} instead, replacing the committed one the docs quote")
     args = parser.parse_args()
     record = run(worlds=args.worlds, first_seed=args.first_seed, frames=args.frames, action_seed=args.action_seed,
-                 weights=args.weights)
+                 weights=args.weights, out_dir=RESULTS if args.update_results else args.out)
     q, e, b = record["quality"], record["exact_frames"], record["second_half_ball"]
     print(f"{record['weights']} ({record['num_layers']} layers, {record['weights_training_steps']} steps), "
           f"{args.worlds} worlds x {args.frames} frames")
@@ -108,6 +120,7 @@ def main() -> None:
     print(f"exact frames: mean {e['mean']:.1f}, median {e['median']:.1f}; >= half {e['at_least_half']}, "
           f"to the end {e['to_the_end']} of {args.worlds}")
     print("second-half ball: " + ", ".join(f"{state} {share:.0%}" for state, share in b.items()))
+    print(f"written to {record['written_to']}")
 
 
 if __name__ == "__main__":

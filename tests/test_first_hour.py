@@ -1,0 +1,436 @@
+"""A new user's first hour, kept true: the README's no-download lines run as written, every ``--help``
+says what it takes, arguments are refused before any work, and every figure the README quotes
+matches the file it comes from.
+
+The README's demo caption is checked against the demo's own rollouts in ``tests/test_demo.py``
+(``test_readme_caption_quotes_the_demo``), where those rollouts are computed anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shlex
+import shutil
+import time
+
+import pytest
+
+from ardiff_jax import cli
+from ardiff_jax.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _section(title: str) -> str:
+    """The README text under a ``## `` or ``### `` heading, up to the next heading of any level."""
+    body = README.split(title + "\n", 1)[1]
+    return re.split(r"\n#{2,3} ", body, maxsplit=1)[0]
+
+
+def _readme_lines() -> list[str]:
+    block = _section("### Try every model without a download").split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+# -- --help and --version -------------------------------------------------------------------------
+
+COMMANDS = ("plan", "rollout", "train", "demo", "generate", "serve")
+
+
+def test_top_level_help_names_every_command_without_markup(capsys):
+    assert _exit_code(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "``" not in text  # reST markup does not belong in a terminal
+    for command in COMMANDS:
+        assert re.search(rf"^\s+{command}\s", text, flags=re.MULTILINE), command
+    assert "Matrix-Game" in text and "--version" in text
+    assert _exit_code(["--version"]) == 0
+    import ardiff_jax
+
+    assert capsys.readouterr().out.strip() == f"ardiff-jax {ardiff_jax.__version__}"
+
+
+def _options(help_text: str) -> dict[str, str]:
+    """Each option's entry in a --help text (flags to the next option), whitespace-flattened."""
+    body = help_text.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n  (?=-)", "\n" + body)
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries if entry.strip()}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_help_shows_its_defaults_and_presets(command, capsys):
+    assert _exit_code([command, "--help"]) == 0
+    raw = capsys.readouterr().out
+    text = " ".join(raw.split())
+    assert "``" not in text
+    entries = _options(raw)
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        default = action.default
+        if not action.option_strings or action.help is None or default is None or default is False \
+                or default == [] or default == "==SUPPRESS==":
+            continue
+        # Every option with a default says it in its help (argparse's "(default: X)" or the help's own words).
+        entry = entries[action.option_strings[0]]
+        assert "default" in entry, f"{command} {action.option_strings[0]}: no default in --help: {entry}"
+    groups = {"rollout": cli._ROLLOUT_PRESETS, "generate": cli._GENERATE_PRESETS, "serve": cli._SERVE_PRESETS}
+    if command in groups:
+        for names in groups[command].values():
+            for name in names:
+                assert name in text, f"{command} --help does not list preset {name}"
+
+
+def test_demo_and_train_help_show_their_defaults(capsys):
+    assert _exit_code(["demo", "--help"]) == 0
+    demo = _options(capsys.readouterr().out)
+    for flag, default in (("--sessions", 4), ("--frames", 64), ("--seed", 0)):
+        assert f"(default: {default})" in demo[flag], demo[flag]
+    assert _exit_code(["train", "--help"]) == 0
+    train = _options(capsys.readouterr().out)
+    pytest.importorskip("optax")
+    from ardiff_jax.training import TrainConfig
+
+    config = TrainConfig()
+    for flag, field in (("--steps", "steps"), ("--batch-size", "batch_size"), ("--seed", "seed"),
+                        ("--checkpoint-every", "checkpoint_every"), ("--learning-rate", "learning_rate"),
+                        ("--warmup-steps", "warmup_steps"), ("--end-learning-rate", "end_learning_rate")):
+        said = re.search(r"\(default:? ([0-9.e+-]+)\)", train[flag])
+        assert said, train[flag]
+        assert float(said.group(1)) == getattr(config, field), (flag, said.group(1), getattr(config, field))
+
+
+def test_preset_lists_are_what_the_pipelines_take():
+    """The CLI's written-out preset lists (kept there so that building the parser imports no model code)
+    equal what each pipeline accepts, and cover every preset but the training-only ones."""
+    from ardiff_jax._timed_generation import TimedGenerationOptions
+    from ardiff_jax.models import DIT_PRESETS, dit_preset
+
+    def accepted(pipeline: str) -> set[str]:
+        names = set()
+        for name in DIT_PRESETS:
+            options = TimedGenerationOptions(pipeline=pipeline, preset=name, random_weights=pipeline == "wan")
+            try:
+                options.validate()
+                options.kv_spec()
+            except ValueError:
+                continue
+            names.add(name)
+        return names
+
+    assert set(cli.CFG_PRESETS) == accepted("cfg")
+    assert set(cli.WORLD_PRESETS) <= accepted("world")
+    # CausalWanPipeline takes every text-to-video config; the CLI lists the Wan networks, not the world
+    # pipeline's reference geometry (wan_1_3b) nor Matrix-Game's (an image-conditioned network).
+    assert set(cli.WAN_PRESETS) <= accepted("wan")
+    assert accepted("wan") - set(cli.WAN_PRESETS) <= {"wan_1_3b", *cli.MATRIX_GAME_PRESETS}
+    assert set(cli.MATRIX_GAME_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action is not None}
+    listed = set(cli.WORLD_PRESETS) | set(cli.CFG_PRESETS) | set(cli.WAN_PRESETS) | set(cli.MATRIX_GAME_PRESETS)
+    training_only = {n for n in DIT_PRESETS if n.startswith("sprite")}  # pretrained("sprite_world"), train
+    assert set(DIT_PRESETS) - listed == training_only
+
+
+# -- refused before any work ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Building any model fails the test: every refusal here must come before that."""
+    from ardiff_jax.models._common import DiTModules
+    from ardiff_jax.models.matrix_game import _generate as matrix_game_generate
+    from ardiff_jax.models.wan import WanModules
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(DiTModules, "create", classmethod(refuse))
+    monkeypatch.setattr(WanModules, "create", classmethod(refuse))
+    monkeypatch.setattr(matrix_game_generate, "build_matrix_game", refuse)
+    monkeypatch.setattr(cli, "_build_wan", refuse)
+
+
+def _actions(path: pathlib.Path, rows: int, keys: int = 3, mouse: bool = True) -> str:
+    script = {"keyboard": [[1] + [0] * (keys - 1)] * rows}
+    if mouse:
+        script["mouse"] = [[0.0, 0.1]] * rows
+    path.write_text(json.dumps(script))
+    return str(path)
+
+
+MATRIX_GAME = ["generate", "--model", "matrix-game", "--random-weights", "--preset", "matrix-game-tiny"]
+WAN = ["generate", "--random-weights", "--preset", "wan-tiny", "--seconds", "1"]
+
+
+def _refusals(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
+    image = str(ROOT / "docs" / "demo_contact_sheet.png")
+    deep = tmp / "deep.json"
+    deep.write_text('{"keyboard": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    big = tmp / "big.json"
+    big.write_text('{"keyboard": [' + ", ".join(["[1, 0, 0]"] * 500_000) + "]}")
+    not_a_picture = tmp / "start.png"
+    not_a_picture.write_text("not a picture")
+    out = ["--out", str(tmp / "out" / "play.mp4")]
+    return [
+        ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "wide.json", 21, keys=4), *out],
+         "keyboard rows have 4 values; matrix-game-tiny takes 3"),
+        ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "nomouse.json", 21, mouse=False), *out],
+         "needs 'mouse' rows"),
+        ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "short.json", 5), *out],
+         "5 rows; the first block needs 9"),
+        ([*MATRIX_GAME, "--image", image, "--actions", str(deep), *out], "nested too deeply"),
+        ([*MATRIX_GAME, "--image", image, "--actions", str(big), *out], "an action script is at most"),
+        ([*MATRIX_GAME, "--image", str(not_a_picture), "--actions", _actions(tmp / "ok.json", 21), *out],
+         "argument --image"),
+        ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "ok.json", 21),
+          "--out", str(tmp / ("x" * 300 + ".mp4"))], "argument --out: cannot create"),
+        ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "ok.json", 21), "--prompt", "a cat", *out],
+         "not for --model matrix-game"),
+        ([*WAN, "--prompt", "a cat", "--image", image, *out], "argument --image: not for --model wan"),
+        ([*WAN, "--prompt", "a cat", "--actions", _actions(tmp / "ok.json", 21), *out],
+         "argument --actions: not for --model wan"),
+        ([*WAN, "--prompt", "a cat", "--clip", image, *out], "argument --clip: not for --model wan"),
+        ([*WAN, "--prompt", "a \udcff cat", *out], "argument --prompt: not valid UTF-8"),
+        ([*WAN, "--prompt", "a cat", "--out", str(tmp / ("x" * 300 + ".mp4"))], "argument --out: cannot create"),
+        (["generate", "--random-weights", "--preset", "tiny", "--prompt", "a cat", "--seconds", "1", *out],
+         "unknown preset 'tiny'; choose from --model wan: wan-tiny"),
+        (["generate", "--random-weights", "--preset", "matrix-game-tiny", "--prompt", "a cat", "--seconds", "1", *out],
+         "not a preset of --model wan; choose from wan-tiny"),
+        (["serve", "--model", "wan", "--random-weights", "--preset", "tiny", "--port", "0"],
+         "not a preset of --model wan"),
+        (["serve", "--pipeline", "world", "--preset", "wan-tiny", "--port", "0"], "not a preset of --pipeline world"),
+        (["serve", "--pipeline", "world", "--preset", "huge", "--port", "0"], "unknown preset 'huge'; choose from"),
+        (["serve", "--pretrained", "sprite_world", "--preset", "tiny", "--port", "0"], "for --pipeline world"),
+        (["rollout", "--pipeline", "cfg", "--preset", "wan-tiny"], "not a preset of --pipeline cfg"),
+    ]
+
+
+def test_arguments_and_input_files_are_refused_before_anything_is_built(tmp_path, capsys, nothing_built):
+    (tmp_path / "out").mkdir()
+    for argv, needle in _refusals(tmp_path):
+        if argv[0] == "serve":
+            pytest.importorskip("uvicorn")
+        started = time.perf_counter()
+        assert _exit_code(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err, (argv[:8], err)
+        assert "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith(f"ardiff-jax {argv[0]}: error: "), err  # one line says it
+        assert time.perf_counter() - started < 30, argv  # host checks only (imports included)
+    assert list((tmp_path / "out").iterdir()) == []  # nothing written
+
+
+def test_matrix_game_says_which_action_rows_it_drops_before_building(tmp_path, capsys, monkeypatch):
+    from ardiff_jax.models.matrix_game import _generate as matrix_game_generate
+
+    def stop(**kwargs):
+        raise ValueError("stopped before building")
+
+    monkeypatch.setattr(matrix_game_generate, "build_matrix_game", stop)
+    argv = [*MATRIX_GAME, "--image", str(ROOT / "docs" / "demo_contact_sheet.png"), "--actions",
+            _actions(tmp_path / "ten.json", 10), "--out", str(tmp_path / "play.mp4")]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    note = "--actions has 10 rows; the video has 9 frames (9 for the first block, then 12 per block), so the " \
+           "last 1 rows are dropped"
+    assert note in err and err.index(note) < err.index("stopped before building"), err
+
+
+# -- the README's lines ---------------------------------------------------------------------------------
+
+
+def test_readme_lines_cover_every_model_family():
+    lines = _readme_lines()
+    joined = "\n".join(lines)
+    for needle in ("demo --out", "serve --pretrained sprite_world", "generate --random-weights --preset wan-tiny --dtype float32",
+                   "serve --model wan --random-weights --preset wan-tiny",
+                   "generate --model matrix-game --random-weights --preset matrix-game-tiny "
+                   "--dtype float32",
+                   "serve --model matrix-game --random-weights --preset matrix-game-tiny",
+                   "rollout --pipeline cfg --preset tiny"):
+        assert needle in joined, needle
+    times = _section("### Try every model without a download")
+    assert "AMD EPYC" in times and "CPU time" in times  # each measured time names its machine
+
+
+def _run_line(line: str, capsys) -> tuple[int, str, str]:
+    argv = shlex.split(line)
+    if argv[:2] == ["python", "-c"]:
+        exec(compile(argv[2], "README.md", "exec"), {})
+        return 0, "", ""
+    assert argv[0] == "ardiff-jax", line
+    code = _exit_code(argv[1:])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def in_a_fresh_folder(tmp_path, monkeypatch):
+    """The README's lines run from a checkout: its docs/ picture, nothing else."""
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "demo_contact_sheet.png", tmp_path / "docs")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_readme_generate_and_rollout_lines_run(in_a_fresh_folder, capsys):
+    """The lines that write a video or time a rollout run for real, verbatim, on their tiny presets."""
+    av = pytest.importorskip("av")
+    ran = []
+    for line in _readme_lines():
+        if " serve " in f" {line} " or " demo " in f" {line} ":
+            continue
+        code, out, err = _run_line(line, capsys)
+        assert code == 0, (line, err[-2000:])
+        ran.append(line)
+        if " generate " in line:
+            video = shlex.split(line)[shlex.split(line).index("--out") + 1]
+            with av.open(str(in_a_fresh_folder / video)) as container:
+                frames = sum(1 for _ in container.decode(video=0))
+            assert f"{frames} frames" in out, out
+            assert "noise-like" in err  # random weights say what the video is
+    assert len(ran) == 4
+
+
+def test_readme_serve_and_demo_lines_reach_their_model(in_a_fresh_folder, capsys, monkeypatch):
+    """The serve lines and the demo line, verbatim, pass every check and reach the model with the settings
+    they name; the models themselves are built for real by the generate lines above (the same builders),
+    by tests/test_serve*.py and by tests/test_demo.py. The sprite-world server is started for real and
+    prints what it builds at once, then the ws:// address and the page to open."""
+    pytest.importorskip("uvicorn")
+    import uvicorn
+
+    import ardiff_jax.models.matrix_game as matrix_game
+    from ardiff_jax import demo
+
+    served, reached = [], []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(sockets))
+
+    def reach(name):
+        def stop(*args, **kwargs):
+            reached.append(name)
+            raise ValueError(f"reached {name}")
+        return stop
+
+    def demo_reached(out, **kwargs):
+        raise ValueError(f"demo reached with {kwargs}")
+
+    monkeypatch.setattr(cli, "_build_wan", reach("wan"))
+    monkeypatch.setattr(matrix_game, "build_matrix_game", reach("matrix-game"))  # serve imports it from here
+    monkeypatch.setattr(demo, "run_demo", demo_reached)
+    lines = [line for line in _readme_lines() if " serve " in f" {line} " or " demo " in f" {line} "]
+    assert len(lines) == 4
+    for line in lines:
+        # Port 0: the README's port 8000 may be taken on the machine running the tests.
+        code, out, err = _run_line(line + " --port 0" if " serve " in line else line, capsys)
+        assert code == 2 if "--pretrained" not in line else code == 0, (line, out, err)
+        if "--pretrained" in line:
+            assert "ardiff-jax serve: building the trained sprite_world model" in err, err
+            assert re.search(r"^serving sprite_world .* on ws://127\.0\.0\.1:\d+/v1/realtime/video$", out, re.M), out
+            assert re.search(r"^open http://127\.0\.0\.1:\d+/ in a browser", out, re.M), out
+        elif " demo " in line:
+            assert "'sessions': 1" in err and "'num_frames': 16" in err and "'compare_untrained': False" in err, err
+        else:
+            assert "reached" in err and "building --model" in err, err
+    assert len(served) == 1
+    assert sorted(reached) == ["matrix-game", "wan"]
+
+
+# -- every figure the README quotes, against the file it comes from ------------------------------------
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def _figures() -> list[tuple[str, str]]:
+    """(the text the README must contain, where it comes from): each built from its source file."""
+    sidecar = json.loads((ROOT / "ardiff_jax" / "models" / "weights" / "sprite_world.json").read_text())
+    params, layers = sidecar["num_params"], sidecar["config"]["num_layers"]
+    batch = _load("batch.json")["results"]["sprite"]
+    serve = {run["clients"]: run for run in _load("serve_sprite_world.json")["paced"]}
+    clients = sorted(serve)
+    rtf = ", ".join(f"{serve[n]['real_time_factor']['mean']:.2f}" for n in clients)
+
+    def spread(key: str, stat: str) -> str:
+        values = [serve[n][key][stat] for n in clients]
+        return f"{min(values):.0f}-{max(values):.0f} ms"
+
+    first_underruns = min(n for n in clients if serve[n]["underruns"]["total"] > 0)
+    worlds = _load("sprite_worlds.json")
+    return [
+        (f"{params / 1e6:.1f}M-parameter causal DiT ({layers} layers)", "models/weights/sprite_world.json"),
+        (f"{params / 1e6:.1f}M parameters, {layers} layers", "models/weights/sprite_world.json"),
+        (f"{batch['8']['batched / sequential frames/s']:.1f}x the sequential engine at 8 sessions",
+         "results/batch.json"),
+        (f"{', '.join(map(str, clients[:-1]))} and {clients[-1]} players each play in real time",
+         "results/serve_sprite_world.json"),
+        (f"(real-time factor {rtf}; at {first_underruns} the first underruns appear)",
+         "results/serve_sprite_world.json"),
+        (f"in {spread('action_to_receive_ms', 'p50')} at the median (p99 {spread('action_to_receive_ms', 'p99')})",
+         "results/serve_sprite_world.json"),
+        (f"on screen {spread('action_to_display_ms', 'p50')} after the key press", "results/serve_sprite_world.json"),
+        (f"On {worlds['worlds']} other worlds {worlds['exact_frames']['to_the_end']} sessions are exact to frame "
+         f"{worlds['frames']}", "results/sprite_worlds.json"),
+    ]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("*", "").split())
+
+
+def test_readme_figures_match_their_results_files():
+    readme = _flat(README)
+    missing = [(want, source) for want, source in _figures() if _flat(want) not in readme]
+    assert missing == [], "the README quotes figures its results files no longer hold:\n" + "\n".join(
+        f"  {want!r}  (from {source})" for want, source in missing)
+
+
+# The status table's figures and the doc each is quoted from (the loaders' own docs: docs/models.md;
+# sizes of the 14B networks: docs/scaling.md).
+STATUS_FIGURES = {
+    "1.0M": None,  # the shipped sidecar: test_readme_figures_match_their_results_files
+    "1.419e9": ("docs/models.md", "1.419e9 parameters"),
+    "2.8 GB": ("docs/models.md", "1.419e9 parameters"),  # x 2 bytes in bf16, checked below
+    "14e9": ("docs/scaling.md", "14e9 parameters"),
+    "28 GB": ("docs/scaling.md", "| 28.0 |"),
+    "126.9M": ("docs/models.md", "126.9M parameters"),
+    "5.68B": ("docs/models.md", "5.68B parameters"),
+    "11.4 GB": ("docs/models.md", "11.4 GB"),
+    "1.8 GiB": ("docs/scaling.md", "1.8 GiB per session at 480x832"),
+    "1.62e9": ("docs/models.md", "is 1.62 B"),
+    "4.8e-6": ("docs/models.md", "| 4.8e-6 (bound 1e-5) |"),
+    "3.6e-6": ("docs/models.md", "vs diffusers `decode` 3.6e-6"),
+    "4.1e-6": ("docs/models.md", "at\nfull width (base 96, one-off) 4.1e-6"),
+    "5.1e-6": ("docs/models.md", "5.1e-6 max abs against transformers"),
+    "2.2e-6": ("docs/models.md", "max |diff| 2.2e-6"),
+    "1.6e-5": ("docs/models.md", "max |diff| 1.6e-5"),
+}
+
+
+def test_status_table_figures_come_from_the_docs():
+    status = _section("## What has run where").split("### Try every model", 1)[0]
+    table = "\n".join(line for line in status.splitlines() if line.startswith("|"))
+    # Standalone figures: not the digits inside names (Wan2.1, T2V-1.3B, ViT-H/14, 480x832, 2-layer, bf16).
+    quoted = set(re.findall(r"(?<![\w./-])\d+(?:\.\d+)?(?:e-?\d+)?(?:M|B)?(?: GB| GiB)?(?![\w.-])", table))
+    # "6 layers" (the shipped sidecar, checked above), "2-head x 12" (docs/models.md), "Matrix-Game 2.0" (a name)
+    names = {"6", "12", "2.0"}
+    unsourced = sorted(q for q in quoted - names if q not in STATUS_FIGURES)
+    assert unsourced == [], f"status-table figures without a source in STATUS_FIGURES: {unsourced}"
+    for figure, source in STATUS_FIGURES.items():
+        if source is None:
+            continue
+        assert figure in table, f"{figure} is listed here but not in the table"
+        doc, text = source
+        assert _flat(text) in _flat((ROOT / doc).read_text(encoding="utf-8")), (figure, doc, text)
+    assert f"{round(1.419e9 * 2 / 1e9, 1)} GB" == "2.8 GB"
