@@ -712,16 +712,14 @@ def _read_action_script(path: str) -> tuple[Any, Any]:
     """``(keyboard f32[N, K], mouse f32[N, M] or None)`` of a JSON action script; ValueError naming the problem."""
     import numpy as np
 
-    size = os.path.getsize(path)
-    if size > MAX_ACTIONS_BYTES:
-        raise ValueError(f"{path} is {size:,} bytes; an action script is at most {MAX_ACTIONS_BYTES:,}")
+    from ardiff_jax._files import read_json_file
+
+    # The shared bounded reader: regular files only (a FIFO is refused, never opened for a blocking read),
+    # size- and depth-bounded, NaN/Infinity refused, the message naming the file.
     try:
-        with open(path, "rb") as file:
-            data = json.loads(file.read())
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply for an action script (rows of numbers)") from None
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path}: not a JSON action script ({error})") from None
+        data = read_json_file(path, error=ValueError, what="action script", max_bytes=MAX_ACTIONS_BYTES)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such action script") from None
     if not isinstance(data, dict) or "keyboard" not in data:
         raise ValueError(f"{path}: an action script is a JSON object with 'keyboard' (and 'mouse') rows")
     unknown = sorted(set(data) - {"keyboard", "mouse"})

@@ -8,6 +8,7 @@ The README's demo caption is checked against the demo's own rollouts in ``tests/
 
 from __future__ import annotations
 
+import os
 import json
 import pathlib
 import re
@@ -176,6 +177,8 @@ def _refusals(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
     image = str(ROOT / "docs" / "demo_contact_sheet.png")
     deep = tmp / "deep.json"
     deep.write_text('{"keyboard": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    fifo = tmp / "pipe.json"
+    os.mkfifo(fifo)  # a FIFO is refused by its type, never opened for a read that would block
     big = tmp / "big.json"
     big.write_text('{"keyboard": [' + ", ".join(["[1, 0, 0]"] * 500_000) + "]}")
     not_a_picture = tmp / "start.png"
@@ -188,8 +191,9 @@ def _refusals(tmp: pathlib.Path) -> list[tuple[list[str], str]]:
          "needs 'mouse' rows"),
         ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "short.json", 5), *out],
          "5 rows; the first block needs 9"),
-        ([*MATRIX_GAME, "--image", image, "--actions", str(deep), *out], "nested too deeply"),
-        ([*MATRIX_GAME, "--image", image, "--actions", str(big), *out], "an action script is at most"),
+        ([*MATRIX_GAME, "--image", image, "--actions", str(deep), *out], "nested deeper"),
+        ([*MATRIX_GAME, "--image", image, "--actions", str(fifo), *out], "not a regular file"),
+        ([*MATRIX_GAME, "--image", image, "--actions", str(big), *out], "such a file may have"),
         ([*MATRIX_GAME, "--image", str(not_a_picture), "--actions", _actions(tmp / "ok.json", 21), *out],
          "argument --image"),
         ([*MATRIX_GAME, "--image", image, "--actions", _actions(tmp / "ok.json", 21),
