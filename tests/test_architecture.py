@@ -240,6 +240,8 @@ def test_dependencies_point_down():
         return found
 
     assert deps("ardiff_jax._checks") == set()
+    assert deps("ardiff_jax._files") == set()  # the bounded readers: a bottom layer the models may use
+    assert deps("ardiff_jax._checkpoint_files") <= {"ardiff_jax._files"}
     assert deps("ardiff_jax.envs") <= {"ardiff_jax._checks"}
     assert deps("ardiff_jax.types") <= {"ardiff_jax._checks"}
     assert deps("ardiff_jax.kv") <= {"ardiff_jax._checks", "ardiff_jax.types"}

@@ -319,6 +319,10 @@ def test_readme_serve_and_demo_lines_reach_their_model(in_a_fresh_folder, capsys
 
     served, reached = [], []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(sockets))
+    # uvicorn.Config installs its logging with dictConfig, which closes every handler the test process has
+    # (pytest's capture handlers included) and binds new ones to this test's captured streams: the rest of
+    # the worker's tests would then write to closed files. The server's logging is uvicorn's, not ours.
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
 
     def reach(name):
         def stop(*args, **kwargs):

@@ -117,8 +117,10 @@ def test_cfg_config_checks_its_own_fields(field, value, message):
 # -- layers -------------------------------------------------------------------------------------
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ardiff_jax"
-# envs is a bottom layer too (it imports only _checks; test_architecture checks that).
-MODELS_MAY_IMPORT = {"ardiff_jax.kv", "ardiff_jax.types", "ardiff_jax.capability", "ardiff_jax._checks", "ardiff_jax.envs"}
+# envs is a bottom layer too (it imports only _checks; test_architecture checks that), and so are the
+# bounded file readers (_files, _checkpoint_files: the standard library, numpy and each other only).
+MODELS_MAY_IMPORT = {"ardiff_jax.kv", "ardiff_jax.types", "ardiff_jax.capability", "ardiff_jax._checks", "ardiff_jax.envs",
+                     "ardiff_jax._files", "ardiff_jax._checkpoint_files"}
 
 
 def _imported_modules(path: pathlib.Path) -> list[tuple[str, bool]]:
