@@ -39,6 +39,7 @@ __all__ = [
     "SupportsARDiffusionWeightsFingerprint",
     "SupportsARDiffusionMesh",
     "SupportsARDiffusionBatch",
+    "SupportsARDiffusionCompileTwin",
 ]
 
 
@@ -428,3 +429,17 @@ def spec_summary(spec: ARDiffusionKVCacheSpec) -> Mapping[str, Any]:
         "model_owned_state_bytes_per_session": spec.model_owned_state_bytes_per_session,
         "session_capacity": spec.session_capacity,
     }
+
+
+@runtime_checkable
+class SupportsARDiffusionCompileTwin(Protocol):
+    """Optional: a twin pipeline on which batch programs can be compiled beside the serving one.
+
+    ``ar_diffusion_compile_twin()`` returns a pipeline with the same weights, configs and
+    device and none of this one's sessions, whose calls share nothing mutable with it. With
+    ``EngineConfig(batch_compile="background")`` the runtime binds the twin to pools of the
+    same layout and runs its batch warmup on a thread, outside the serving runner's lock, so
+    compiling never holds up a request; the twin and its pools are freed afterwards.
+    """
+
+    def ar_diffusion_compile_twin(self) -> Any: ...

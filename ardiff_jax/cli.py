@@ -42,6 +42,7 @@ import math
 import os
 import socket
 import sys
+import time
 from typing import Any
 from collections.abc import Sequence
 
@@ -946,6 +947,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
                        help="host memory for sessions beyond --capacity (EngineConfig.host_offload_bytes; "
                             "default 0: off)")
+    serve.add_argument("--batch-compile", choices=("eager", "background", "lazy"), default="background",
+                       help="when the batched programs (one per batch size) compile (EngineConfig.batch_compile): "
+                            "background serves the first player once the one-player programs are built and builds "
+                            "the rest on a thread (default: background)")
     serve.add_argument("--available-bytes", type=_memory_bytes, default=2**28,
                        help="device memory to plan the KV pools against (default: 256 MiB)")
     serve.add_argument("--max-message-bytes", type=_positive_int, default=None,
@@ -996,6 +1001,7 @@ def _api_key_file(text: str) -> str:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     try:
         import uvicorn
 
@@ -1084,7 +1090,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             return _refuse("serve", str(error))
         config = EngineConfig(dtype=args.dtype if args.model in ("wan", "matrix-game") else "float32",
                               available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
-                              host_offload_bytes=args.host_offload_bytes)
+                              host_offload_bytes=args.host_offload_bytes, batch_compile=args.batch_compile)
         try:
             engine = ARDiffusionEngine(pipeline, config)
         except ValueError as error:
@@ -1101,6 +1107,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             page = "127.0.0.1" if host in ("0.0.0.0", "::") else shown  # a wildcard address: this machine's page
             token = "?token=<key>" if args.api_key is not None or args.api_key_from_file is not None else ""
             print(f"open http://{page}:{port}/{token} in a browser for the bundled player", flush=True)
+            later = ("; the batched programs for several players compile in the background"
+                     if engine.runner.compiled_batch_buckets != engine.batch_buckets else "")
+            print(f"ardiff-jax serve: ready {time.perf_counter() - started:.1f} s after start{later}", file=sys.stderr,
+                  flush=True)
             # The transport refuses frames far beyond the app's own limit before reading them whole.
             # proxy_headers=False: the app reads X-Forwarded-For itself, from --trust-forwarded-for proxies only.
             server = uvicorn.Server(uvicorn.Config(app, log_level="info", proxy_headers=False,

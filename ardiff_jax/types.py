@@ -27,6 +27,7 @@ __all__ = [
     "ARDiffusionChunkMetadata",
     "ARDiffusionControlInput",
     "ARDiffusionTickRequest",
+    "BATCH_COMPILE_MODES",
     "DiffusionRequest",
     "EngineConfig",
     "StepResult",
@@ -70,6 +71,10 @@ def check_kv_dtype(dtype: Any) -> str:
     return name
 
 
+#: When an engine compiles its batched programs (:attr:`EngineConfig.batch_compile`).
+BATCH_COMPILE_MODES = ("eager", "background", "lazy")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Runtime configuration of an :class:`~ardiff_jax.ARDiffusionEngine`.
@@ -84,6 +89,16 @@ class EngineConfig:
       step_execution: enable :meth:`~ardiff_jax.ARDiffusionModelRunner.execute_stepwise`;
         the pipeline must implement :class:`~ardiff_jax.SupportsStepExecution`.
       warmup: run the pipeline's warmup provider at load, when it has one.
+      batch_compile: when the batched programs (one per batch bucket) compile, for a
+        pipeline with batched forwards and ``warmup`` on: ``"eager"`` (default) at load, so
+        nothing compiles afterwards; ``"background"``: load returns after the one-session
+        warmup and a background thread compiles the buckets smallest first, each while
+        enough slots are free; a batch whose bucket is not compiled yet runs through the
+        smallest compiled bucket that holds it, or one by one, so no request ever waits
+        for a compile on its own tick (a tick can wait for the runner lock while a bucket
+        compiles: ``runner.wait_for_batch_compilation()`` ends that phase); ``"lazy"``: each
+        bucket compiles on its first batch. ``"background"`` is what ``ardiff-jax serve``
+        uses: the first player is served once the one-session programs are built.
       attention_backend: the paged-attention implementation: ``"auto"`` (default: cuDNN
         flash attention on a GPU where the layout allows it, else ``"xla"``; the choice is
         logged and readable as ``engine.runner.kv_cache.attention_backend``), ``"xla"``,
@@ -107,6 +122,7 @@ class EngineConfig:
     max_num_seqs: int = 1
     step_execution: bool = False
     warmup: bool = True
+    batch_compile: str = "eager"
     attention_backend: str = "auto"
     host_offload_bytes: int = 0
     mesh: Any = None
@@ -115,6 +131,9 @@ class EngineConfig:
         object.__setattr__(self, "dtype", check_kv_dtype(self.dtype))
         check_flag("EngineConfig step_execution", self.step_execution)
         check_flag("EngineConfig warmup", self.warmup)
+        if not isinstance(self.batch_compile, str) or self.batch_compile not in BATCH_COMPILE_MODES:
+            raise ValueError(f"EngineConfig batch_compile must be one of {', '.join(BATCH_COMPILE_MODES)}, got "
+                             f"{self.batch_compile!r}")
         if not is_integer(self.max_num_seqs):
             raise ValueError(f"EngineConfig max_num_seqs must be an integer, got {self.max_num_seqs!r}")
         if self.available_memory_bytes is not None:

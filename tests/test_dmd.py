@@ -328,7 +328,9 @@ def test_equal_scores_give_zero_generator_gradient(parts, first_step):
     same = parts.inputs._replace(negative_text=parts.inputs.text)
     generated = _rollout(parts, state.generator, key)[0]
     (loss, (loss_x, _, _)), _ = _losses(parts, generated, parts.real, key, inputs=same)
-    assert float(loss) < 1e-10 and float(jnp.abs(loss_x).max()) < 1e-10
+    # Zero up to float32 rounding: the two scores run as separate programs (XLA may fuse them differently), so
+    # their difference is a few ulps of the O(1) scores, far below one ulp of the frames (1.2e-7).
+    assert float(loss) < 1e-10 and float(jnp.abs(loss_x).max()) < 1e-8
     stepped, metrics = parts.step(state._replace(critic=parts.real), parts.real, same, key)
     assert bool(metrics["generator_updated"]) and float(metrics["dmd_gradient_norm"]) < 1e-5
     assert _norm(stepped.generator_opt.gradient) < 1e-5 * _norm(after.generator_opt.gradient)

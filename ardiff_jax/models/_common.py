@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -562,6 +563,22 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         self._ar_state = None
         # Model-owned per-session state (noise key, prompt, latents), keyed by session id.
         self._sessions: dict[str, Any] = {}
+
+    def ar_diffusion_compile_twin(self) -> PipelineBase:
+        """A pipeline that shares this one's weights, configs and device but none of its sessions.
+
+        The background bucket compiler (``EngineConfig(batch_compile="background")``) runs its
+        warmup batches on a twin bound to pools of the same layout, outside the serving
+        runner's lock: the twin's jitted calls have the same static arguments and shapes, so
+        they build exactly the programs the serving pipeline then runs, while its players play.
+        Everything a forward writes on the instance (the bound state, the per-session model
+        state, in-flight data) is the twin's own.
+        """
+        twin = copy.copy(self)  # one shallow copy: weights and caches of prompts are shared, read-only
+        twin._sessions = {}
+        twin._ar_state = None
+        twin._ar_batch = None
+        return twin
 
     @classmethod
     def create_modules(cls, config: CausalDiTConfig, seed: int) -> nnx.Module:

@@ -42,6 +42,7 @@ from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
 from ardiff_jax.capability import (
     ARDiffusionKVCacheSpec,
     SupportsARDiffusionBatch,
+    SupportsARDiffusionCompileTwin,
     SupportsARDiffusionPipeline,
     SupportsARDiffusionMesh,
     SupportsARDiffusionRequestValidation,
@@ -217,11 +218,21 @@ class ARDiffusionModelRunner:
                            config.host_offload_bytes, type(pipeline).__name__)
         logger.info("%s", self._kv_cache.plan)
         _BOUND_PIPELINES[id(pipeline)] = self
+        # Batch buckets whose programs are compiled (batch_compile: eager at load, background by
+        # the compiler thread, lazy on first use); only "background" routes around the others.
+        self._compiled_buckets: set[int] = set()
+        self._forced_bucket: int | None = None  # the bucket a background warmup batch is padded to
+        self._stop_compiling = threading.Event()
+        self._bucket_compiler: threading.Thread | None = None
         try:
             self._warmup()
         except BaseException:  # e.g. KeyboardInterrupt while compiling: free the pools and the pipeline
             self.close()
             raise
+        if self._batches_to_compile():
+            self._bucket_compiler = threading.Thread(target=self._compile_buckets_in_background,
+                                                     name="ardiff-jax bucket compiler", daemon=True)
+            self._bucket_compiler.start()
 
     # -- read-only views ---------------------------------------------------------------------
     @property
@@ -248,6 +259,23 @@ class ARDiffusionModelRunner:
     def batch_buckets(self) -> tuple[int, ...]:
         """Padded batch sizes of batched forwards (:func:`~ardiff_jax.runtime.batch_buckets` of the capacity)."""
         return self._batch_buckets
+
+    @property
+    def compiled_batch_buckets(self) -> tuple[int, ...]:
+        """The batch buckets whose programs have run (all of them after an eager warmup)."""
+        return tuple(sorted(self._compiled_buckets))
+
+    def wait_for_batch_compilation(self, timeout: float | None = None) -> bool:
+        """Wait until the background bucket compiler is done (``batch_compile="background"``).
+
+        Returns whether it is (True at once in the other modes). After it, no batch of any
+        size compiles anything, as after an eager warmup.
+        """
+        compiler = self._bucket_compiler
+        if compiler is not None:
+            compiler.join(timeout)
+            return not compiler.is_alive()
+        return True
 
     @property
     def supports_batched_forward(self) -> bool:
@@ -300,7 +328,8 @@ class ARDiffusionModelRunner:
         return self._runner_lock
 
     def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
-        if self._listeners:  # no listener, no event: session churn pays nothing for the mechanism
+        # Warmup sessions are the runner's own (a background compile runs them beside listeners): no events.
+        if self._listeners and not session_id.startswith(WARMUP_SESSION_ID):
             self._queued_events.append(SessionEvent(kind, session_id, reason))
 
     def _deliver_queued(self) -> None:
@@ -561,7 +590,10 @@ class ARDiffusionModelRunner:
         if self._batcher is None or len(requests) == 1:
             return self._run_one_by_one(session_ids, requests)
         before = [(state._value, dict(state._pending)) for state in states]
-        batch = ARDiffusionKVBatch(self._kv_cache, states, bucket_for(len(states), self._batch_buckets))
+        bucket = self._forced_bucket or self._bucket_to_run(len(states))
+        if bucket is None:  # background mode: no compiled bucket holds it yet, and one session's program is built
+            return self._run_one_by_one(session_ids, requests)
+        batch = ARDiffusionKVBatch(self._kv_cache, states, bucket)
         try:
             with self._bound_batch(session_ids, states, batch):
                 outputs = self._batcher.forward_batch(list(requests))
@@ -585,7 +617,89 @@ class ARDiffusionModelRunner:
             for session_id in session_ids:
                 self._fail_closed(session_id, error)
             raise
+        self._compiled_buckets.add(bucket)
         return outputs, {}
+
+    def _batches_to_compile(self) -> bool:
+        """Whether a background compiler has buckets to build."""
+        return (self._config.batch_compile == "background" and self._config.warmup and self._batcher is not None
+                and bool(self._batch_buckets) and isinstance(self._pipeline, SupportsARDiffusionWarmup))
+
+    def _bucket_to_run(self, size: int) -> int | None:
+        """The bucket a batch of ``size`` runs in; None: run it one by one.
+
+        Eager and lazy: the smallest bucket holding it (lazy compiles it on first use). In
+        background mode, while the compiler thread has not built that bucket, the smallest
+        compiled one that holds it, else None: a request never waits for its own compile.
+        """
+        smallest = bucket_for(size, self._batch_buckets)
+        if self._bucket_compiler is None or smallest in self._compiled_buckets:
+            return smallest
+        ready = [bucket for bucket in self._compiled_buckets if bucket >= size]
+        return min(ready) if ready else None
+
+    def _compile_buckets_in_background(self) -> None:
+        """The compiler thread: on a twin pipeline when the pipeline offers one and it fits, else under the lock."""
+        if isinstance(self._pipeline, SupportsARDiffusionCompileTwin) and self._compile_buckets_on_a_twin():
+            return
+        self._compile_buckets_under_the_lock()
+
+    def _compile_buckets_on_a_twin(self) -> bool:
+        """Every bucket built by a twin runner of the same layout, outside this runner's lock; False: fall back.
+
+        The twin runner plans against the same memory budget, so its pools have this
+        runner's layout and its programs are the ones this runner's batches run; it holds a
+        second set of pools (the plan's bytes again) until it closes. Nothing of this runner
+        changes but the record of compiled buckets.
+        """
+        plan = self._kv_cache.plan
+        config = dataclasses.replace(self._config, batch_compile="eager", host_offload_bytes=0,
+                                     available_memory_bytes=plan.available_bytes,
+                                     gpu_memory_fraction=plan.gpu_memory_fraction)
+        try:
+            twin = ARDiffusionModelRunner(self._pipeline.ar_diffusion_compile_twin(), config)
+        except Exception as error:  # e.g. no room for a second set of pools: compile under the lock instead
+            logger.warning("AR-Diffusion background compilation cannot use a twin pipeline (%r); compiling under "
+                           "the runner lock", error)
+            return False
+        try:
+            if twin.kv_cache.layout != self._kv_cache.layout or twin.batch_buckets != self._batch_buckets:
+                logger.warning("AR-Diffusion twin pipeline planned another layout; compiling under the runner lock")
+                return False
+            self._compiled_buckets.update(twin.compiled_batch_buckets)
+        finally:
+            twin.close()
+        logger.info("AR-Diffusion background compilation built batch buckets %s on a twin pipeline",
+                    self._batch_buckets)
+        return True
+
+    def _compile_buckets_under_the_lock(self) -> None:
+        """Each bucket, smallest first, under the runner lock while two slots are free.
+
+        Each bucket runs the warmup requests of two warmup sessions as batches padded to the
+        bucket (padded rows change the data, not the program, so this builds exactly the
+        program a full batch runs) and releases them before it lets go of the lock, so no
+        caller ever sees them; while players hold all but one slot it waits. Errors are
+        logged and the bucket is marked anyway (its batches then compile on first use, as
+        under ``"lazy"``).
+        """
+        for bucket in self._batch_buckets:
+            while not self._stop_compiling.is_set():
+                with self._locked():
+                    if self._closed:
+                        return
+                    if self._kv_cache.num_free_slots >= 2:
+                        self._forced_bucket = bucket
+                        try:
+                            self._warmup_bucket(bucket, num_sessions=2)
+                        finally:
+                            self._forced_bucket = None
+                        self._compiled_buckets.add(bucket)
+                        break
+                self._stop_compiling.wait(0.2)
+            if self._stop_compiling.is_set():
+                return
+        logger.info("AR-Diffusion background compilation built batch buckets %s", self._batch_buckets)
 
     def _run_one_by_one(self, session_ids: list[str], requests: list[DiffusionRequest]
                         ) -> tuple[list[Any], dict[str, BaseException]]:
@@ -720,6 +834,7 @@ class ARDiffusionModelRunner:
 
     def close(self) -> None:
         """Release every session (close hooks; errors logged) and free the pools. Idempotent."""
+        self._stop_compiling.set()  # the compiler thread stops at its next bucket (it takes the lock per bucket)
         with self._locked():
             if self._closed:
                 return
@@ -1201,7 +1316,8 @@ class ARDiffusionModelRunner:
                                       suppress_errors=True)
             self._perf_e2e_times.clear()
         logger.info("AR-Diffusion warmup ran %d request(s)", executed)
-        self._warmup_batches()
+        if self._config.batch_compile == "eager":
+            self._warmup_batches()
         if self._kv_cache.num_free_slots != free_before:  # pragma: no cover - defensive
             logger.warning("AR-Diffusion warmup left %d slot(s) in use",
                            free_before - self._kv_cache.num_free_slots)
@@ -1219,28 +1335,37 @@ class ARDiffusionModelRunner:
         if self._batcher is None or not self._batch_buckets:
             return
         for bucket in self._batch_buckets:
-            session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(bucket)]
-            try:
-                sequences = [list(self._pipeline.ar_diffusion_warmup_requests(session_id))
-                             for session_id in session_ids]
-                for requests in zip(*sequences, strict=False):
-                    bad = [(request, session_id) for request, session_id in zip(requests, session_ids, strict=True)
-                           if not isinstance(request, DiffusionRequest)
-                           or self._request_session(request)[0] != session_id]
-                    if bad:
-                        logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session "
-                                       "%r", *bad[0])
-                        return
-                    self.execute_model_batch(list(requests))
-            except Exception as error:
-                logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
-            finally:
-                with self._locked():
-                    for session_id in session_ids:
-                        self._release_session(session_id, reset_model=False, reason="warmup_complete",
-                                              suppress_errors=True)
-                self._perf_e2e_times.clear()
+            if not self._warmup_bucket(bucket):
+                return
+            self._compiled_buckets.add(bucket)
         logger.info("AR-Diffusion warmup compiled batch buckets %s", self._batch_buckets)
+
+    def _warmup_bucket(self, bucket: int, num_sessions: int | None = None) -> bool:
+        """Run warmup sessions' warmup requests as batches, then release them; False: provider unfit.
+
+        ``num_sessions`` (default ``bucket``) warmup sessions take part; the caller holds that
+        many free slots (the load, or the compiler thread under the lock).
+        """
+        session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(num_sessions or bucket)]
+        try:
+            sequences = [list(self._pipeline.ar_diffusion_warmup_requests(session_id)) for session_id in session_ids]
+            for requests in zip(*sequences, strict=False):
+                bad = [(request, session_id) for request, session_id in zip(requests, session_ids, strict=True)
+                       if not isinstance(request, DiffusionRequest) or self._request_session(request)[0] != session_id]
+                if bad:
+                    logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session %r",
+                                   *bad[0])
+                    return False
+                self.execute_model_batch(list(requests))
+        except Exception as error:
+            logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
+        finally:
+            with self._locked():
+                for session_id in session_ids:
+                    self._release_session(session_id, reset_model=False, reason="warmup_complete",
+                                          suppress_errors=True)
+            self._perf_e2e_times.clear()
+        return True
 
 
 def check_distinct_sessions(session_ids: Sequence[str]) -> None:

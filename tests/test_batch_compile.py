@@ -1,0 +1,227 @@
+"""When the batched programs compile: ``EngineConfig.batch_compile`` = eager, background or lazy.
+
+The no-recompile guarantee per mode: eager compiles every bucket at load and nothing after;
+background compiles them on its own thread and never on a request's (a batch whose bucket is
+not built yet runs through a built larger one, or one by one), and after
+``wait_for_batch_compilation()`` nothing compiles; lazy compiles each bucket on its first batch,
+then never again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from helpers import BACKEND_COMPILE_EVENT
+
+from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
+from ardiff_jax.envs import SpriteWorld
+from ardiff_jax.models import DiTModules, SpriteWorldPipeline, SpriteWorldPipelineConfig, dit_preset
+from ardiff_jax.runtime import ARDiffusionModelRunner
+
+CONFIG = dict(dtype="float32", available_memory_bytes=1 << 30, gpu_memory_fraction=1.0)
+OBSERVATIONS = [SpriteWorld(seed=seed).reset() for seed in range(3)]
+PLAYERS = ("a", "b")
+
+
+@pytest.fixture(scope="module")
+def modules():
+    return DiTModules.create(dit_preset("sprite_world"), 1)
+
+
+@contextlib.contextmanager
+def compiles_by_thread() -> Iterator[list[tuple[int, str]]]:
+    """``(thread id, program name)`` of every XLA compile inside the block."""
+    found: list[tuple[int, str]] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            found.append((threading.get_ident(), str(kwargs.get("fun_name", "?"))))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield found
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _engine(modules, mode: str, capacity: int = 4) -> tuple[SpriteWorldPipeline, ARDiffusionEngine]:
+    pipeline = SpriteWorldPipeline("sprite_world", SpriteWorldPipelineConfig(session_capacity=capacity),
+                                   modules=modules)
+    return pipeline, ARDiffusionEngine(pipeline, EngineConfig(**CONFIG, batch_compile=mode))
+
+
+def _requests(tick: int, sessions=("a", "b", "c")) -> list[DiffusionRequest]:
+    requests = []
+    for index, sid in enumerate(sessions):
+        inputs = {"actions": np.array([(tick + index) % 5])}
+        if tick == 0:
+            inputs["observation"] = OBSERVATIONS[index]
+        requests.append(DiffusionRequest(f"{sid}-{tick}", extra_args={"session_id": sid}, inputs=inputs))
+    return requests
+
+
+def _frames(outputs) -> np.ndarray:
+    return np.stack([np.asarray(output.latents) for output in outputs])
+
+
+def test_the_mode_is_checked_and_eager_is_the_default():
+    assert EngineConfig().batch_compile == "eager"
+    for bad in ("later", "", None, 1):
+        with pytest.raises(ValueError, match="batch_compile must be one of eager, background, lazy"):
+            EngineConfig(batch_compile=bad)
+
+
+def test_eager_compiles_every_bucket_at_load_and_nothing_after(modules):
+    pipeline, engine = _engine(modules, "eager")
+    try:
+        assert engine.runner.compiled_batch_buckets == engine.batch_buckets == (2, 4)
+        assert engine.runner.wait_for_batch_compilation(0)
+        with compiles_by_thread() as compiles:
+            for tick in range(2):
+                engine.generate_batch(_requests(tick))
+            engine.generate_batch(_requests(2, ("a", "b")))
+        assert compiles == []
+    finally:
+        engine.close()
+
+
+def test_lazy_compiles_each_bucket_on_its_first_batch_only(modules):
+    pipeline, engine = _engine(modules, "lazy")
+    try:
+        assert engine.runner.compiled_batch_buckets == ()
+        engine.generate_batch(_requests(0))  # bucket 4: compiled here
+        assert engine.runner.compiled_batch_buckets == (4,)
+        with compiles_by_thread() as compiles:
+            engine.generate_batch(_requests(1))
+        assert compiles == []
+    finally:
+        engine.close()
+
+
+def _spy_batches(monkeypatch) -> list[tuple[int, int]]:
+    """``(id(pipeline), batch size)`` of every ``forward_batch`` call, the twin's included."""
+    calls: list[tuple[int, int]] = []
+    original = SpriteWorldPipeline.forward_batch
+
+    def spy(self, requests):
+        calls.append((id(self), len(requests)))
+        return original(self, requests)
+
+    monkeypatch.setattr(SpriteWorldPipeline, "forward_batch", spy)
+    return calls
+
+
+def test_background_compiles_on_a_twin_while_requests_run_and_then_batches_without_compiling(modules, monkeypatch):
+    reference_pipeline, reference = _engine(modules, "eager")  # built first: the runners below are watched
+    inside, gate = threading.Event(), threading.Event()
+    original = ARDiffusionModelRunner._warmup_bucket
+    serving: list[ARDiffusionModelRunner] = []
+
+    def held(self, bucket, **kwargs):
+        if serving and self is not serving[0]:  # the twin runner, on the compiler thread
+            inside.set()
+            gate.wait(60)
+        return original(self, bucket, **kwargs)
+
+    monkeypatch.setattr(ARDiffusionModelRunner, "_warmup_bucket", held)
+    calls = _spy_batches(monkeypatch)
+    original_init = ARDiffusionModelRunner.__init__
+
+    def remember(self, *args, **kwargs):
+        if not serving:
+            serving.append(self)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ARDiffusionModelRunner, "__init__", remember)
+    pipeline, engine = _engine(modules, "background")
+    events = []
+    engine.runner.add_session_listener(events.append)
+    try:
+        assert inside.wait(60)  # the twin is compiling its first bucket now, and holds no lock of ours
+        assert engine.runner.compiled_batch_buckets == ()
+        me = threading.get_ident()
+        with compiles_by_thread() as compiles:
+            before = engine.generate_batch(_requests(0, PLAYERS))  # no bucket built: one by one, on built programs
+        assert [name for thread, name in compiles if thread == me] == []
+        assert [size for owner, size in calls if owner == id(pipeline)] == []
+        expected = reference.generate_batch(_requests(0, PLAYERS))
+        np.testing.assert_allclose(_frames(before), _frames(expected), atol=1e-5)
+
+        gate.set()
+        assert engine.runner.wait_for_batch_compilation(120)
+        assert engine.runner.compiled_batch_buckets == (2, 4)
+        assert not any(event.session_id.startswith("__ardiffusion_warmup__") for event in events)
+        assert sorted(engine.runner.session_table.lru_order) == ["a", "b"]  # the twin's sessions were its own
+        calls.clear()
+        with compiles_by_thread() as compiles:
+            after = engine.generate_batch(_requests(1, PLAYERS))
+        assert compiles == [] and calls == [(id(pipeline), 2)]  # one batched forward, built on the twin
+        np.testing.assert_allclose(_frames(after), _frames(reference.generate_batch(_requests(1, PLAYERS))), atol=1e-5)
+    finally:
+        gate.set()
+        engine.close()
+        reference.close()
+
+
+def test_background_without_a_twin_compiles_under_the_lock_while_two_slots_are_free(modules, monkeypatch):
+    def no_twin(self):
+        raise MemoryError("no room for a second set of pools")
+
+    monkeypatch.setattr(SpriteWorldPipeline, "ar_diffusion_compile_twin", no_twin)
+    calls = _spy_batches(monkeypatch)
+    pipeline, engine = _engine(modules, "background")
+    try:
+        assert engine.runner.wait_for_batch_compilation(120)
+        assert engine.runner.compiled_batch_buckets == (2, 4)
+        assert {size for _, size in calls} == {2}  # two warmup sessions, padded to each bucket
+        assert engine.runner.session_table.lru_order == ()
+        calls.clear()
+        engine.generate_batch(_requests(0))
+        with compiles_by_thread() as compiles:
+            engine.generate_batch(_requests(1))
+        assert compiles == [] and calls == [(id(pipeline), 3), (id(pipeline), 3)]
+    finally:
+        engine.close()
+
+
+def test_background_routes_a_batch_through_a_built_larger_bucket(modules, monkeypatch):
+    """With only bucket 4 built, a batch of two runs padded in it (one batched call), compiling nothing."""
+    monkeypatch.setattr(ARDiffusionModelRunner, "_compile_buckets_in_background", lambda self: None)
+    pipeline, engine = _engine(modules, "background")
+    try:
+        engine.generate_batch(_requests(0, PLAYERS))  # one by one: nothing built
+        runner = engine.runner
+        runner._forced_bucket = 4  # what the compiler thread does for bucket 4 alone
+        runner._warmup_bucket(4, num_sessions=2)
+        runner._forced_bucket = None
+        runner._compiled_buckets.add(4)
+        calls = []
+        forward_batch = pipeline.forward_batch
+        monkeypatch.setattr(pipeline, "forward_batch", lambda requests: calls.append(len(requests))
+                            or forward_batch(requests))
+        with compiles_by_thread() as compiles:
+            engine.generate_batch(_requests(1, PLAYERS))
+        assert compiles == [] and calls == [2]
+    finally:
+        engine.close()
+
+
+def test_close_stops_the_background_compiler(modules, monkeypatch):
+    started = threading.Event()
+    original = ARDiffusionModelRunner._warmup_bucket
+
+    def slow(self, bucket, **kwargs):
+        started.set()
+        return original(self, bucket, **kwargs)
+
+    monkeypatch.setattr(ARDiffusionModelRunner, "_warmup_bucket", slow)
+    pipeline, engine = _engine(modules, "background")
+    assert started.wait(60)
+    engine.close()
+    assert engine.runner.wait_for_batch_compilation(60)
