@@ -258,17 +258,20 @@ def write_demo_outputs(out_dir: str | Path, tracks: Sequence[SessionTrack], summ
 
 
 def contact_sheet(tracks: Sequence[SessionTrack], *, columns: int = 16, scale: int = 2) -> Any:
-    """A PIL image: per session a "model" row above a "simulator" row, at evenly spaced frames, numbered on top."""
+    """A PIL image: per session a "model" row above a "simulator" row, at evenly spaced frames, numbered on top.
+
+    A footer names the sprites (:data:`GIF_LEGEND`: which is the agent, which the ball)."""
     from PIL import Image, ImageDraw
 
     num_frames = len(tracks[0].frames)
     picked = np.linspace(0, num_frames - 1, min(columns, num_frames)).round().astype(int)
-    pad, label_width, header = 2, 64, 14
+    pad, label_width, header, footer = 2, 64, 14, 14
     side = tracks[0].frames.shape[1] * scale + 2 * pad
     width = label_width + side * len(picked)
-    height = header + len(tracks) * (2 * side + 3 * pad) - 3 * pad
-    sheet = Image.new("RGB", (width, height), (255, 255, 255))
+    body = header + len(tracks) * (2 * side + 3 * pad) - 3 * pad
+    sheet = Image.new("RGB", (width, body + footer), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
+    draw.text((2, body + 2), "   ".join(GIF_LEGEND) + " (the ball's colour is its direction)", fill=(96, 96, 96))
     for c, frame in enumerate(picked):
         draw.text((label_width + c * side + pad, 1), "obs" if frame == 0 else str(int(frame)), fill=(0, 0, 0))
     for s, track in enumerate(tracks):

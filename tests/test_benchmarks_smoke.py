@@ -411,3 +411,19 @@ def test_eval_sprite_worlds_quick(tmp_path):
     assert json.loads((tmp_path / "sprite_worlds.json").read_text())["worlds"] == 2
     with pytest.raises(ValueError, match="demo's worlds"):
         eval_sprite_worlds.run(first_seed=0, out_dir=tmp_path)
+
+
+def test_eval_sprite_worlds_writes_to_an_output_folder_unless_told_to_update_the_results(tmp_path, monkeypatch):
+    """The command the docs cite never rewrites the committed record; only --update-results does."""
+    from benchmarks import eval_sprite_worlds
+
+    committed = tmp_path / "committed"
+    monkeypatch.setattr(eval_sprite_worlds, "RESULTS", committed)
+    monkeypatch.chdir(tmp_path)
+    small = ["--worlds", "1", "--frames", "4"]
+    monkeypatch.setattr("sys.argv", ["eval_sprite_worlds", *small])
+    eval_sprite_worlds.main()
+    assert (tmp_path / "eval_sprite_worlds_out" / "sprite_worlds.json").is_file() and not committed.exists()
+    monkeypatch.setattr("sys.argv", ["eval_sprite_worlds", *small, "--update-results"])
+    eval_sprite_worlds.main()
+    assert json.loads((committed / "sprite_worlds.json").read_text())["worlds"] == 1

@@ -234,6 +234,29 @@ def test_contact_sheet_labels_its_rows_and_frames():
     # A label column on the left and a header row of frame numbers: dark text pixels in both.
     assert (sheet[14:, :60] < 100).any() and (sheet[:12, 64:] < 100).any()
     assert sheet.shape[0] > 2 * 2 * 64 and sheet.shape[1] == 64 + 5 * (2 * 32 + 4)
+    assert (sheet[-12:, :200] < 150).any()  # the footer names the agent and the ball
+
+
+def test_the_demo_progress_bar_times_from_the_first_finished_block():
+    """The first block carries the compile: the bar keeps its count but restarts its clock after it, so the
+    first rate and ETA it shows are those of the steady blocks, not an hour."""
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from ardiff_jax.demo import _progress
+
+    bar = tqdm(total=40, file=io.StringIO(), mininterval=0)
+    on_block = _progress(bar, frames_per_block=2)
+    time.sleep(0.3)  # the "compile"
+    on_block(0, 300.0)
+    assert bar.n == 2 and bar.initial == 2 and bar.format_dict["elapsed"] < 0.25
+    on_block(0, 1.0)
+    assert bar.n == 4
+    rate = bar.format_dict["rate"] or (bar.n - bar.initial) / max(bar.format_dict["elapsed"], 1e-9)
+    assert rate > 2 / 0.3  # the steady rate, not 4 frames over the compile's 0.3 s
+    bar.close()
 
 
 def test_exact_frames_counts_identical_frames_before_the_first_miss():

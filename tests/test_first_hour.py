@@ -376,7 +376,19 @@ def _figures() -> list[tuple[str, str]]:
 
     first_underruns = min(n for n in clients if serve[n]["underruns"]["total"] > 0)
     worlds = _load("sprite_worlds.json")
+    start = {(run["model"], run["batch_compile"]): run for run in _load("serve_start.json")["runs"]}
+
+    def first_chunk(model: str) -> str:
+        return (f"{model}` {start[model, 'background']['first_chunk_s']:.1f} s "
+                f"({start[model, 'eager']['first_chunk_s']:.1f} s")
+
     return [
+        (f"sprite world {start['sprite_world', 'background']['first_chunk_s']:.1f} s ("
+         f"{start['sprite_world', 'eager']['first_chunk_s']:.1f} s with", "results/serve_start.json"),
+        (first_chunk("wan-tiny"), "results/serve_start.json"),
+        (first_chunk("matrix-game-tiny"), "results/serve_start.json"),
+        (f"gap between chunks was {start['sprite_world', 'background']['max_gap_ms']:.0f} ms for the sprite world "
+         f"({start['sprite_world', 'eager']['max_gap_ms']:.0f} ms", "results/serve_start.json"),
         (f"{params / 1e6:.1f}M-parameter causal DiT ({layers} layers)", "models/weights/sprite_world.json"),
         (f"{params / 1e6:.1f}M parameters, {layers} layers", "models/weights/sprite_world.json"),
         (f"{batch['8']['batched / sequential frames/s']:.1f}x the sequential engine at 8 sessions",
