@@ -40,6 +40,7 @@ __all__ = [
     "SupportsARDiffusionMesh",
     "SupportsARDiffusionBatch",
     "SupportsARDiffusionCompileTwin",
+    "SupportsARDiffusionSessionFork",
 ]
 
 
@@ -443,3 +444,18 @@ class SupportsARDiffusionCompileTwin(Protocol):
     """
 
     def ar_diffusion_compile_twin(self) -> Any: ...
+
+
+@runtime_checkable
+class SupportsARDiffusionSessionFork(Protocol):
+    """Optional: the pipeline can fork a session's model-owned state (``engine.fork_session``).
+
+    ``fork_ar_diffusion_session(source_id, new_id, *, noise_seed=None)`` gives ``new_id``
+    the state ``source_id`` has now (prompt, noise stream, decoder and action caches), so
+    that with the same requests the fork produces what the source would; ``noise_seed`` gives
+    the fork a fresh noise stream instead. Arrays are immutable: share them, copy none. The
+    runtime shares the KV itself. Raise (changing nothing) when ``new_id`` has state already.
+    """
+
+    def fork_ar_diffusion_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None: ...
+

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from ardiff_jax.kv import (
     KVSharding,
     PagedKVCaches,
     advance_cursor,
-    block_pages,
+    cursor_block_pages,
     sharded_write_block,
     write_block,
     write_blocks,
@@ -53,7 +54,7 @@ BlockFn = Callable[[PagedKVCaches, Any], tuple[Any, jax.Array, jax.Array]]
 def rollout_blocks(
     layout: KVLayout,
     pools: KVPools,
-    cursors: jax.Array,  # i32[num_sessions, 3]: (run_base, committed, visible_start) per session
+    cursors: jax.Array,  # i32[num_sessions, 3 or 3+K+W]: (run_base, committed, visible_start[, page table])
     block_fn: BlockFn,
     xs: Any,  # pytree, leading axis = num_steps: per-step model inputs
     session_index: jax.Array,  # i32[num_steps]: which session each step advances
@@ -93,7 +94,7 @@ def rollout_blocks(
         caches = PagedKVCaches(pools=pools, cursor=cursor, layout=layout, seq_len=seq_len, backend=backend,
                                sharding=sharding)
         y, k, v = block_fn(caches, x)
-        pages = block_pages(layout, cursor[0], cursor[1], num_frames, jnp)
+        pages = cursor_block_pages(layout, cursor, num_frames, jnp)
         cursors = cursors.at[index].set(advance_cursor(layout, cursor, num_frames, jnp))
         pending = (pages, k.reshape(block_shape).astype(layout.dtype), v.reshape(block_shape).astype(layout.dtype))
         return (pools, cursors, pending), y
@@ -111,7 +112,7 @@ def rollout_blocks(
 def rollout_batched_blocks(
     layout: KVLayout,
     pools: KVPools,
-    cursors: jax.Array,  # i32[B, 3]: (run_base, committed, visible_start) per session
+    cursors: jax.Array,  # i32[B, 3 or 3+K+W]: (run_base, committed, visible_start[, page table])
     block_fn: BlockFn,
     xs: Any,  # pytree, leading axes [num_steps, B]: per-step, per-session model inputs
     *,
@@ -142,7 +143,7 @@ def rollout_batched_blocks(
 def scan_batched_blocks(
     layout: KVLayout,
     pools: KVPools,
-    cursors: jax.Array,  # i32[B, 3]: (run_base, committed, visible_start) per session
+    cursors: jax.Array,  # i32[B, 3 or 3+K+W]: (run_base, committed, visible_start[, page table])
     block_fn: Callable[[PagedKVCaches, Any, Any], tuple[Any, Any, jax.Array, jax.Array]],
     xs: Any,  # pytree, leading axis = num_steps
     carry: Any,  # pytree the block function threads from step to step (model-owned state), or None
@@ -162,7 +163,7 @@ def scan_batched_blocks(
     seq_len = num_frames * layout.tokens_per_frame
     num_sessions = cursors.shape[0]
     block_shape = (num_sessions, layout.num_layers, seq_len, layout.num_kv_heads, layout.head_size)
-    row_pages = jax.vmap(lambda cursor: block_pages(layout, cursor[0], cursor[1], num_frames, jnp))
+    row_pages = jax.vmap(lambda cursor: cursor_block_pages(layout, cursor, num_frames, jnp))
     row_advance = jax.vmap(lambda cursor: advance_cursor(layout, cursor, num_frames, jnp))
 
     def step(state: tuple[KVPools, jax.Array, tuple[jax.Array, jax.Array, jax.Array], Any], x: Any):
@@ -241,10 +242,19 @@ def rollout_sessions(
         if state.has_pending_context(branch):  # unknown branch / unbound state raise here too
             raise RuntimeError(f"session {state.session_id!r} has a pending context on branch {branch!r}")
     # Plan every step with the one commit rule; any refusal raises before dispatch.
-    before = [state.snapshot() for state in states]
-    planned = list(before)
+    planned = [state.snapshot() for state in states]
     for index in session_index:
         planned[index] = commit_frames(spec, layout, planned[index], branch, int(num_frames))
+    # The page tables stay constant inside the scan: every slot the rollout writes gets a page this
+    # session alone holds first (a fork's shared history is copied into fresh pages, once).
+    local = spec.branch(branch).local_index
+    for index, state in enumerate(states):
+        steps = int(np.count_nonzero(session_index == index))
+        if steps:
+            first = state.adapter(branch).committed_frames
+            state._own_pages_for(local, np.arange(first, first + steps * int(num_frames), dtype=np.int32))
+    before = [state.snapshot() for state in states]
+    planned = [dataclasses.replace(value, pages=start.pages) for value, start in zip(planned, before, strict=True)]
     cursors = np.stack([branch_cursor_array(spec, layout, value, branch, branch_major=cache.branch_major)
                         for value in before])
     cache.check_pools()

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from ardiff_jax.kv._layout import KVLayout, KVPools, checked_layer, from_storage, to_storage
 
-__all__ = ["write_block", "commit_block", "write_blocks", "commit_blocks", "gather_pages", "read_run", "read_pages", "write_pages", "restore_pages"]
+__all__ = ["write_block", "commit_block", "write_blocks", "commit_blocks", "gather_pages", "read_run", "read_pages",
+           "write_pages", "restore_pages", "gather_table_pages", "scatter_table_pages"]
 
 
 def write_block(
@@ -225,3 +226,40 @@ def write_pages(
 #: :func:`write_pages` jitted with the pools donated: restoring a session is one in-place write.
 #: DONATES ``pools``: the caller must drop its references and use the returned pools.
 restore_pages = jax.jit(write_pages, static_argnums=0, donate_argnums=1)
+
+
+def _gather_table_pages(layout: KVLayout, pools: KVPools, pages: jax.Array) -> KVPools:
+    """Copy the pages ``pages`` names, of every layer, in that order (null entries read as zeros).
+
+    A session whose runs were remapped (a fork's shared or fresh pages) is not one contiguous
+    slice; this gives the same array :func:`read_pages` gives for a contiguous session, so an
+    offloaded or saved fork stands alone.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      pages: i32[n]
+      returns: KVPools; k, v: storage[L, n, T, H, D]
+    """
+    def take(pool: jax.Array) -> jax.Array:
+        return jnp.take(pool, pages, axis=1, mode="fill", fill_value=0)
+
+    return KVPools(k=take(pools.k), v=take(pools.v))
+
+
+def _scatter_table_pages(layout: KVLayout, pools: KVPools, pages: jax.Array, data: KVPools) -> KVPools:
+    """Write ``data``'s pages to the pages ``pages`` names (null entries dropped): the inverse of the gather.
+
+    Shapes:
+      pools: KVPools; k, v: storage[L, P, T, H, D]
+      pages: i32[n]
+      data: KVPools; k, v: storage[L, n, T, H, D]
+      returns: KVPools; k, v: storage[L, P, T, H, D]
+    """
+    return KVPools(k=pools.k.at[:, pages].set(data.k, mode="drop"), v=pools.v.at[:, pages].set(data.v, mode="drop"))
+
+
+#: A copy of a session's pages by page table (the pools are not donated).
+gather_table_pages = jax.jit(_gather_table_pages, static_argnums=0)
+#: Pages written back by page table, in place: DONATES ``pools``.
+scatter_table_pages = jax.jit(_scatter_table_pages, static_argnums=0, donate_argnums=1)
+

@@ -5,15 +5,23 @@ One implementation serves the host (``xp=numpy``, the runner path) and device co
 construction. Shapes depend only on the static layout and the number of current frames,
 never on the fill level: filling, wrapping and resetting a window reuse one program.
 
-A branch cursor is ``(committed, visible_start)``:
+A branch cursor is ``(run_base, committed, visible_start)``, optionally followed by the run's
+*page table* (``i32[3 + K + W]``, :func:`make_table_cursor`): entry ``s`` is the page that holds
+run slot ``s``. Without a table the run is the contiguous ``[run_base, run_base + K + W)``; with
+one, a run's slots may sit anywhere in the pools and may be shared with another session's run
+(a fork: the runtime remaps a shared slot to a fresh page before it is written, so a shared
+page is never written). Which form a cursor has is its static shape, so each form is one
+program; the runtime always passes tables.
+
+The cursor fields:
 
 * ``committed``: frames committed since the session (or its last reset) began;
 * ``visible_start``: first non-sink frame still visible. It stays 0 in the sliding mode
   and jumps to ``committed`` after every commit under ``reset_at_boundary`` (only the
   sink survives a boundary).
 
-Frame ``g`` of a run lives at page ``base + g`` if ``g < sink`` else at
-``base + sink + (g - sink) mod window``. For a forward with ``f`` current frames the
+Frame ``g`` of a run lives in run slot ``g`` if ``g < sink`` else in slot
+``sink + (g - sink) mod window`` (:func:`slot_of_frame`): page ``base + slot``, or ``table[slot]``. For a forward with ``f`` current frames the
 visible history is the sink ``[0, min(committed, sink))`` followed by the newest
 ``window - f`` non-sink frames ``[lo, committed)`` where
 ``lo = max(sink, visible_start, committed - (window - f))``: the current frames use up
@@ -33,7 +41,11 @@ __all__ = [
     "CURSOR_FIELDS",
     "VisibleHistory",
     "make_cursor",
+    "make_table_cursor",
+    "slot_of_frame",
     "page_of_frame",
+    "cursor_pages",
+    "cursor_block_pages",
     "visible_history",
     "visible_table",
     "run_visibility",
@@ -57,6 +69,56 @@ def make_cursor(run_base: int, committed: int, visible_start: int) -> np.ndarray
     return np.array([run_base, committed, visible_start], dtype=np.int32)
 
 
+def make_table_cursor(run_base: int, committed: int, visible_start: int, table: Any) -> np.ndarray:
+    """The cursor vector with the run's page table: ``(run_base, committed, visible_start, *table)`` (host numpy).
+
+    ``table[s]`` is the page holding run slot ``s`` (the null page for a slot never written);
+    ``run_base`` is the run's home (first) page, which a sharded pool uses to find its device group.
+
+    Shapes:
+      table: int[K+W]
+      returns: i32[3+K+W]
+    """
+    return np.concatenate([np.array([run_base, committed, visible_start], np.int32),
+                           np.asarray(table, np.int32)])
+
+
+def slot_of_frame(layout: KVLayout, frame: Any, xp: Any = np) -> Any:
+    """Run slot (``0 .. K+W-1``) holding absolute frame ``frame``: the sink slots, then the ring.
+
+    Shapes:
+      frame: int[...]
+      returns: int[...]
+    """
+    sink, window = layout.sink_frames, layout.window_frames
+    return xp.where(frame < sink, frame, sink + xp.mod(frame - sink, window))
+
+
+def cursor_pages(layout: KVLayout, cursor: Any, frame: Any, xp: Any = np) -> Any:
+    """Page id holding absolute frame ``frame`` of the run ``cursor`` describes (with or without a table).
+
+    Shapes:
+      cursor: int[3] or int[3+K+W]
+      frame: int[...]
+      returns: int[...]
+    """
+    if cursor.shape[-1] == 3:
+        return page_of_frame(layout, cursor[0], frame, xp)
+    table = cursor[3:]
+    return xp.take(table, slot_of_frame(layout, frame, xp).astype(np.int32))
+
+
+def cursor_block_pages(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np) -> Any:
+    """Pages a commit of ``num_frames`` frames writes, for a cursor with or without a table (frame order).
+
+    Shapes:
+      cursor: int[3] or int[3+K+W]
+      returns: i32[f]
+    """
+    frames = cursor[1] + xp.arange(num_frames, dtype=np.int32)
+    return cursor_pages(layout, cursor, frames, xp).astype(np.int32)
+
+
 class VisibleHistory(NamedTuple):
     """Visible committed frames: ``[0, num_sink)`` then ``[window_start, window_start + num_window)``.
 
@@ -77,9 +139,7 @@ def page_of_frame(layout: KVLayout, run_base: Any, frame: Any, xp: Any = np) -> 
       frame: int[...]
       returns: int[...]
     """
-    sink, window = layout.sink_frames, layout.window_frames
-    ring = run_base + sink + xp.mod(frame - sink, window)
-    return xp.where(frame < sink, run_base + frame, ring)
+    return run_base + slot_of_frame(layout, frame, xp)
 
 
 def visible_history(layout: KVLayout, committed: Any, visible_start: Any, num_current_frames: int,
@@ -105,15 +165,15 @@ def visible_table(layout: KVLayout, cursor: Any, num_current_frames: int, xp: An
     and the extra tokens gives the reference key order ``[sink][history][current][extra]``.
 
     Shapes:
-      cursor: int[3]
+      cursor: int[3] or int[3+K+W] (with the run's page table)
       returns: (pages, frames), each i32[K+W]
     """
-    run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
+    committed, visible_start = cursor[1], cursor[2]
     hist = visible_history(layout, committed, visible_start, num_current_frames, xp)
     index = xp.arange(layout.run_pages, dtype=np.int32)
     frames = xp.where(index < hist.num_sink, index, hist.window_start + (index - hist.num_sink))
     valid = index < hist.num_sink + hist.num_window
-    pages = xp.where(valid, page_of_frame(layout, run_base, frames, xp), layout.null_page)
+    pages = xp.where(valid, cursor_pages(layout, cursor, xp.maximum(frames, 0), xp), layout.null_page)
     frames = xp.where(valid, frames, -1)
     return pages.astype(np.int32), frames.astype(np.int32)
 
@@ -162,11 +222,12 @@ def advance_cursor(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np)
     under ``reset_at_boundary`` every non-sink frame stops being visible.
 
     Shapes:
-      cursor: int[3]
-      returns: i32[3]
+      cursor: int[3] or int[3+K+W] (the table is kept)
+      returns: i32[3] or i32[3+K+W]
     """
     committed, visible_start = advance_frames(layout, cursor[1], cursor[2], num_frames)
-    return xp.stack([xp.asarray(cursor[0]), xp.asarray(committed), xp.asarray(visible_start)]).astype(np.int32)
+    head = xp.stack([xp.asarray(cursor[0]), xp.asarray(committed), xp.asarray(visible_start)]).astype(np.int32)
+    return head if cursor.shape[-1] == 3 else xp.concatenate([head, xp.asarray(cursor[3:]).astype(np.int32)])
 
 
 def advance_frames(layout: KVLayout, committed: Any, visible_start: Any, num_frames: int) -> tuple[Any, Any]:

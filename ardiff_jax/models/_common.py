@@ -685,6 +685,23 @@ class PipelineBase(BoundStateMixin, abc.ABC):
             return
         self._sessions[session_id] = self.session_type.from_tree(state, self._session_shapes(), self.device)
 
+    def fork_ar_diffusion_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
+        """Give ``new_id`` the model state ``source_id`` has now (none if it has none); arrays shared, not copied.
+
+        Rebuilt through the export tree (:meth:`PipelineSession.to_tree` / ``from_tree``), so
+        nested state (decoder caches, action caches) is a new object holding the same
+        immutable arrays; ``noise_seed`` replaces the noise key with a fresh one.
+        """
+        if new_id in self._sessions:
+            raise ValueError(f"{type(self).__name__} already holds model state for session {new_id!r}")
+        session = self._sessions.get(source_id)
+        if session is None:
+            return
+        forked = self.session_type.from_tree(session.to_tree(), self._session_shapes(), self.device)
+        if noise_seed is not None:
+            forked = dataclasses.replace(forked, key=new_session_key(int(noise_seed), self.device))
+        self._sessions[new_id] = forked
+
     def _session_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the session's float arrays, for import validation (``"field"`` or ``"field.subfield"``)."""
         return {}

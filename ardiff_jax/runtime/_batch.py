@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ardiff_jax._checks import check_not_traced
-from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor
+from ardiff_jax.kv import PagedKVCaches, make_table_cursor
 from ardiff_jax.runtime._legacy import branch_of
-from ardiff_jax.runtime._session import commit_frames
+from ardiff_jax.runtime._session import commit_frames, with_run_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
@@ -213,8 +213,9 @@ class ARDiffusionKVBatch:
                 else:
                     state._pending[kv_branch] = pending
             raise
-        cursors = np.stack([np.asarray(view.cursor) for view in views]
-                           + [make_cursor(0, 0, 0)] * (self._bucket_size - len(views)))  # committed 0: nothing visible
+        layout = self._cache.layout
+        padding = make_table_cursor(0, 0, 0, (layout.null_page,) * layout.run_pages)  # committed 0: nothing visible
+        cursors = np.stack([np.asarray(view.cursor) for view in views] + [padding] * (self._bucket_size - len(views)))
         first = views[0]
         return PagedKVCaches(pools=self._cache.pools, cursor=cursors, layout=first.layout, seq_len=first.seq_len,
                              backend=first.backend, sharding=None)
@@ -258,13 +259,16 @@ class ARDiffusionKVBatch:
         committed = [commit_frames(spec, layout, state._value, kv_branch, context.num_frames)
                      for state in self._states]  # every refusal before the write
         pages = np.full((self._bucket_size, context.num_frames), layout.null_page, np.int32)  # padded rows drop
+        reserved: set[int] = set()  # fresh pages of one row are never another row's
+        plans = []
         for row, state in enumerate(self._states):
             adapter = state.adapter(kv_branch)
-            pages[row] = block_pages(layout, state._run_base(adapter.local_index), adapter.committed_frames,
-                                     context.num_frames, np)
+            frames = adapter.committed_frames + np.arange(context.num_frames, dtype=np.int32)
+            plans.append((adapter.local_index, state._plan_write(adapter.local_index, frames, reserved)))
+            pages[row] = plans[-1][1].pages
         cache._write_blocks(pages, k, v)
-        for state, value in zip(self._states, committed, strict=True):  # bookkeeping after the device call
-            state._publish(value)
+        for state, value, (local, plan) in zip(self._states, committed, plans, strict=True):  # after the device call
+            state._publish(with_run_table(spec, layout, value, local, plan.new))
             del state._pending[kv_branch]
 
     def discard_paged_context(self, kv_branch: str) -> None:

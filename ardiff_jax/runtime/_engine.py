@@ -118,6 +118,19 @@ class ARDiffusionEngine:
     def close_session(self, session_id: str) -> None:
         self._runner.close_session(session_id)
 
+    def fork_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
+        """Start ``new_id`` from exactly where ``source_id`` stands; nothing is copied.
+
+        The fork shares the source's KV pages (copy-on-write: a shared page is never
+        written, the writer gets a fresh page), its cross-attention caches and, through the
+        pipeline, its model state; with the same requests it produces what the source would,
+        unless ``noise_seed`` gives it a fresh noise stream. Closing, resetting, evicting or
+        offloading either leaves the other intact. Refused (nothing changes) for an unknown
+        source, a taken id, a block in flight, or no free slot. See
+        :meth:`ARDiffusionModelRunner.fork_session`.
+        """
+        self._runner.fork_session(source_id, new_id, noise_seed=noise_seed)
+
     def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
         """Write a resident or offloaded session to ``path`` (a new directory); it keeps running here.
 

@@ -29,7 +29,9 @@ from ardiff_jax.kv import (
     commit_block,
     commit_blocks,
     default_storage_dtype,
+    gather_table_pages,
     read_pages,
+    scatter_table_pages,
     select_attention_backend,
     shard_zeros,
     sharded_read_runs,
@@ -40,7 +42,8 @@ from ardiff_jax.kv import (
 from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.runtime._offload import host_memory_kind, to_host
-from ardiff_jax.runtime._session import run_base
+from ardiff_jax.runtime._pages import PagePool
+from ardiff_jax.runtime._session import SessionKV, home_table, run_base, run_table
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import check_kv_dtype
 
@@ -171,6 +174,7 @@ class ARDiffusionKVCache:
         self._attention_backend = attention_backend
         self._pools: KVPools = self._allocate()
         self._free_slots = list(range(plan.session_capacity))  # a heap: lowest free slot first
+        self._page_pool = PagePool(self._layout.num_pages)  # who holds each page (forks share theirs)
         self._host_programs: tuple[Any, Any] | None = None  # (offload, restore), compiled at first use
         self._host_kind = host_memory_kind(self._device)  # where offloaded pages live (None: numpy copies)
         self._states: dict[str, ARDiffusionKVState] = {}
@@ -351,6 +355,80 @@ class ARDiffusionKVCache:
         self.check_pools()
         return _copy_slot(self._layout, self._sharding, self.session_pages, self._pools, self._slot_where(slot))
 
+    @property
+    def page_pool(self) -> PagePool:
+        """The pages' reference counts (read them; the session states change them)."""
+        return self._page_pool
+
+    @property
+    def pages_in_use(self) -> int:
+        """Distinct pages the resident sessions hold: a page N forks share counts once."""
+        return self._page_pool.pages_in_use
+
+    def home_tables(self, slot: int) -> tuple[tuple[int, ...], ...]:
+        """The page tables of ``slot``'s own contiguous runs, in local-branch order."""
+        return tuple(home_table(self._spec, self._layout, slot, local, branch_major=self.branch_major)
+                     for local in range(self._spec.num_local_kv_branches))
+
+    def _session_pages(self, value: SessionKV) -> np.ndarray | None:
+        """The pages a copy of ``value`` reads, in slot-copy order; None when they are its slot's own runs.
+
+        A session every written slot of which sits on its home page (every session that never
+        forked or shared) copies with the contiguous slot programs; another one (a fork, or a
+        source whose shared slots moved) is gathered page by page into the same array.
+        """
+        layout = self._layout
+        homes = self.home_tables(value.slot)
+        tables = [run_table(layout, value, local) for local in range(len(homes))]
+        if all(page in (layout.null_page, own) for table, home in zip(tables, homes, strict=True)
+               for page, own in zip(table, home, strict=True)):
+            return None
+        if self._sharding is not None:  # pragma: no cover - forks are refused on a mesh
+            raise RuntimeError("AR-Diffusion sessions with remapped pages cannot be copied on a mesh")
+        return np.concatenate([np.asarray(table, np.int32) for table in tables])
+
+    def offload_session(self, value: SessionKV) -> KVPools:
+        """The session's pages copied to host memory, in the slot-copy layout whatever its page tables.
+
+        A fork's shared pages are copied too: the copy stands alone (restored or loaded
+        without its source)."""
+        pages = self._session_pages(value)
+        if pages is None:
+            return self.offload_slot(value.slot)
+        self.check_pools()
+        return to_host(gather_table_pages(self._layout, self._pools, pages), self._device)
+
+    def restore_session_pages(self, slot: int, pages: KVPools) -> tuple[tuple[int, ...], ...]:
+        """Write a session copy into the pools for a session now in ``slot``; returns its page tables.
+
+        Into the slot's own runs when no session holds any of their pages (one contiguous
+        write); otherwise (a fork of the slot's previous occupant still reads some of them)
+        into free pages, preferring the slot's own, so no other session's frames change.
+        Nothing is counted here: the tables are held once the session's value is published.
+        """
+        homes = self.home_tables(slot)
+        if self._page_pool.is_free(page for home in homes for page in home):
+            self.write_slot(slot, pages)
+            return homes
+        self.check_pools()
+        self._check_slot_pages(pages)
+        reserved: set[int] = set()
+        tables = tuple(self._page_pool.plan_writes(self._page_pool.empty_table(self._layout.run_pages),
+                                                   range(self._layout.run_pages), home, reserved).new
+                       for home in homes)
+        target = np.concatenate([np.asarray(table, np.int32) for table in tables])
+        on_device = KVPools(k=jax.device_put(pages.k, self._device), v=jax.device_put(pages.v, self._device))
+        self._pools = scatter_table_pages(self._layout, self._pools, target, on_device)
+        return tables
+
+    def _check_slot_pages(self, pages: KVPools) -> None:
+        layout = self._layout
+        shape = (layout.num_layers, self.session_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
+        for name, array in (("k", pages.k), ("v", pages.v)):
+            if tuple(array.shape) != shape or np.dtype(array.dtype) != np.dtype(jax.numpy.dtype(layout.storage_dtype)):
+                raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
+                                 f"{array.dtype}{list(array.shape)}")
+
     def offload_slot(self, slot: int) -> KVPools:
         """``slot``'s pages copied to host memory (``pinned_host``), dispatched and not awaited.
 
@@ -377,11 +455,7 @@ class ARDiffusionKVCache:
         self.check_pools()
         where = self._slot_where(slot)
         layout = self._layout
-        shape = (layout.num_layers, self.session_pages, layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
-        for name, array in (("k", pages.k), ("v", pages.v)):
-            if tuple(array.shape) != shape or np.dtype(array.dtype) != np.dtype(jax.numpy.dtype(layout.storage_dtype)):
-                raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
-                                 f"{array.dtype}{list(array.shape)}")
+        self._check_slot_pages(pages)
         restore = self._compiled_host_programs()[1]
         host = None if self._host_kind is None else self.slot_copy_sharding.with_memory_kind(self._host_kind)
         if restore is not None and all(isinstance(x, jax.Array) and x.sharding == host for x in (pages.k, pages.v)):
@@ -440,6 +514,14 @@ class ARDiffusionKVCache:
             self._pools = _commit_block_sharded(self._layout, self._sharding, self._pools, pages, k, v)
             return
         self._pools = commit_block(self._layout, self._pools, pages, k, v)
+
+    def _copy_pages(self, source: np.ndarray, target: np.ndarray) -> None:
+        """Copy whole pages ``source[i] -> target[i]`` (one gather and one donated scatter; pools on one device)."""
+        self.check_pools()
+        if self._sharding is not None:  # pragma: no cover - forks are refused on a mesh
+            raise RuntimeError("AR-Diffusion page copies need pools on one device")
+        data = gather_table_pages(self._layout, self._pools, source)
+        self._pools = scatter_table_pages(self._layout, self._pools, target, data)
 
     def _write_blocks(self, pages: np.ndarray, k: jax.Array, v: jax.Array) -> None:
         """One donated write of a batched tick's blocks (``pages i32[B, f]``, null rows dropped); pools on one device."""

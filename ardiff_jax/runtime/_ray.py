@@ -48,7 +48,8 @@ logger = logging.getLogger("ardiff_jax.runtime")
 
 #: Engine attributes a proxy reads from its actor, and the engine methods it calls.
 _ATTRIBUTES = ("sessions", "offloaded_sessions", "session_capacity", "memory_plan")
-_METHODS = ("generate", "step", "reset_session", "close_session", "save_session", "load_session", "close")
+_METHODS = ("generate", "step", "reset_session", "close_session", "fork_session", "save_session", "load_session",
+            "close")
 
 
 def _import_ray() -> Any:
@@ -242,6 +243,10 @@ class RayEngineProxy:
 
     def close_session(self, session_id: str) -> None:
         self._call("close_session", check_session_id(session_id))
+
+    def fork_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
+        """Fork on the actor (the fork's pages are the source's, in the actor's pools)."""
+        self._call("fork_session", check_session_id(source_id), check_session_id(new_id), noise_seed=noise_seed)
 
     def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
         """Save on the actor's host: ``path`` is a path there."""

@@ -471,6 +471,29 @@ class ARDiffusionRouter:
                     raise
                 self._forget(index, (session_id,))
 
+    def fork_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
+        """Fork ``source_id`` on its own replica (the fork shares its pages there) and place ``new_id`` with it.
+
+        Refused like the replica's fork, and for a source the router never placed or a
+        ``new_id`` it has placed already; a refused fork leaves no placement behind.
+        """
+        check_session_id(source_id)
+        check_session_id(new_id, "fork session id")
+        with self._owning(source_id, place=False) as index:
+            if index is None:
+                raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
+            with self._lock:
+                if new_id in self._assignments:
+                    raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
+                self._assignments.assign(new_id, index)
+            try:
+                self._replicas[index].fork_session(source_id, new_id, noise_seed=noise_seed)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    if not self._holds(index, new_id):
+                        self._forget(index, (new_id,))
+                raise
+
     def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
         """Write the session (resident or offloaded on its replica) to ``path``; it keeps running there."""
         check_session_id(session_id)

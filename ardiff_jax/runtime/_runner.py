@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
 from ardiff_jax.capability import (
@@ -47,6 +48,7 @@ from ardiff_jax.capability import (
     SupportsARDiffusionMesh,
     SupportsARDiffusionRequestValidation,
     SupportsARDiffusionSessionExport,
+    SupportsARDiffusionSessionFork,
     SupportsARDiffusionWarmup,
     SupportsARDiffusionWeightsFingerprint,
     SupportsStepExecution,
@@ -1036,7 +1038,7 @@ class ARDiffusionModelRunner:
         session): the pipeline's only way to hand over its state is to move it.
         """
         device = self._kv_cache.device
-        pages = self._kv_cache.offload_slot(value.slot)
+        pages = self._kv_cache.offload_session(value)  # a fork's shared pages too: the copy stands alone
         session = host_cross_attention(value, device)
         with self._running_pipeline_code(_ExportCall(session_id)):
             exported = self._exporter.export_ar_diffusion_session(session_id)
@@ -1076,8 +1078,8 @@ class ARDiffusionModelRunner:
             value = check_session_kv(self._kv_cache.spec, SessionKV(
                 session_id=session_id, slot=state.slot, cursors=record.session.cursors, cross_attention=cross,
                 run_owners=record.session.run_owners))  # on the host, before the pages move
-            self._kv_cache.write_slot(state.slot, record.pages)
-            state.restore(value)
+            tables = self._kv_cache.restore_session_pages(state.slot, record.pages)
+            state.restore(dataclasses.replace(value, pages=tables))
         except BaseException:
             state._release()
             if hold_on_failure:
@@ -1110,6 +1112,73 @@ class ARDiffusionModelRunner:
         if self._exporter is None:
             raise TypeError(f"{what} needs a pipeline that implements SupportsARDiffusionSessionExport; "
                             f"{type(self._pipeline).__name__} does not")
+
+    def fork_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
+        """Start session ``new_id`` from exactly where ``source_id`` stands, copying nothing.
+
+        The fork's KV page tables are the source's (the pages are shared, reference-counted:
+        whichever session next writes a shared slot writes a fresh page instead, so neither
+        ever sees the other's new frames); its cross-attention caches are the source's arrays;
+        the pipeline forks the model-owned state (``SupportsARDiffusionSessionFork``), with the
+        same noise stream unless ``noise_seed`` gives a fresh one. Host work only: no device
+        copy, no compile. An offloaded source is restored first (it needs its own slot).
+
+        Refused, changing nothing: an unknown source; ``new_id`` already resident or
+        offloaded; a source with a forward context pending (a stepwise block in flight); no
+        free slot for the fork (forks never evict: close or offload a session first); a
+        pipeline without the fork hook; pools on a mesh.
+        """
+        check_session_id(source_id)
+        check_session_id(new_id, "fork session id")
+        if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer))
+                                       or noise_seed < 0):
+            raise ValueError(f"noise_seed must be a non-negative integer or None, got {noise_seed!r}")
+        if not isinstance(self._pipeline, SupportsARDiffusionSessionFork):
+            raise TypeError(f"{type(self._pipeline).__name__} cannot fork sessions: it does not implement "
+                            "SupportsARDiffusionSessionFork (fork_ar_diffusion_session)")
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("fork_session")
+            if self._config.mesh is not None:
+                raise RuntimeError("AR-Diffusion forks need pools on one device (EngineConfig(mesh=None))")
+            if new_id == source_id or new_id in self._table or new_id in self._host:
+                raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
+            offloaded = source_id in self._host
+            if source_id not in self._table and not offloaded:
+                raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
+            needed = 2 if offloaded else 1
+            if self._kv_cache.num_free_slots < needed:
+                raise RuntimeError(
+                    f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed, "
+                    f"{self._kv_cache.num_free_slots} free of {self.session_capacity} (forks never evict a session; "
+                    "close one first)")
+            if offloaded:
+                self._restore(self._host.pop(source_id), reason="offload", hold_on_failure=True)
+            source = self._table.get(source_id)
+            if source._pending or source_id in self._stepwise_started:
+                raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
+            value = source._value
+            state = self._kv_cache.create_state(new_id)
+            forked = False
+            try:
+                with self._running_pipeline_code(_ForkCall(source_id, new_id)):
+                    self._pipeline.fork_ar_diffusion_session(source_id, new_id, noise_seed=noise_seed)
+                forked = True
+                state.restore(SessionKV(session_id=new_id, slot=state.slot, cursors=value.cursors,
+                                        cross_attention=value.cross_attention, run_owners=value.run_owners,
+                                        pages=value.pages))  # holds the shared pages: nothing is copied
+            except BaseException:
+                state._release()
+                if forked:
+                    with contextlib.suppress(Exception):
+                        self._pipeline.close_ar_diffusion_session(new_id)
+                raise
+            state._runner_managed = True
+            self._table.add(new_id, state)
+            self._table.touch(source_id)
+            self._emit("created", new_id, "fork")
+            logger.info("AR-Diffusion session %r forked from %r (slot %s; %d pages shared)", new_id, source_id,
+                        state.slot, sum(len(table) for table in value.pages))
 
     def save_session(self, session_id: str, path: Any) -> Any:
         """Write a resident or offloaded session to the new directory ``path`` (orbax arrays + JSON manifest).
@@ -1374,6 +1443,14 @@ def check_distinct_sessions(session_ids: Sequence[str]) -> None:
     repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
     if repeated:
         raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
+
+
+class _ForkCall(NamedTuple):
+    source_id: str
+    new_id: str
+
+    def __str__(self) -> str:
+        return f"the fork of session {self.source_id!r} into {self.new_id!r}"
 
 
 class _BatchCall(NamedTuple):

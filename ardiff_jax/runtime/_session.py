@@ -26,7 +26,7 @@ import numpy as np
 
 from ardiff_jax._checks import check_positive_int
 from ardiff_jax.capability import ARDiffusionKVCacheSpec
-from ardiff_jax.kv import KVLayout, advance_frames, make_cursor
+from ardiff_jax.kv import KVLayout, advance_frames, make_table_cursor
 
 __all__ = [
     "BranchCursor",
@@ -39,8 +39,11 @@ __all__ = [
     "new_session_kv",
     "publish_cross_attention",
     "reset_session_kv",
+    "home_table",
     "run_base",
+    "run_table",
     "session_kv_from_saved",
+    "with_run_table",
 ]
 
 
@@ -89,6 +92,10 @@ class SessionKV:
       run_owners: ``((local_index, branch name), ...)`` sorted by local index: which logical
         branch holds committed KV in each worker-local run. Branches may share a local
         index (CFG-parallel layouts); only the owner may commit into a shared run.
+      pages: the page table of each worker-local run, in local-index order: ``pages[r][s]``
+        is the page holding slot ``s`` of run ``r`` (``sink + window`` slots; the null page
+        for a slot never written). ``()``: nothing written yet (every entry null). A fork's
+        tables start as its source's (the pages are shared, reference-counted by the cache).
 
     The two mappings are read-only views of private copies, so nobody holding a value (a
     snapshot, say) can change the session through it; the functions below build new values.
@@ -101,11 +108,13 @@ class SessionKV:
     cursors: Mapping[str, BranchCursor]
     cross_attention: Mapping[tuple[str, str], CrossAttentionKV]
     run_owners: tuple[tuple[int, str], ...] = ()
+    pages: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cursors", types.MappingProxyType(dict(self.cursors)))
         object.__setattr__(self, "cross_attention", types.MappingProxyType(dict(self.cross_attention)))
         object.__setattr__(self, "run_owners", tuple(tuple(pair) for pair in self.run_owners))
+        object.__setattr__(self, "pages", tuple(tuple(int(page) for page in table) for table in self.pages))
 
     def cursor(self, branch: str) -> BranchCursor:
         try:
@@ -121,15 +130,15 @@ class SessionKV:
         return sum(kv.k.nbytes + kv.v.nbytes for kv in self.cross_attention.values())
 
 
-def _flatten_session(session: SessionKV) -> tuple[tuple[Any, Any], tuple[str, int, tuple[tuple[int, str], ...]]]:
+def _flatten_session(session: SessionKV) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
     return (dict(session.cursors), dict(session.cross_attention)), (session.session_id, session.slot,
-                                                                    session.run_owners)
+                                                                    session.run_owners, session.pages)
 
 
-def _unflatten_session(static: tuple[str, int, tuple[tuple[int, str], ...]], children: Any) -> SessionKV:
-    session_id, slot, run_owners = static
+def _unflatten_session(static: tuple[Any, ...], children: Any) -> SessionKV:
+    session_id, slot, run_owners, pages = static
     return SessionKV(session_id=session_id, slot=slot, cursors=children[0], cross_attention=children[1],
-                     run_owners=run_owners)
+                     run_owners=run_owners, pages=pages)
 
 
 jax.tree_util.register_pytree_node(SessionKV, _flatten_session, _unflatten_session)
@@ -168,12 +177,36 @@ def run_base(spec: ARDiffusionKVCacheSpec, layout: KVLayout, slot: int, local_in
     return (slot * num_local + local_index) * layout.run_pages
 
 
+def home_table(spec: ARDiffusionKVCacheSpec, layout: KVLayout, slot: int, local_index: int, *,
+               branch_major: bool = False) -> tuple[int, ...]:
+    """The run's own pages (its slot's contiguous run): where its writes go when nobody else holds them."""
+    base = run_base(spec, layout, slot, local_index, branch_major=branch_major)
+    return tuple(range(base, base + layout.run_pages))
+
+
+def run_table(layout: KVLayout, session: SessionKV, local_index: int) -> tuple[int, ...]:
+    """The page table of the session's run ``local_index`` (all null before anything was written)."""
+    if not session.pages:
+        return (layout.null_page,) * layout.run_pages
+    return session.pages[local_index]
+
+
+def with_run_table(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, local_index: int,
+                   table: tuple[int, ...]) -> SessionKV:
+    """The session with run ``local_index``'s page table replaced."""
+    tables = [run_table(layout, session, index) for index in range(spec.num_local_kv_branches)]
+    tables[local_index] = tuple(table)
+    return dataclasses.replace(session, pages=tuple(tables))
+
+
 def branch_cursor_array(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, branch: str, *,
                         branch_major: bool = False) -> np.ndarray:
-    """The ``i32[3]`` cursor (run base, committed, visible start) that jitted code reads."""
+    """The ``i32[3 + K + W]`` cursor (run base, committed, visible start, page table) that jitted code reads."""
     cursor = session.cursor(branch)
-    base = run_base(spec, layout, session.slot, spec.branch(branch).local_index, branch_major=branch_major)
-    return make_cursor(base, cursor.committed_frames, cursor.visible_start_frame)
+    local_index = spec.branch(branch).local_index
+    base = run_base(spec, layout, session.slot, local_index, branch_major=branch_major)
+    return make_table_cursor(base, cursor.committed_frames, cursor.visible_start_frame,
+                             run_table(layout, session, local_index))
 
 
 def commit_frames(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: SessionKV, branch: str,
@@ -209,7 +242,7 @@ def commit_frames(spec: ARDiffusionKVCacheSpec, layout: KVLayout, session: Sessi
         owners = tuple(sorted({**dict(owners), local_index: branch}.items()))
     return SessionKV(session_id=session.session_id, slot=session.slot,
                      cursors={**session.cursors, branch: new_cursor},
-                     cross_attention=session.cross_attention, run_owners=owners)
+                     cross_attention=session.cross_attention, run_owners=owners, pages=session.pages)
 
 
 def publish_cross_attention(session: SessionKV, branch: str, cache_name: str, kv: CrossAttentionKV) -> SessionKV:
@@ -274,9 +307,12 @@ def check_session_kv(spec: ARDiffusionKVCacheSpec, value: SessionKV) -> SessionK
         if not isinstance(kv, CrossAttentionKV) or tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected:
             raise ValueError(f"cross-attention cache {cache_name!r} of branch {branch!r} must be CrossAttentionKV of "
                              f"[L, N, Hc, D] = {expected}")
+    if value.pages and (len(value.pages) != spec.num_local_kv_branches
+                        or any(len(table) != spec.sink_frames + spec.window_frames for table in value.pages)):
+        raise ValueError(f"page tables must be {spec.num_local_kv_branches} runs of sink + window pages")
     return SessionKV(session_id=value.session_id, slot=value.slot,
                      cursors={name: value.cursors[name] for name in names},
-                     cross_attention=value.cross_attention, run_owners=value.run_owners)
+                     cross_attention=value.cross_attention, run_owners=value.run_owners, pages=value.pages)
 
 
 def session_kv_from_saved(spec: ARDiffusionKVCacheSpec, session_id: str,

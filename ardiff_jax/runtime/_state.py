@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ardiff_jax._checks import check_not_traced, is_integer
-from ardiff_jax.kv import PagedKVCaches, block_pages, make_cursor, page_of_frame
+from ardiff_jax.kv import PagedKVCaches, slot_of_frame
 from ardiff_jax.runtime._legacy import LegacyStateAPI, branch_of, deprecated
 from ardiff_jax.runtime._session import (
     BranchCursor,
@@ -31,8 +31,12 @@ from ardiff_jax.runtime._session import (
     commit_frames,
     new_session_kv,
     publish_cross_attention,
+    branch_cursor_array,
+    home_table,
     reset_session_kv,
     run_base,
+    run_table,
+    with_run_table,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -143,10 +147,56 @@ class ARDiffusionKVState(LegacyStateAPI):
         }
 
     def _publish(self, value: SessionKV) -> None:
-        """Install a new session value (after any device call returned); adapters follow it."""
-        self._value = value
+        """Install a new session value (after any device call returned); adapters follow it.
+
+        The one place a session's page tables change: the cache's reference counts follow
+        (the new tables' pages held, the old ones' dropped)."""
+        old, self._value = self._value, value
+        if old.pages != value.pages:
+            pool = self._cache.page_pool
+            pool.hold(page for table in value.pages for page in table)
+            pool.drop(page for table in old.pages for page in table)
         for name, adapter in self._adapters.items():
             adapter._cursor = value.cursors[name]
+
+    def _drop_pages(self) -> None:
+        """Forget every page table (a reset or a release): the cache's counts drop with them."""
+        value = self._value
+        if value.pages:
+            self._value = dataclasses.replace(value, pages=())
+            self._cache.page_pool.drop(page for table in value.pages for page in table)
+
+    def _own_pages_for(self, local_index: int, frames: np.ndarray) -> None:
+        """Give every slot ``frames`` will occupy a page only this session holds, before a device rollout.
+
+        A device rollout writes through constant page tables, so a shared slot cannot be
+        remapped at the step that overwrites it: its page (still visible until then) is
+        copied into a fresh one first; a slot never written gets a fresh page. Sessions that
+        share nothing (every session that never forked) move nothing and copy nothing.
+        """
+        cache = self._cache
+        slots = sorted({int(s) for s in slot_of_frame(cache.layout, np.asarray(frames), np)})
+        old = run_table(cache.layout, self._value, local_index)
+        home = home_table(cache.spec, cache.layout, self._value.slot, local_index, branch_major=cache.branch_major)
+        plan = cache.page_pool.plan_writes(old, slots, home)
+        moved = [(old[s], plan.new[s]) for s in slots if old[s] != cache.layout.null_page and old[s] != plan.new[s]]
+        if moved:
+            cache._copy_pages(np.array([a for a, _ in moved], np.int32), np.array([b for _, b in moved], np.int32))
+        if plan.new != old:
+            self._publish(with_run_table(cache.spec, cache.layout, self._value, local_index, plan.new))
+
+    def _plan_write(self, local_index: int, frames: np.ndarray, reserved: set[int] | None = None) -> Any:
+        """Where writing ``frames`` of run ``local_index`` goes (a :class:`~ardiff_jax.runtime._pages.PagePlan`).
+
+        Pages only this session holds are written in place; a slot whose page is shared (a
+        fork's history) or was never written gets a fresh page, so no other session's frames
+        change. Planned on the host, counted only when the new value is published.
+        """
+        cache = self._cache
+        layout = cache.layout
+        slots = [int(s) for s in slot_of_frame(layout, np.asarray(frames), np)]
+        home = home_table(cache.spec, layout, self._value.slot, local_index, branch_major=cache.branch_major)
+        return cache.page_pool.plan_writes(run_table(layout, self._value, local_index), slots, home, reserved)
 
     # -- a handle, not a value -------------------------------------------------------------------
     def _refuse_copy(self, *args: Any) -> NoReturn:
@@ -214,7 +264,8 @@ class ARDiffusionKVState(LegacyStateAPI):
                                f"{sorted(self._pending)}; commit or discard them before restoring")
         checked = check_session_kv(self._cache.spec, value)
         self._publish(SessionKV(session_id=checked.session_id, slot=self._value.slot, cursors=checked.cursors,
-                                cross_attention=checked.cross_attention, run_owners=checked.run_owners))
+                                cross_attention=checked.cross_attention, run_owners=checked.run_owners,
+                                pages=checked.pages))
 
     # -- guards --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -291,9 +342,8 @@ class ARDiffusionKVState(LegacyStateAPI):
                 "discard_paged_context(branch) first"
             )
         self._cache.check_pools()
-        branch_cursor = adapter.cursor
-        cursor = make_cursor(self._run_base(adapter.local_index), branch_cursor.committed_frames,
-                             branch_cursor.visible_start_frame)
+        cursor = branch_cursor_array(self._cache.spec, layout, self._value, kv_branch,
+                                     branch_major=self._cache.branch_major)
         caches = PagedKVCaches(pools=self._cache.pools, cursor=cursor, layout=layout, seq_len=seq_len,
                                backend=self._cache.attention_backend, sharding=self._cache.sharding)
         self._pending[kv_branch] = _PendingContext(seq_len, num_frames, bool(commit_current))
@@ -335,11 +385,11 @@ class ARDiffusionKVState(LegacyStateAPI):
         k, v = self._validate_block_kv(kv, pending.seq_len)
         layout = self._cache.layout
         committed = commit_frames(self._cache.spec, layout, self._value, kv_branch, pending.num_frames)
-        pages = block_pages(layout, self._run_base(adapter.local_index), adapter.committed_frames,
-                            pending.num_frames, np)
-        self._cache._write_block(pages, k, v)
+        frames = adapter.committed_frames + np.arange(pending.num_frames, dtype=np.int32)
+        plan = self._plan_write(adapter.local_index, frames)
+        self._cache._write_block(plan.pages, k, v)
         # Bookkeeping only after the device call returned.
-        self._publish(committed)
+        self._publish(with_run_table(self._cache.spec, layout, committed, adapter.local_index, plan.new))
         del self._pending[kv_branch]
 
     def rewrite_committed_context(self, kv_branch: str, first_frame: int, kv: tuple[jax.Array, jax.Array]) -> None:
@@ -380,8 +430,9 @@ class ARDiffusionKVState(LegacyStateAPI):
                 f"the pool can be rewritten (sink frames < {min(committed, layout.sink_frames)} and frames "
                 f"{oldest_ring}..{committed - 1})")
         frames = np.arange(first, first + count, dtype=np.int32)
-        pages = page_of_frame(layout, self._run_base(adapter.local_index), frames, np).astype(np.int32)
-        self._cache._write_block(pages, k, v)
+        plan = self._plan_write(adapter.local_index, frames)  # a shared frame is rewritten into a fresh page
+        self._cache._write_block(plan.pages, k, v)
+        self._publish(with_run_table(self._cache.spec, layout, self._value, adapter.local_index, plan.new))
 
     def discard_paged_context(self, kv_branch: str) -> None:
         """Drop the pending context of ``kv_branch`` without writing (e.g. after a failed forward)."""
@@ -515,6 +566,7 @@ class ARDiffusionKVState(LegacyStateAPI):
             slot = self._cache._reopen(self)
             self._value = new_session_kv(self._cache.spec, self._session_id, slot)
             self._closed = False
+        self._drop_pages()  # the emptied branches hold no page any more
         self._value = reset_session_kv(self._cache.spec, self._value, keep)
         self._adapters = self._fresh_adapters()
         self._pending = {}
@@ -541,6 +593,7 @@ class ARDiffusionKVState(LegacyStateAPI):
         self._closed = True
         self._pending = {}
         self.__dict__.pop("_legacy_staged", None)
+        self._drop_pages()
         value = self._value
         if value.cross_attention:  # drop the arrays now: a closed handle must not keep device memory alive
             self._value = SessionKV(session_id=value.session_id, slot=value.slot, cursors=value.cursors,

@@ -1,0 +1,135 @@
+"""Reference-counted pages: who holds each page of the pools, and where a write may go.
+
+Every session run (a slot's local branch: ``sink + window`` slots) has a *page table*: the
+page that holds each of its slots (the null page for a slot never written). A session's own
+pages are written in place; a page another session's table also holds (a fork shares its
+source's history) is never written: the writer's slot is remapped to a fresh page first. A
+page holds whole frames and a commit writes whole frames, so a remap moves no byte: the new
+block goes to the fresh page, the shared one keeps what the other sessions read.
+
+The pool has ``capacity x runs`` pages and every table at most ``sink + window`` entries, so
+the distinct pages in use never exceed the pool; a remapped slot needs a page only when its
+old page is shared (held at least twice), so a free page always exists when one is needed.
+
+Everything here is host bookkeeping (numpy), planned before the device write and applied
+only after it returned (:meth:`PagePool.plan_writes`, then :meth:`PagePool.apply`): a failed
+write changes no count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["PagePool", "PagePlan"]
+
+PageTable = tuple[int, ...]
+
+
+class PagePlan:
+    """Where one run's write goes: its new page table and the pages to write, planned, not applied.
+
+    Attributes:
+      old: the table before the write.
+      new: the table after it (the written slots remapped where their page was shared).
+      pages: the pages written, in the order of the written slots.
+    """
+
+    __slots__ = ("old", "new", "pages")
+
+    def __init__(self, old: PageTable, new: PageTable, pages: np.ndarray) -> None:
+        self.old, self.new, self.pages = old, new, pages
+
+
+class PagePool:
+    """Reference counts of the ``num_pages`` pages (the null page, id ``num_pages``, is never counted)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._counts = np.zeros(num_pages, np.int32)
+
+    @property
+    def null_page(self) -> int:
+        return self.num_pages
+
+    @property
+    def pages_in_use(self) -> int:
+        """Distinct pages some session holds: a page shared by N sessions counts once."""
+        return int(np.count_nonzero(self._counts))
+
+    @property
+    def shared_pages(self) -> int:
+        """Pages more than one session holds."""
+        return int(np.count_nonzero(self._counts > 1))
+
+    def count(self, page: int) -> int:
+        return 0 if page == self.num_pages else int(self._counts[page])
+
+    def empty_table(self, run_pages: int) -> PageTable:
+        return (self.num_pages,) * run_pages
+
+    def is_free(self, pages: Iterable[int]) -> bool:
+        """Whether no session holds any of ``pages``."""
+        index = np.asarray([p for p in pages if p != self.num_pages], np.int64)
+        return not index.size or not self._counts[index].any()
+
+    def plan_writes(self, table: PageTable, slots: Sequence[int], home: PageTable,
+                    reserved: set[int] | None = None) -> PagePlan:
+        """Where a write of ``slots`` of a run with ``table`` goes; ``home``: the run's own pages, preferred.
+
+        A slot whose page only this run holds is written in place. Any other slot (never
+        written, or its page shared) gets a fresh page: its home page when free, else the
+        lowest free page. ``reserved`` collects the fresh pages of other plans of the same
+        device write (a batch), so two rows never get one page; it is updated.
+        """
+        reserved = set() if reserved is None else reserved
+        new = list(table)
+        pages = np.empty(len(slots), np.int32)
+        free: np.ndarray | None = None
+        for i, slot in enumerate(slots):
+            page = new[slot]
+            if page != self.num_pages and self._counts[page] == 1 and page not in reserved:
+                pages[i] = page
+                continue
+            fresh = home[slot]
+            if fresh in reserved or self._counts[fresh] != 0:
+                if free is None:
+                    free = np.flatnonzero(self._counts == 0)
+                candidates = [int(p) for p in free if int(p) not in reserved]
+                if not candidates:  # the arithmetic in the module docstring says this cannot happen
+                    raise RuntimeError("AR-Diffusion KV pages exhausted: no free page for a remapped slot")
+                fresh = candidates[0]
+            reserved.add(fresh)
+            new[slot] = fresh
+            pages[i] = fresh
+        return PagePlan(tuple(table), tuple(new), pages)
+
+    def apply(self, plan: PagePlan) -> None:
+        """Count the plan's table change (after the device write returned)."""
+        self.hold(p for p in plan.new if p != self.num_pages)
+        self.drop(p for p in plan.old if p != self.num_pages)
+
+    def hold(self, pages: Iterable[int]) -> None:
+        """One more holder for each page (a new table, or a fork sharing its source's)."""
+        for page in pages:
+            if page != self.num_pages:
+                self._counts[page] += 1
+
+    def drop(self, pages: Iterable[int]) -> None:
+        """One holder fewer for each page (a table released or replaced)."""
+        for page in pages:
+            if page != self.num_pages:
+                if self._counts[page] <= 0:  # pragma: no cover - every drop pairs with a hold
+                    raise RuntimeError(f"AR-Diffusion page {page} released more often than held")
+                self._counts[page] -= 1
+
+    def check_tables(self, tables: Iterable[PageTable]) -> None:
+        """RuntimeError unless the counts are exactly the holders among ``tables`` (a consistency check for tests)."""
+        expected = np.zeros_like(self._counts)
+        for table in tables:
+            for page in table:
+                if page != self.num_pages:
+                    expected[page] += 1
+        if not np.array_equal(expected, self._counts):
+            raise RuntimeError("AR-Diffusion page counts disagree with the sessions' page tables")
