@@ -112,6 +112,9 @@ class MachinePipeline:
     def close_ar_diffusion_session(self, session_id):
         self._hook("close", session_id)
 
+    def fork_ar_diffusion_session(self, source_id, new_id, *, noise_seed=None):
+        """No model state to fork: the engine shares the KV, which is what the machine checks."""
+
     def _run(self, kv: np.ndarray, commit: bool) -> jnp.ndarray:
         k = jnp.asarray(kv[0][:, None, :])  # [FRAMES*T, H=1, D]
         v = jnp.asarray(kv[1][:, None, :])
@@ -350,6 +353,27 @@ class EngineMachine(RuleBasedStateMachine):
             self._release(request_id, "close", suppress=True)
         self.engine.step(StepSchedulerOutput(finished_req_ids={request_id}))
 
+    @rule(source=st.sampled_from(TICK_IDS + STEP_IDS + ("nobody",)), new_id=st.sampled_from(TICK_IDS))
+    def fork(self, source: str, new_id: str) -> None:
+        """A fork shares the source's history: from here on the invariant checks every session's frames
+        after every write of every other, so a write that reached a shared page would show."""
+        if source not in self.resident:
+            with pytest.raises(KeyError):
+                self.engine.fork_session(source, new_id)
+        elif new_id in self.resident:
+            with pytest.raises(ValueError, match="taken"):
+                self.engine.fork_session(source, new_id)
+        elif len(self.resident) >= CAPACITY:
+            with pytest.raises(RuntimeError, match="free slot"):
+                self.engine.fork_session(source, new_id)
+        elif source in STEP_IDS:  # a stepwise chunk in flight
+            with pytest.raises(RuntimeError, match="in flight"):
+                self.engine.fork_session(source, new_id)
+        else:
+            self.engine.fork_session(source, new_id)
+            self.resident[new_id] = list(self.resident[source])
+            self.resident.move_to_end(source)
+
     @rule()
     def next_hook_fails(self) -> None:
         self.pipeline.fail_next_hook = True
@@ -408,6 +432,9 @@ class EngineMachine(RuleBasedStateMachine):
         slots = [runner.session_table.get(sid).slot for sid in self.engine.sessions]
         assert len(set(slots)) == len(slots) and None not in slots
         assert self.pipeline.hooks == self.hooks  # exactly one close-or-reset hook per release, in order
+        # Page counts are exactly the resident sessions' tables: forks share, nothing leaks.
+        cache.page_pool.check_tables(table for sid in self.engine.sessions
+                                     for table in runner.session_table.get(sid)._value.pages)
 
     @invariant()
     def attention_of_every_session(self) -> None:

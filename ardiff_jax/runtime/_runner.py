@@ -1141,11 +1141,11 @@ class ARDiffusionModelRunner:
             self._check_not_reentrant("fork_session")
             if self._config.mesh is not None:
                 raise RuntimeError("AR-Diffusion forks need pools on one device (EngineConfig(mesh=None))")
-            if new_id == source_id or new_id in self._table or new_id in self._host:
-                raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
             offloaded = source_id in self._host
             if source_id not in self._table and not offloaded:
                 raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
+            if new_id == source_id or new_id in self._table or new_id in self._host:
+                raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
             needed = 2 if offloaded else 1
             if self._kv_cache.num_free_slots < needed:
                 raise RuntimeError(

@@ -128,6 +128,7 @@ class ARDiffusionKVState(LegacyStateAPI):
         self._cache = cache
         self._session_id = session_id
         self._value: SessionKV = new_session_kv(cache.spec, session_id, slot)
+        self._cursor_arrays: dict[str, np.ndarray] = {}  # the jitted code's cursor of each branch, per value
         self._closed = False
         self._adapters = self._fresh_adapters()
         self._pending: dict[str, _PendingContext] = {}
@@ -152,10 +153,18 @@ class ARDiffusionKVState(LegacyStateAPI):
         The one place a session's page tables change: the cache's reference counts follow
         (the new tables' pages held, the old ones' dropped)."""
         old, self._value = self._value, value
-        if old.pages != value.pages:
+        self._cursor_arrays = {}
+        if old.pages is not value.pages and old.pages != value.pages:
             pool = self._cache.page_pool
-            pool.hold(page for table in value.pages for page in table)
-            pool.drop(page for table in old.pages for page in table)
+            if len(old.pages) == len(value.pages):  # a commit: only the written slots changed
+                for old_table, new_table in zip(old.pages, value.pages, strict=True):
+                    if old_table is not new_table:
+                        changed = [(a, b) for a, b in zip(old_table, new_table, strict=True) if a != b]
+                        pool.hold(b for _, b in changed)
+                        pool.drop(a for a, _ in changed)
+            else:
+                pool.hold(page for table in value.pages for page in table)
+                pool.drop(page for table in old.pages for page in table)
         for name, adapter in self._adapters.items():
             adapter._cursor = value.cursors[name]
 
@@ -164,6 +173,7 @@ class ARDiffusionKVState(LegacyStateAPI):
         value = self._value
         if value.pages:
             self._value = dataclasses.replace(value, pages=())
+            self._cursor_arrays = {}
             self._cache.page_pool.drop(page for table in value.pages for page in table)
 
     def _own_pages_for(self, local_index: int, frames: np.ndarray) -> None:
@@ -342,8 +352,10 @@ class ARDiffusionKVState(LegacyStateAPI):
                 "discard_paged_context(branch) first"
             )
         self._cache.check_pools()
-        cursor = branch_cursor_array(self._cache.spec, layout, self._value, kv_branch,
-                                     branch_major=self._cache.branch_major)
+        cursor = self._cursor_arrays.get(kv_branch)
+        if cursor is None:  # one per published value and branch: a denoise loop's probes reuse it
+            cursor = self._cursor_arrays[kv_branch] = branch_cursor_array(
+                self._cache.spec, layout, self._value, kv_branch, branch_major=self._cache.branch_major)
         caches = PagedKVCaches(pools=self._cache.pools, cursor=cursor, layout=layout, seq_len=seq_len,
                                backend=self._cache.attention_backend, sharding=self._cache.sharding)
         self._pending[kv_branch] = _PendingContext(seq_len, num_frames, bool(commit_current))
@@ -568,6 +580,7 @@ class ARDiffusionKVState(LegacyStateAPI):
             self._closed = False
         self._drop_pages()  # the emptied branches hold no page any more
         self._value = reset_session_kv(self._cache.spec, self._value, keep)
+        self._cursor_arrays = {}
         self._adapters = self._fresh_adapters()
         self._pending = {}
         self.__dict__.pop("_legacy_staged", None)  # layers staged by the deprecated API belong to the old window
