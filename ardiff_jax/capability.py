@@ -453,8 +453,9 @@ class SupportsARDiffusionSessionFork(Protocol):
     ``fork_ar_diffusion_session(source_id, new_id, *, noise_seed=None)`` gives ``new_id``
     the state ``source_id`` has now (prompt, noise stream, decoder and action caches), so
     that with the same requests the fork produces what the source would; ``noise_seed`` gives
-    the fork a fresh noise stream instead. Arrays are immutable: share them, copy none. The
-    runtime shares the KV itself. Raise (changing nothing) when ``new_id`` has state already.
+    the fork a fresh noise stream instead. Share the arrays, except those a pipeline program
+    donates (updates in place, as a streaming VAE's caches): the fork needs its own copy of
+    those, or one session's step would delete the other's. The runtime shares the KV itself. Raise (changing nothing) when ``new_id`` has state already.
     """
 
     def fork_ar_diffusion_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None: ...

@@ -262,6 +262,27 @@ def test_a_saved_session_continues_exactly(parts, tmp_path):
         assert np.array_equal(a, b)
 
 
+def test_a_fork_continues_exactly_with_its_decoder_and_action_caches(parts):
+    """A fork after one block plays the next two exactly as the unforked session does (latents and decoded video:
+    the VAE's streaming decoder cache and the action module's caches are forked with the KV)."""
+    straight = _engine(parts)
+    player = Player(21)
+    expected = [straight.generate(player.request("S")) for _ in range(3)]
+    engine = _engine(parts, capacity=3)
+    source, fork = Player(21), Player(21)
+    engine.generate(source.request("S"))
+    fork.inputs()  # the fork's player is one block in, as the source
+    kv = engine.runner.kv_cache
+    pages = kv.pages_in_use
+    engine.fork_session("S", "F")
+    assert kv.pages_in_use == pages
+    for want in expected[1:]:
+        for sid, player in (("F", fork), ("S", source)):
+            got = engine.generate(player.request(sid))
+            assert np.array_equal(np.asarray(got.latents), np.asarray(want.latents))
+            assert np.array_equal(np.asarray(got.video), np.asarray(want.video))
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda r: r.pop("keyboard"), r"needs inputs\['keyboard'\]"),
     (lambda r: r.update(keyboard=np.zeros((12, ACTION.keyboard_dim))), "must have 9 rows"),

@@ -338,6 +338,8 @@ class PipelineSession:
 
     #: Fields that hold a nested dataclass (exported as a dict of its fields): ``{field: class}``.
     nested_fields: ClassVar[Mapping[str, type]] = {}
+    #: Fields whose arrays a pipeline program donates (updates in place): a fork gets its own copy of these.
+    donated_fields: ClassVar[tuple[str, ...]] = ()
 
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
         """Every device array the session holds (``None`` for empty slots): what ``model_owned_bytes`` counts."""
@@ -688,19 +690,28 @@ class PipelineBase(BoundStateMixin, abc.ABC):
     def fork_ar_diffusion_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
         """Give ``new_id`` the model state ``source_id`` has now (none if it has none); arrays shared, not copied.
 
-        Rebuilt through the export tree (:meth:`PipelineSession.to_tree` / ``from_tree``), so
-        nested state (decoder caches, action caches) is a new object holding the same
-        immutable arrays; ``noise_seed`` replaces the noise key with a fresh one.
+        The source's export tree (:meth:`PipelineSession.to_tree`, which leaves the source in
+        place) goes through this pipeline's own :meth:`import_ar_diffusion_session`, so every
+        subclass's state (a VAE decoder cache, action and encoder caches) is forked with its
+        own checks, as a new object holding the same immutable arrays, except the fields a
+        program donates (``PipelineSession.donated_fields``: the VAE's streaming caches,
+        Matrix-Game's action ring), which the fork gets a device copy of; ``noise_seed``
+        replaces the noise key with a fresh one.
         """
         if new_id in self._sessions:
             raise ValueError(f"{type(self).__name__} already holds model state for session {new_id!r}")
         session = self._sessions.get(source_id)
         if session is None:
             return
-        forked = self.session_type.from_tree(session.to_tree(), self._session_shapes(), self.device)
+        self.import_ar_diffusion_session(new_id, session.to_tree())
+        forked = self._sessions.get(new_id)
+        for name in type(session).donated_fields if forked is not None else ():
+            value = getattr(forked, name)
+            if value is not None:  # a program donates these: sharing them would delete the other session's
+                setattr(forked, name, jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value))
         if noise_seed is not None:
-            forked = dataclasses.replace(forked, key=new_session_key(int(noise_seed), self.device))
-        self._sessions[new_id] = forked
+            self._sessions[new_id] = dataclasses.replace(self._sessions[new_id],
+                                                         key=new_session_key(int(noise_seed), self.device))
 
     def _session_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the session's float arrays, for import validation (``"field"`` or ``"field.subfield"``)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +175,8 @@ _BaseSession = CausalWanPipeline.session_type
 
 @dataclasses.dataclass
 class _MatrixGameSession(_BaseSession):
+    #: The decode and encode steps donate the VAE caches, the ring commit the action cache.
+    donated_fields: ClassVar[tuple[str, ...]] = ("vae_cache", "encode_cache", "action_cache")
     #: The action modules' ring of the last window_frames latent frames ([A, W, ...], config.dtype).
     action_cache: ActionKV | None = None
     #: The VAE encoder's causal cache (the image then black frames, a block at a time).

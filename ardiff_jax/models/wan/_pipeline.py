@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +212,7 @@ class _WanSession(_WorldSession):
     resident: jax.Array | None = None
     #: With a VAE: the streaming decoder's causal-conv cache (the last frames of every conv).
     vae_cache: VAEDecodeCache | None = None
+    donated_fields: ClassVar[tuple[str, ...]] = ("vae_cache",)  # the streaming decode step donates it
 
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
         vae = () if self.vae_cache is None else tuple(self.vae_cache.convs)
