@@ -493,10 +493,17 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
                       help="play a train --export weights file instead of the shipped weights")
     demo.add_argument("--no-untrained", action="store_true", help="skip the untrained-model baseline")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from ardiff_jax.planning import add_agent_arguments
+
+    add_agent_arguments(demo)
     demo.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.agent:  # plan inside the world model: the controller comparison (ardiff_jax.planning)
+        from ardiff_jax.planning import run_agent_from_args
+
+        return run_agent_from_args(args)
     from ardiff_jax.demo import run_demo, verdict
 
     try:

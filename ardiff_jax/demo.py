@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ardiff_jax._machine import machine_summary
 from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
 from ardiff_jax.models import SpriteWorldPipeline, pretrained, pretrained_metadata
 from ardiff_jax.runtime import ARDiffusionEngine
@@ -324,21 +325,6 @@ def _progress(bar: Any, frames_per_block: int) -> Callable[[int, float], None]:
     return on_block
 
 
-def _machine() -> dict[str, Any]:
-    """The CPU this ran on (its model name and cores) and the JAX device: every speed figure names it."""
-    import os
-    import platform
-
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-        model = names[0] if names else model
-    except OSError:
-        pass
-    return {"cpu_model": model, "cpu_count": os.cpu_count(), "device": str(jax.devices()[0])}
-
-
 def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, capacity: int | None = None,
              seed: int = 0, compare_untrained: bool = True, progress: bool = True,
              available_memory_bytes: int = 2**28, weights: str | Path | None = None) -> dict[str, Any]:
@@ -403,7 +389,7 @@ def run_demo(out_dir: str | Path, *, sessions: int = 4, num_frames: int = 64, ca
     summary = {
         "model": "sprite_world",
         "device": str(jax.devices()[0]),
-        "machine": _machine(),
+        "machine": machine_summary(),
         "sessions": sessions,
         "session_capacity": planned_capacity,
         "frames_per_block": f,

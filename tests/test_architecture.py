@@ -133,7 +133,12 @@ def test_commit_frames_is_pure_and_is_what_the_state_does():
     predicted = commit_frames(spec, layout, before, "negative", 2)
     assert before.cursors["negative"].committed_frames == 0  # the input is untouched
     commit(state, "negative", seed=4)
-    assert state.snapshot() == predicted
+    # The cursors, owners and caches are commit_frames' value; the page tables say where the frames went
+    # (a session nobody shares with writes its own contiguous run: the written slots are its home pages).
+    after = state.snapshot()
+    assert dataclasses.replace(after, pages=()) == predicted
+    home = list(range(layout.run_pages))  # slot 0's run
+    assert [page for page in after.pages[0] if page != layout.null_page] == home[:2]
     # The shared run is now negative's: positive may not commit into it.
     with pytest.raises(RuntimeError, match="share local_index"):
         commit_frames(spec, layout, predicted, "positive", 2)

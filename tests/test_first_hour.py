@@ -382,7 +382,27 @@ def _figures() -> list[tuple[str, str]]:
         return (f"{model}` {start[model, 'background']['first_chunk_s']:.1f} s "
                 f"({start[model, 'eager']['first_chunk_s']:.1f} s")
 
+    agent = _load("agent/agent_summary.json")
+    policies = agent["policies"]
+
+    def reached(name: str) -> str:
+        row = policies[name]
+        return f"{row['reached']}/{row['worlds']} ({row['success_rate']:.0%})"
+
+    forks = _load("forks.json")["median_ms"]
+    pages = agent["kv_pages"]
     return [
+        *[(f"{reached(name)} | {policies[name]['mean_steps_to_reach']:.2f}", "results/agent/agent_summary.json")
+          for name in ("random", "greedy", "oracle planner")],
+        (f"**{reached('world-model planner')}** | {policies['world-model planner']['mean_steps_to_reach']:.2f}",
+         "results/agent/agent_summary.json"),
+        (f"{policies['oracle planner']['decisions_per_second']:.1f} |", "results/agent/agent_summary.json"),
+        (f"{policies['world-model planner']['decisions_per_second']:.1f} |", "results/agent/agent_summary.json"),
+        (f"reaches {policies['world-model planner']['success_rate'] / policies['oracle planner']['success_rate']:.2f}x "
+         "the oracle's success", "results/agent/agent_summary.json"),
+        (f"at most {pages['with_forks']['peak']} KV pages at once, where eight private copies of the live session "
+         f"would hold {pages['copying']['peak']}", "results/agent/agent_summary.json"),
+        (f"about {forks['fork_ms']:.1f} ms beside {forks['block_ms']:.0f} ms for one block", "results/forks.json"),
         (f"sprite world {start['sprite_world', 'background']['first_chunk_s']:.1f} s ("
          f"{start['sprite_world', 'eager']['first_chunk_s']:.1f} s with", "results/serve_start.json"),
         (first_chunk("wan-tiny"), "results/serve_start.json"),

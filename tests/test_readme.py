@@ -52,6 +52,7 @@ def test_api_reference_names_every_export():
     import ardiff_jax.envs
     import ardiff_jax.models
     import ardiff_jax.realtime
+    import ardiff_jax.planning
     import ardiff_jax.rollout
     import ardiff_jax.serve
     import ardiff_jax.runtime
@@ -64,7 +65,7 @@ def test_api_reference_names_every_export():
     code_spans = " ".join(re.findall(r"`([^`]*)`", api))
     modules = (ardiff_jax, ardiff_jax.capability, ardiff_jax.kv, ardiff_jax.runtime, ardiff_jax.types,
                ardiff_jax.rollout, ardiff_jax.models, ardiff_jax.models.wan, ardiff_jax.envs, ardiff_jax.training, ardiff_jax.demo,
-               ardiff_jax.realtime, ardiff_jax.serve)
+               ardiff_jax.realtime, ardiff_jax.serve, ardiff_jax.planning)
     missing = [f"{module.__name__}.{name}" for module in modules for name in module.__all__
                if not re.search(rf"\b{name}\b", code_spans)]
     assert missing == []

@@ -4,7 +4,8 @@
   ball whose colour shows its direction) in which every frame shows the whole state, so the
   next frame is a function of the frame and the action. Its pure core works on pixels
   alone (:func:`decode`, :func:`transition`) or on :class:`SpriteWorldState`
-  (:func:`initial_state`, :func:`next_state`, :func:`render`);
+  (:func:`initial_state`, :func:`next_state`, :func:`render`); :func:`reached_ball` says
+  when the agent has reached the ball (their cells share an edge);
 * :func:`sprite_world_clips`: batches of random-action clips (frames plus the action before
   each frame) for training, stepped as arrays over the batch; :func:`clip_world_seeds` names
   the world of each clip.
@@ -96,6 +97,7 @@ from ardiff_jax.envs._sprite_world import (
     decode,
     initial_state,
     next_state,
+    reached_ball,
     render,
     sprite_world_clips,
     transition,
@@ -117,6 +119,7 @@ __all__ = [
     "decode",
     "initial_state",
     "next_state",
+    "reached_ball",
     "render",
     "sprite_world_clips",
     "transition",

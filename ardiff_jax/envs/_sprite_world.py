@@ -26,6 +26,7 @@ __all__ = [
     "decode",
     "initial_state",
     "next_state",
+    "reached_ball",
     "render",
     "sprite_world_clips",
     "transition",
@@ -337,6 +338,20 @@ def next_state(state: SpriteWorldState, action: int) -> SpriteWorldState:
         raise ValueError(f"state must be a SpriteWorldState, got {state!r}")
     action = _check_action(action)
     return _unstack(_step_worlds(_stack(state), np.array([action])), 0)
+
+
+def reached_ball(state: SpriteWorldState) -> bool:
+    """Whether the agent has reached the ball: their cells share an edge.
+
+    The two never share a cell (the ball is solid to the agent, and the agent's new cell is
+    solid to the ball), so sharing an edge is as close as the agent gets: the ball is then
+    in the cell the agent would step into, and pushing into it does nothing. A diagonal
+    neighbour does not count: the ball's corner pixels are background, so the two sprites
+    do not touch on screen (the ball may still bounce off the agent from there).
+    """
+    if not isinstance(state, SpriteWorldState):
+        raise ValueError(f"state must be a SpriteWorldState, got {state!r}")
+    return abs(state.agent[0] - state.ball[0]) + abs(state.agent[1] - state.ball[1]) == 1
 
 
 def render(state: SpriteWorldState) -> np.ndarray:
