@@ -269,9 +269,9 @@ class OraclePlanner:
         return _best(actions, frames, start)
 
 
-def _pages_in_use(engine: Any) -> int | None:
-    cache = engine.runner.kv_cache
-    return int(cache.pages_in_use) if hasattr(cache, "pages_in_use") else None
+def _pages_in_use(engine: Any) -> int:
+    """Distinct KV pages the engine's sessions hold (a page the candidates share counts once)."""
+    return int(engine.runner.kv_cache.pages_in_use)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,14 +320,12 @@ class WorldModelPlanner:
         if clash:
             raise ValueError(f"candidate session ids {clash} already exist on the engine")
         frames: np.ndarray | None = None
-        pages: dict[str, int] | None = None
         before = _pages_in_use(engine)
         try:
             if forked:
                 for cid in ids:
                     engine.fork_session(live_id, cid)
-            if before is not None:
-                pages = {"before": before, "after_fork": _pages_in_use(engine), "peak": _pages_in_use(engine)}
+            pages = {"before": before, "after_fork": _pages_in_use(engine), "peak": _pages_in_use(engine)}
             for h in range(self.horizon):
                 requests = []
                 for i, cid in enumerate(ids):
@@ -340,8 +338,7 @@ class WorldModelPlanner:
                 if frames is None:
                     frames = np.empty((self.num_candidates, self.horizon, *step.shape[1:]), np.uint8)
                 frames[:, h] = step
-                if pages is not None:
-                    pages["peak"] = max(pages["peak"], _pages_in_use(engine))
+                pages["peak"] = max(pages["peak"], _pages_in_use(engine))
         finally:
             for cid in ids:
                 if cid in engine.sessions or cid in engine.offloaded_sessions:

@@ -165,7 +165,10 @@ def _setup(geometry: Geometry) -> dict[str, Any]:
     committed = layout.run_pages + 1
     cursor = kv.make_cursor(layout.run_base(1), committed, committed if layout.reset_at_boundary else 0)
     extra = g.num_extra > 0
+    # The same run as a page table (its slots in reverse page order, so a table lookup is not run_base + slot).
+    table = np.arange(layout.run_base(1), layout.run_base(1) + layout.run_pages, dtype=np.int32)[::-1].copy()
     return dict(
+        table=table, table_cursor=kv.make_table_cursor(layout.run_base(1), committed, int(cursor[2]), table),
         pools=pools, cursor=cursor, run_base=np.int32(layout.run_base(1)), committed=np.int32(committed),
         q=randn(g.num_queries, g.num_q_heads, D), k=randn(g.num_frames * T, H, D), v=randn(g.num_frames * T, H, D),
         extra_k=randn(g.num_extra, H, D) if extra else None, extra_v=randn(g.num_extra, H, D) if extra else None,
@@ -300,6 +303,22 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
                                                                               a["visible_start"], f)}),
         "advance_cursor": Case(kv.advance_cursor, dict(cursor=s["cursor"]),
                                lambda a, c, xp: {"returns": kv.advance_cursor(layout, a["cursor"], f, xp)}),
+        "make_table_cursor": Case(kv.make_table_cursor, dict(table=s["table"]), lambda a, c, xp: {
+            "returns": kv.make_table_cursor(1, 2, 0, a["table"])}, jittable=False),
+        "slot_of_frame": Case(kv.slot_of_frame, dict(frame=np.arange(7, dtype=np.int32)),
+                              lambda a, c, xp: {"returns": kv.slot_of_frame(layout, a["frame"], xp)}),
+        "cursor_pages": Case(kv.cursor_pages, dict(cursor=s["table_cursor"], frame=np.arange(7, dtype=np.int32)),
+                             lambda a, c, xp: {"returns": kv.cursor_pages(layout, a["cursor"], a["frame"], xp)}),
+        "cursor_block_pages": Case(kv.cursor_block_pages, dict(cursor=s["table_cursor"]),
+                                   lambda a, c, xp: {"returns": kv.cursor_block_pages(layout, a["cursor"], f, xp)}),
+        "gather_table_pages": Case(kv.gather_table_pages, dict(pools=s["pools"], pages=s["table"]),
+                                   lambda a, c, xp: {"returns": kv.gather_table_pages(layout, a["pools"], a["pages"])}),
+        # The donating program's own function (the donation would delete the case's pools).
+        "scatter_table_pages": Case(kv.scatter_table_pages, dict(pools=s["pools"], pages=s["table"],
+                                                                 data=kv.gather_table_pages(layout, s["pools"],
+                                                                                            s["table"])),
+                                    lambda a, c, xp: {"returns": kv.scatter_table_pages.__wrapped__(
+                                        layout, a["pools"], a["pages"], a["data"])}),
     }
 
 

@@ -408,7 +408,8 @@ def test_a_session_the_engine_still_holds_keeps_its_slot_and_no_live_player_is_e
 
 
 def test_a_client_that_floods_and_never_reads_is_closed_at_the_start_timeout(engine, spy):
-    with LiveServer(engine, start_timeout_s=3.0, close_timeout_s=0.5, max_queued_control=4) as live:
+    # A start timeout of 5 s leaves a loaded 2-core machine time to fill the socket before it fires.
+    with LiveServer(engine, start_timeout_s=5.0, close_timeout_s=0.5, max_queued_control=4) as live:
         bystander = live.bystander()
         flooder = live.non_reader()
         opened = time.monotonic()
@@ -422,9 +423,9 @@ def test_a_client_that_floods_and_never_reads_is_closed_at_the_start_timeout(eng
 
         threading.Thread(target=flood, daemon=True).start()
         # Before the start timeout: the replies filled the socket, its control queue is full, its reader waits.
-        wait_for(lambda: queued(conn, "control") >= 4, 2.5, "its control queue full")
-        wait_for(lambda: conn not in live.server.connections, 3.0 + 0.5 + 5, "the flooder dropped")
-        assert time.monotonic() - opened < 3.0 + 0.5 + 3
+        wait_for(lambda: queued(conn, "control") >= 4, 4.5, "its control queue full")
+        wait_for(lambda: conn not in live.server.connections, 5.0 + 0.5 + 5, "the flooder dropped")
+        assert time.monotonic() - opened < 5.0 + 0.5 + 3
         assert live.metric('ardiff_errors_total{code="start_timeout"}') == 1
         live.assert_serving([bystander], opened)
 

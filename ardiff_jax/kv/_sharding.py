@@ -378,9 +378,14 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
     def local_attend(pools: KVPools, cursor: jax.Array, layer: jax.Array, scale: jax.Array, q: jax.Array,
                      k: jax.Array, v: jax.Array, *extras: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Attention on this shard; also whether this shard's group holds the run."""
-        local_base = cursor[0] - _group_offset(sharding, local)
+        offset = _group_offset(sharding, local)
+        local_base = cursor[0] - offset
         owner = (local_base >= 0) & (local_base < local.num_pages)
         local_cursor = cursor.at[0].set(jnp.where(owner, local_base, 0))
+        if cursor.shape[-1] > 3:  # a page table (global ids): this group's pages, the local null page elsewhere
+            table = cursor[3:] - offset
+            mine = owner & (table >= 0) & (table < local.num_pages)
+            local_cursor = local_cursor.at[3:].set(jnp.where(mine, table, local.null_page))
         extra_k, extra_v = extras if extras else (None, None)
         out = backend(local, pools, local_cursor, layer, q, k, v, extra_k, extra_v, scale=scale)
         return out, owner

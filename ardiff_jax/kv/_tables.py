@@ -95,10 +95,13 @@ def slot_of_frame(layout: KVLayout, frame: Any, xp: Any = np) -> Any:
 
 
 def cursor_pages(layout: KVLayout, cursor: Any, frame: Any, xp: Any = np) -> Any:
-    """Page id holding absolute frame ``frame`` of the run ``cursor`` describes (with or without a table).
+    """Page id holding absolute frame ``frame`` of the run ``cursor`` describes.
+
+    ``cursor`` is the table form (``int[3+K+W]``: a lookup) or the contiguous ``int[3]`` form
+    (``run_base + slot``); which one is its static shape.
 
     Shapes:
-      cursor: int[3] or int[3+K+W]
+      cursor: int[3+K+W]
       frame: int[...]
       returns: int[...]
     """
@@ -109,10 +112,10 @@ def cursor_pages(layout: KVLayout, cursor: Any, frame: Any, xp: Any = np) -> Any
 
 
 def cursor_block_pages(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np) -> Any:
-    """Pages a commit of ``num_frames`` frames writes, for a cursor with or without a table (frame order).
+    """Pages a commit of ``num_frames`` frames writes, in frame order (either cursor form, as :func:`cursor_pages`).
 
     Shapes:
-      cursor: int[3] or int[3+K+W]
+      cursor: int[3+K+W]
       returns: i32[f]
     """
     frames = cursor[1] + xp.arange(num_frames, dtype=np.int32)
@@ -164,8 +167,10 @@ def visible_table(layout: KVLayout, cursor: Any, num_current_frames: int, xp: An
     padded entries hold the null page ``P`` and frame ``-1``. Appending the current block
     and the extra tokens gives the reference key order ``[sink][history][current][extra]``.
 
+    ``cursor`` may also be the table form ``int[3+K+W]`` (:func:`cursor_pages`).
+
     Shapes:
-      cursor: int[3] or int[3+K+W] (with the run's page table)
+      cursor: int[3]
       returns: (pages, frames), each i32[K+W]
     """
     committed, visible_start = cursor[1], cursor[2]
@@ -221,9 +226,11 @@ def advance_cursor(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np)
     Eviction is eager and metadata-only: the new block overwrote the oldest ring pages, and
     under ``reset_at_boundary`` every non-sink frame stops being visible.
 
+    A table-form cursor (``int[3+K+W]``) keeps its table.
+
     Shapes:
-      cursor: int[3] or int[3+K+W] (the table is kept)
-      returns: i32[3] or i32[3+K+W]
+      cursor: int[3]
+      returns: i32[3]
     """
     committed, visible_start = advance_frames(layout, cursor[1], cursor[2], num_frames)
     head = xp.stack([xp.asarray(cursor[0]), xp.asarray(committed), xp.asarray(visible_start)]).astype(np.int32)
