@@ -28,7 +28,7 @@ from ardiff_jax.planning import (
     score_frames,
 )
 
-ENGINE = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0)
+ENGINE = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_fraction=1.0, batch_compile="lazy")
 CAPACITY = 4
 
 
