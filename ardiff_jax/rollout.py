@@ -123,7 +123,7 @@ def rollout_batched_blocks(
 
     The batched form of :func:`rollout_blocks` (the device-side twin of
     ``engine.generate_batch``): each step runs ``block_fn`` under ``jax.vmap`` over the
-    sessions with one batched :class:`~ardiff_jax.kv.PagedKVCaches` (cursor ``i32[B, 3]``,
+    sessions with one batched :class:`~ardiff_jax.kv.PagedKVCaches` (cursor ``i32[B, 3 + K + W]``,
     each row reading its own session's window) and commits every row's block with one
     :func:`~ardiff_jax.kv.write_blocks`, deferred to the next step like :func:`rollout_blocks`'
     writes. DONATES ``pools``. Returns ``(pools, cursors, ys)``; ``ys`` has leading axes
@@ -154,7 +154,7 @@ def scan_batched_blocks(
     """The scan behind :func:`rollout_batched_blocks` (traceable, not jitted; pools are not donated here).
 
     ``block_fn(caches, carry, x) -> (carry, y, k, v)`` runs one step of **every** session:
-    ``caches`` is the batched paged view (cursor ``i32[B, 3]``), ``k, v`` are
+    ``caches`` is the batched paged view (cursor ``i32[B, 3 + K + W]``), ``k, v`` are
     ``[B, L, f*T, H, D]``, the blocks to commit. Each step first writes the previous step's
     blocks (in place, :func:`~ardiff_jax.kv.write_blocks`), then runs ``block_fn``; cursors
     advance with the runtime's one rule. Returns ``(pools, cursors, carry, ys)``. Used inside

@@ -95,7 +95,7 @@ class PagedKVCaches:
         shard (:func:`~ardiff_jax.kv.sharded_attention`): no pool is gathered.
 
     A *batched* view (:meth:`ardiff_jax.runtime.ARDiffusionKVBatch.get_kv_caches`, one
-    forward for many sessions) carries one cursor row per session, ``i32[B, 3]``, over the
+    forward for many sessions) carries one cursor row per session, ``i32[B, 3 + K + W]``, over the
     same pools. It is attended under ``jax.vmap`` with ``in_axes=caches.vmap_axes()``: the
     pools are shared, each row reads its own session's run with its own fill level, and a
     padded row's cursor (committed 0) makes every page invisible, so it reads nothing.
@@ -138,7 +138,7 @@ class PagedKVCaches:
 
     @property
     def batch_size(self) -> int | None:
-        """Rows of a batched view (cursor ``i32[B, 3]``); ``None`` for a one-branch view."""
+        """Rows of a batched view (cursor ``i32[B, 3 + K + W]``); ``None`` for a one-branch view."""
         return int(self.cursor.shape[0]) if getattr(self.cursor, "ndim", 1) == 2 else None
 
     def vmap_axes(self) -> PagedKVCaches:

@@ -406,7 +406,7 @@ cfg_step = jax.jit(_cfg_step, static_argnums=0)
 def _cfg_step_batch(
     graphdef: Any,
     params: Any,
-    pos_attention: Any,  # batched PagedKVCaches of the positive branch: cursor i32[B, 3]
+    pos_attention: Any,  # batched PagedKVCaches of the positive branch: cursor i32[B, 3 + K + W]
     neg_attention: Any,  # batched PagedKVCaches of the negative branch
     x_t: jax.Array,  # f32[B, f, C, H, W]
     a_t: jax.Array,  # f32[B, A, action_dim]

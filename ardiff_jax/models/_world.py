@@ -199,7 +199,7 @@ world_step = jax.jit(_world_step, static_argnums=0, static_argnames="prediction"
 def _world_step_batch(
     graphdef: Any,
     params: Any,
-    attention: Any,  # a batched PagedKVCaches: cursor i32[B, 3]
+    attention: Any,  # a batched PagedKVCaches: cursor i32[B, 3 + K + W]
     x_t: jax.Array,  # f32[B, f, C, H, W]
     t: jax.Array,  # f32[]
     sigma: jax.Array,  # f32[]

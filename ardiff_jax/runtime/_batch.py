@@ -193,7 +193,7 @@ class ARDiffusionKVBatch:
     # -- the batched paged view ----------------------------------------------------------------
     def get_kv_caches(self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
                       ) -> PagedKVCaches:
-        """One view over ``kv_branch`` of every session: cursor ``i32[bucket_size, 3]``, padded rows read nothing.
+        """One view over ``kv_branch`` of every session: cursor ``i32[bucket_size, 3 + K + W]``, padded rows read nothing.
 
         Each session is prepared exactly as :meth:`ARDiffusionKVState.get_kv_caches` prepares
         it (same checks, same pending context); if one refuses, no session keeps a new
