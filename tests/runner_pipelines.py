@@ -86,6 +86,11 @@ class RecordingPipeline:
         self.log.append(("close_hook", session_id))
         self.model_state.pop(session_id, None)
 
+    def fork_ar_diffusion_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
+        self.log.append(("fork_hook", source_id, new_id))
+        if source_id in self.model_state:
+            self.model_state[new_id] = self.model_state[source_id]
+
     def forward(self, request: DiffusionRequest) -> Any:
         state = self.current_state
         assert state is not None, "forward called without a bound state"

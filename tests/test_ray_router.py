@@ -95,6 +95,20 @@ def test_a_session_on_an_actor_equals_the_session_run_alone(router):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_fork_lives_on_its_sources_actor_and_continues_as_the_source_would(router, proxies):
+    router.generate(request("a", 0))
+    router.generate(request("b", 1))
+    router.fork_session("b", "b2")
+    assert router.replica_of("b2") == router.replica_of("b") == 1 and set(proxies[1].sessions) == {"b", "b2"}
+    got = router.generate(request("b2", 5))
+    np.testing.assert_array_equal(got, alone([request("b", 1), request("b", 5)])[-1])
+    with pytest.raises(ValueError, match="taken"):
+        router.fork_session("a", "b2")
+    with pytest.raises(KeyError, match="neither resident nor offloaded"):
+        router.fork_session("nobody", "x")
+    assert router.replica_of("x") is None
+
+
 def test_one_session_id_never_lives_on_two_actors(router, proxies, tmp_path):
     router.generate(request("first", 0))
     router.generate(request("s", 1))
