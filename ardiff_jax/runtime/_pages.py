@@ -12,8 +12,8 @@ the distinct pages in use never exceed the pool; a remapped slot needs a page on
 old page is shared (held at least twice), so a free page always exists when one is needed.
 
 Everything here is host bookkeeping (numpy), planned before the device write and applied
-only after it returned (:meth:`PagePool.plan_writes`, then :meth:`PagePool.apply`): a failed
-write changes no count.
+only after it returned (:meth:`PagePool.plan_writes`; the counts follow the session value the
+state publishes, :meth:`PagePool.hold` / :meth:`PagePool.drop`): a failed write changes no count.
 """
 
 from __future__ import annotations
@@ -104,11 +104,6 @@ class PagePool:
             new[slot] = fresh
             pages[i] = fresh
         return PagePlan(tuple(table), tuple(new), pages)
-
-    def apply(self, plan: PagePlan) -> None:
-        """Count the plan's table change (after the device write returned)."""
-        self.hold(p for p in plan.new if p != self.num_pages)
-        self.drop(p for p in plan.old if p != self.num_pages)
 
     def hold(self, pages: Iterable[int]) -> None:
         """One more holder for each page (a new table, or a fork sharing its source's)."""

@@ -185,10 +185,9 @@ class ARDiffusionKVState(LegacyStateAPI):
         share nothing (every session that never forked) move nothing and copy nothing.
         """
         cache = self._cache
-        slots = sorted({int(s) for s in slot_of_frame(cache.layout, np.asarray(frames), np)})
-        old = run_table(cache.layout, self._value, local_index)
-        home = home_table(cache.spec, cache.layout, self._value.slot, local_index, branch_major=cache.branch_major)
-        plan = cache.page_pool.plan_writes(old, slots, home)
+        slots = sorted({int(s) for s in slot_of_frame(cache.layout, np.asarray(frames), np)})  # a ring laps: once each
+        plan = self._plan_slots(local_index, slots)
+        old = plan.old
         moved = [(old[s], plan.new[s]) for s in slots if old[s] != cache.layout.null_page and old[s] != plan.new[s]]
         if moved:
             cache._copy_pages(np.array([a for a, _ in moved], np.int32), np.array([b for _, b in moved], np.int32))
@@ -202,11 +201,14 @@ class ARDiffusionKVState(LegacyStateAPI):
         fork's history) or was never written gets a fresh page, so no other session's frames
         change. Planned on the host, counted only when the new value is published.
         """
+        slots = [int(s) for s in slot_of_frame(self._cache.layout, np.asarray(frames), np)]
+        return self._plan_slots(local_index, slots, reserved)
+
+    def _plan_slots(self, local_index: int, slots: list[int], reserved: set[int] | None = None) -> Any:
+        """:meth:`_plan_write` by run slot (each slot once): the one call into the cache's page pool."""
         cache = self._cache
-        layout = cache.layout
-        slots = [int(s) for s in slot_of_frame(layout, np.asarray(frames), np)]
-        home = home_table(cache.spec, layout, self._value.slot, local_index, branch_major=cache.branch_major)
-        return cache.page_pool.plan_writes(run_table(layout, self._value, local_index), slots, home, reserved)
+        home = home_table(cache.spec, cache.layout, self._value.slot, local_index, branch_major=cache.branch_major)
+        return cache.page_pool.plan_writes(run_table(cache.layout, self._value, local_index), slots, home, reserved)
 
     # -- a handle, not a value -------------------------------------------------------------------
     def _refuse_copy(self, *args: Any) -> NoReturn:
