@@ -206,3 +206,53 @@ def test_bad_forks_are_refused_and_change_nothing(modules):
             engine.fork_session("a", "b")
         assert set(engine.sessions) == {"a", "b"}
         _check_counts(engine)
+
+
+def test_a_device_rollout_of_a_fork_copies_its_shared_slots_first_and_leaves_the_source_exact():
+    """A device rollout writes through constant page tables, so the fork's shared slots get pages of their own
+    (the still-visible history copied) before the scan: the source reads exactly what it read before."""
+    import jax
+    import jax.numpy as jnp
+
+    from ardiff_jax import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+    from ardiff_jax.kv import gather_table_pages, visible_table
+    from ardiff_jax.rollout import rollout_sessions
+    from ardiff_jax.runtime import ARDiffusionKVCache, SessionKV, branch_cursor_array
+
+    L, T, H, D = 2, 2, 2, 4
+    spec = ARDiffusionKVCacheSpec(num_layers=L, num_kv_heads=H, head_size=D, tokens_per_frame=T, frames_per_block=2,
+                                  window_frames=4, sink_frames=1, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                                  session_capacity=2)
+    cache = ARDiffusionKVCache(spec, dtype=jnp.float32, available_memory_bytes=10**7, gpu_memory_fraction=1.0)
+    layout = cache.layout
+    rng = np.random.default_rng(0)
+
+    def block() -> jax.Array:
+        return jnp.asarray(rng.normal(size=(L, 2 * T, H, D)), jnp.float32)
+
+    source = cache.create_state("a")
+    for _ in range(3):  # six frames: the sink and a wrapped ring of four
+        source.get_kv_caches("main", seq_len=2 * T, commit_current=True)
+        source.commit_paged_context("main", kv=(block(), block()))
+    value = source.snapshot()
+    fork = cache.create_state("b")
+    fork.restore(SessionKV(session_id="b", slot=fork.slot, cursors=value.cursors, cross_attention={},
+                           run_owners=value.run_owners, pages=value.pages))
+
+    def visible(state) -> np.ndarray:
+        cursor = branch_cursor_array(spec, layout, state.snapshot(), "main")
+        pages, _ = visible_table(layout, cursor, 2)
+        return np.asarray(gather_table_pages(layout, cache.pools, pages).k)
+
+    before = visible(source)
+    np.testing.assert_array_equal(visible(fork), before)
+    xs = jnp.stack([block() for _ in range(3)])
+
+    def write(caches, x):
+        return x, x, x
+
+    rollout_sessions(cache, [fork], jax.tree_util.Partial(write), xs, [0, 0, 0], branch="main", num_frames=2)
+    np.testing.assert_array_equal(visible(source), before)
+    sink, *ring = fork.snapshot().pages[0]
+    assert sink == value.pages[0][0] and not set(ring) & set(value.pages[0])  # only the unwritten sink is shared
+    cache.page_pool.check_tables([*source.snapshot().pages, *fork.snapshot().pages])
