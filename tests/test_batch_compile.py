@@ -200,7 +200,7 @@ def test_background_routes_a_batch_through_a_built_larger_bucket(modules, monkey
         runner._forced_bucket = 4  # what the compiler thread does for bucket 4 alone
         runner._warmup_bucket(4, num_sessions=2)
         runner._forced_bucket = None
-        runner._compiled_buckets.add(4)
+        runner._compiled_buckets |= {4}
         calls = []
         forward_batch = pipeline.forward_batch
         monkeypatch.setattr(pipeline, "forward_batch", lambda requests: calls.append(len(requests))

@@ -222,7 +222,9 @@ class ARDiffusionModelRunner:
         _BOUND_PIPELINES[id(pipeline)] = self
         # Batch buckets whose programs are compiled (batch_compile: eager at load, background by
         # the compiler thread, lazy on first use); only "background" routes around the others.
-        self._compiled_buckets: set[int] = set()
+        # Changed under the runner lock only, by rebinding a new frozenset: a reader outside the lock
+        # (compiled_batch_buckets) iterates a value nobody changes.
+        self._compiled_buckets: frozenset[int] = frozenset()
         self._forced_bucket: int | None = None  # the bucket a background warmup batch is padded to
         self._stop_compiling = threading.Event()
         self._bucket_compiler: threading.Thread | None = None
@@ -619,7 +621,7 @@ class ARDiffusionModelRunner:
             for session_id in session_ids:
                 self._fail_closed(session_id, error)
             raise
-        self._compiled_buckets.add(bucket)
+        self._compiled_buckets |= {bucket}
         return outputs, {}
 
     def _batches_to_compile(self) -> bool:
@@ -668,7 +670,8 @@ class ARDiffusionModelRunner:
             if twin.kv_cache.layout != self._kv_cache.layout or twin.batch_buckets != self._batch_buckets:
                 logger.warning("AR-Diffusion twin pipeline planned another layout; compiling under the runner lock")
                 return False
-            self._compiled_buckets.update(twin.compiled_batch_buckets)
+            with self._locked():  # every change under the lock (no compile here: the twin built them)
+                self._compiled_buckets |= set(twin.compiled_batch_buckets)
         finally:
             twin.close()
         logger.info("AR-Diffusion background compilation built batch buckets %s on a twin pipeline",
@@ -696,7 +699,7 @@ class ARDiffusionModelRunner:
                             self._warmup_bucket(bucket, num_sessions=2)
                         finally:
                             self._forced_bucket = None
-                        self._compiled_buckets.add(bucket)
+                        self._compiled_buckets |= {bucket}
                         break
                 self._stop_compiling.wait(0.2)
             if self._stop_compiling.is_set():
@@ -1406,7 +1409,7 @@ class ARDiffusionModelRunner:
         for bucket in self._batch_buckets:
             if not self._warmup_bucket(bucket):
                 return
-            self._compiled_buckets.add(bucket)
+            self._compiled_buckets |= {bucket}
         logger.info("AR-Diffusion warmup compiled batch buckets %s", self._batch_buckets)
 
     def _warmup_bucket(self, bucket: int, num_sessions: int | None = None) -> bool:
