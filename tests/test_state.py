@@ -516,3 +516,49 @@ def test_reset_reopens_a_closed_state_only_when_a_slot_is_free():
     assert not state.closed and state.slot == 0 and cache.num_free_slots == 0
     assert state.adapter("positive").committed_frames == 0
     assert state.get_kv_caches("positive", seq_len=T).visible_frames().tolist() == []
+
+
+# -- restore: page ids are checked before anything changes (issue 43, item 5) ------------------------------
+
+
+def _bad_tables(cache, value):
+    """Page tables ``restore`` must refuse: ids outside the pool (the null page aside), a page twice, not ints."""
+    null, P = cache.layout.null_page, cache.layout.num_pages
+    good = value.pages
+
+    def with_first(page):
+        first = (page,) + tuple(good[0][1:])
+        return (first,) + tuple(good[1:])
+
+    return {
+        "past the null page": with_first(P + 1),
+        "negative": with_first(-1),
+        "huge": with_first(2**40),
+        "a float": with_first(1.0),
+        "a bool": with_first(True),
+        "one page in two slots": ((good[0][1],) + tuple(good[0][1:]),) + tuple(good[1:]),
+        "one page in two runs": tuple(good[:1]) + ((good[0][0],) + (null,) * (len(good[0]) - 1),) * (len(good) - 1),
+    }
+
+
+@pytest.mark.parametrize("case", ["past the null page", "negative", "huge", "a float", "a bool",
+                                  "one page in two slots", "one page in two runs"])
+def test_restore_refuses_page_ids_outside_the_pool_and_changes_nothing(primed, case):
+    """A refused restore installs nothing and counts nothing: the state keeps its tables, close() frees the slot."""
+    from ardiff_jax.runtime import SessionKV
+
+    cache, state, rng = primed
+    value = state.snapshot()
+    pages = _bad_tables(cache, value)[case]
+    counts = [cache.page_pool.count(p) for p in range(cache.layout.num_pages)]
+    before = _snapshot(cache, state)
+    with pytest.raises(ValueError, match="page"):
+        state.restore(SessionKV(session_id="s", slot=state.slot, cursors=value.cursors,
+                                cross_attention=value.cross_attention, run_owners=value.run_owners, pages=pages))
+    _assert_unchanged(cache, state, before)
+    assert state.snapshot().pages == value.pages
+    assert [cache.page_pool.count(p) for p in range(cache.layout.num_pages)] == counts
+    cache.page_pool.check_tables(value.pages)
+    _commit(state, "positive", rng)  # still usable
+    state.close()  # and its slot is freed
+    assert cache.num_free_slots == cache.session_capacity and cache.pages_in_use == 0

@@ -19,6 +19,7 @@ state publishes, :meth:`PagePool.hold` / :meth:`PagePool.drop`): a failed write 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -107,17 +108,57 @@ class PagePool:
 
     def hold(self, pages: Iterable[int]) -> None:
         """One more holder for each page (a new table, or a fork sharing its source's)."""
-        for page in pages:
-            if page != self.num_pages:
-                self._counts[page] += 1
+        self.exchange(pages, ())
 
     def drop(self, pages: Iterable[int]) -> None:
         """One holder fewer for each page (a table released or replaced)."""
-        for page in pages:
-            if page != self.num_pages:
-                if self._counts[page] <= 0:  # pragma: no cover - every drop pairs with a hold
-                    raise RuntimeError(f"AR-Diffusion page {page} released more often than held")
-                self._counts[page] -= 1
+        self.exchange((), pages)
+
+    def exchange(self, held: Iterable[int], dropped: Iterable[int]) -> None:
+        """One more holder for each page of ``held``, one fewer for each of ``dropped``: all or nothing.
+
+        Every id is checked before any count changes, so a refused call (an id outside the
+        pool, a page released more often than held) leaves every count as it was.
+        """
+        counts = self._counts + self._tally(held, "held") - self._tally(dropped, "released")
+        if (counts < 0).any():  # pragma: no cover - every drop pairs with a hold
+            raise RuntimeError(f"AR-Diffusion pages {np.flatnonzero(counts < 0).tolist()} released more often than "
+                               "held")
+        self._counts = counts
+
+    def _tally(self, pages: Iterable[int], what: str) -> np.ndarray:
+        """How often each page occurs in ``pages`` (the null page ignored); ValueError for an id outside the pool."""
+        index = np.asarray([int(p) for p in pages if p != self.num_pages], np.int64)
+        if index.size and (index.min() < 0 or index.max() >= self.num_pages):
+            bad = sorted({int(p) for p in index if not 0 <= p < self.num_pages})
+            raise ValueError(f"AR-Diffusion pages {bad} {what} are outside the pool [0, {self.num_pages})")
+        return np.bincount(index, minlength=self.num_pages).astype(np.int32)
+
+    def checked_tables(self, tables: Any, num_runs: int, run_pages: int, what: str = "pages") -> tuple[PageTable, ...]:
+        """``tables`` as tuples of ints if they are page tables of this pool, else ValueError naming ``what``.
+
+        ``num_runs`` tables (or none: nothing written) of ``run_pages`` entries, each entry an
+        integer page id in ``[0, num_pages)`` or the null page, no page in two entries (a run
+        holds a page once; two runs of one session never share one).
+        """
+        if not isinstance(tables, (tuple, list)) or (tables and len(tables) != num_runs):
+            raise ValueError(f"AR-Diffusion {what} must be {num_runs} page tables (or none), got {tables!r}")
+        checked: list[PageTable] = []
+        seen: set[int] = set()
+        for run, table in enumerate(tables):
+            if not isinstance(table, (tuple, list)) or len(table) != run_pages:
+                raise ValueError(f"AR-Diffusion {what}[{run}] must be a table of {run_pages} page ids, got {table!r}")
+            for slot, page in enumerate(table):
+                if isinstance(page, (bool, np.bool_)) or not isinstance(page, (int, np.integer)) \
+                        or not 0 <= page <= self.num_pages:
+                    raise ValueError(f"AR-Diffusion {what}[{run}][{slot}] = {page!r} is not a page of this pool: "
+                                     f"an integer in [0, {self.num_pages}) or the null page {self.num_pages}")
+                if page != self.num_pages and int(page) in seen:
+                    raise ValueError(f"AR-Diffusion {what}[{run}][{slot}]: page {int(page)} appears twice in the "
+                                     "session's tables (a page holds one frame of one run)")
+                seen.add(int(page))
+            checked.append(tuple(int(page) for page in table))
+        return tuple(checked)
 
     def check_tables(self, tables: Iterable[PageTable]) -> None:
         """RuntimeError unless the counts are exactly the holders among ``tables`` (a consistency check for tests)."""

@@ -151,20 +151,25 @@ class ARDiffusionKVState(LegacyStateAPI):
         """Install a new session value (after any device call returned); adapters follow it.
 
         The one place a session's page tables change: the cache's reference counts follow
-        (the new tables' pages held, the old ones' dropped)."""
-        old, self._value = self._value, value
-        self._cursor_arrays = {}
+        (the new tables' pages held, the old ones' dropped), updated before the value is
+        installed, all or nothing, so a table the pool refuses is never installed.
+        """
+        old = self._value
         if old.pages is not value.pages and old.pages != value.pages:
-            pool = self._cache.page_pool
+            held: list[int] = []
+            dropped: list[int] = []
             if len(old.pages) == len(value.pages):  # a commit: only the written slots changed
                 for old_table, new_table in zip(old.pages, value.pages, strict=True):
                     if old_table is not new_table:
                         changed = [(a, b) for a, b in zip(old_table, new_table, strict=True) if a != b]
-                        pool.hold(b for _, b in changed)
-                        pool.drop(a for a, _ in changed)
+                        held.extend(b for _, b in changed)
+                        dropped.extend(a for a, _ in changed)
             else:
-                pool.hold(page for table in value.pages for page in table)
-                pool.drop(page for table in old.pages for page in table)
+                held = [page for table in value.pages for page in table]
+                dropped = [page for table in old.pages for page in table]
+            self._cache.page_pool.exchange(held, dropped)
+        self._value = value
+        self._cursor_arrays = {}
         for name, adapter in self._adapters.items():
             adapter._cursor = value.cursors[name]
 
@@ -264,7 +269,9 @@ class ARDiffusionKVState(LegacyStateAPI):
         ``value`` describes (the same slot with no commit since the snapshot, or pages copied
         in by the caller). Validated before anything changes
         (:func:`~ardiff_jax.runtime.check_session_kv`): the same session id and branches,
-        cursors this spec could produce, consistent run owners, well-shaped cross caches.
+        cursors this spec could produce, consistent run owners, well-shaped cross caches, and
+        page tables of this pool (every id in ``[0, num_pages)`` or the null page, none twice).
+        A refused restore changes nothing: no count moves, no table is installed.
         """
         self._check_usable()
         if not isinstance(value, SessionKV):
@@ -275,9 +282,13 @@ class ARDiffusionKVState(LegacyStateAPI):
             raise RuntimeError(f"AR-Diffusion session {self._session_id!r} has pending forward contexts on "
                                f"{sorted(self._pending)}; commit or discard them before restoring")
         checked = check_session_kv(self._cache.spec, value)
+        # Every page id against the pool before anything changes: an id past it would be counted
+        # (or fail half-counted) and its table installed, after which close() could not release it.
+        pages = self._cache.page_pool.checked_tables(checked.pages, self._cache.spec.num_local_kv_branches,
+                                                     self._cache.layout.run_pages, "restore value pages")
         self._publish(SessionKV(session_id=checked.session_id, slot=self._value.slot, cursors=checked.cursors,
                                 cross_attention=checked.cross_attention, run_owners=checked.run_owners,
-                                pages=checked.pages))
+                                pages=pages))
 
     # -- guards --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
