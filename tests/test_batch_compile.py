@@ -225,3 +225,60 @@ def test_close_stops_the_background_compiler(modules, monkeypatch):
     assert started.wait(60)
     engine.close()
     assert engine.runner.wait_for_batch_compilation(60)
+
+
+def test_close_stops_the_twin_between_buckets_waits_for_it_and_frees_its_pools(modules, monkeypatch):
+    """close() during the twin's first bucket: the twin builds no other bucket, and once close()
+    returns the compiler thread is gone and the twin's pools are freed (issue 43, item 4)."""
+    inside = threading.Event()
+    original = ARDiffusionModelRunner._warmup_bucket
+    serving: list[ARDiffusionModelRunner] = []
+    twins: list[tuple[ARDiffusionModelRunner, int]] = []
+
+    def held(self, bucket, **kwargs):
+        if serving and self is not serving[0]:  # the twin runner, on the compiler thread
+            twins.append((self, bucket))
+            inside.set()
+            serving[0]._stop_compiling.wait(60)  # go on once close() has asked the compiler to stop
+        return original(self, bucket, **kwargs)
+
+    monkeypatch.setattr(ARDiffusionModelRunner, "_warmup_bucket", held)
+    original_init = ARDiffusionModelRunner.__init__
+
+    def remember(self, *args, **kwargs):
+        if not serving:
+            serving.append(self)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ARDiffusionModelRunner, "__init__", remember)
+    pipeline, engine = _engine(modules, "background")
+    try:
+        assert inside.wait(60)
+    finally:
+        engine.close()
+    compiler = engine.runner._bucket_compiler
+    assert compiler is not None and not compiler.is_alive()  # close() waited for the compiler
+    assert [bucket for _, bucket in twins] == [2]  # stopped between buckets: bucket 4 never started
+    twin = twins[0][0]
+    assert twin.closed and twin.kv_cache.closed  # the second set of pools is freed
+    assert engine.runner.compiled_batch_buckets == ()  # a stopped twin's buckets are not adopted
+
+
+def test_interpreter_exit_during_a_background_compile_is_clean(tmp_path):
+    """A process that exits while the compiler thread compiles exits 0, not SIGABRT (issue 43, item 4)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_compiling.py"
+    script.write_text(
+        "from ardiff_jax import ARDiffusionEngine, EngineConfig\n"
+        "from ardiff_jax.models import SpriteWorldPipeline, SpriteWorldPipelineConfig\n"
+        "pipeline = SpriteWorldPipeline('sprite_world', SpriteWorldPipelineConfig(session_capacity=4))\n"
+        f"engine = ARDiffusionEngine(pipeline, EngineConfig(**{CONFIG!r}, batch_compile='background'))\n"
+        "assert engine.runner._bucket_compiler.is_alive()\n"
+        "print('exiting while compiling', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert "exiting while compiling" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Aborted" not in done.stderr and "terminate called" not in done.stderr

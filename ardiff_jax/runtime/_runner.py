@@ -25,6 +25,7 @@ runs, releases KV, calls hooks, waits for the device).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -109,6 +110,27 @@ _PIPELINE_METHODS = (
 #: Pipelines bound to an open runner (by id; the runner keeps its pipeline alive, so ids stay unique).
 _BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = weakref.WeakValueDictionary()
 
+#: How long ``close()`` (and interpreter exit) waits for the bucket compiler: it stops at its
+#: next bucket, so this bounds one bucket's compile; past it, close goes on and logs.
+_COMPILER_JOIN_TIMEOUT_S = 600.0
+
+#: Runners whose background bucket compiler may still run (weakly held: a dropped runner is not kept).
+_COMPILING_RUNNERS: weakref.WeakSet[ARDiffusionModelRunner] = weakref.WeakSet()
+
+
+def _stop_bucket_compilers() -> None:
+    """At interpreter exit: stop every background bucket compiler and wait for it.
+
+    A daemon thread still inside an XLA compile when the interpreter tears the backend down
+    aborts the process (SIGABRT). Registered after ``import jax`` above, so it runs before
+    jax's own exit handlers (atexit runs last-registered first).
+    """
+    for runner in list(_COMPILING_RUNNERS):
+        runner._stop_bucket_compiler()
+
+
+atexit.register(_stop_bucket_compilers)
+
 
 @dataclasses.dataclass(frozen=True)
 class SessionEvent:
@@ -141,7 +163,10 @@ class ARDiffusionModelRunner:
       config: :class:`~ardiff_jax.EngineConfig`.
     """
 
-    def __init__(self, pipeline: Any, config: EngineConfig | None = None) -> None:
+    def __init__(self, pipeline: Any, config: EngineConfig | None = None, *,
+                 _stop_compiling: threading.Event | None = None) -> None:
+        # _stop_compiling (internal): a compile twin shares its serving runner's stop flag, so that
+        # runner's close() stops the twin's warmup between buckets, inside this constructor.
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -226,7 +251,7 @@ class ARDiffusionModelRunner:
         # (compiled_batch_buckets) iterates a value nobody changes.
         self._compiled_buckets: frozenset[int] = frozenset()
         self._forced_bucket: int | None = None  # the bucket a background warmup batch is padded to
-        self._stop_compiling = threading.Event()
+        self._stop_compiling = threading.Event() if _stop_compiling is None else _stop_compiling
         self._bucket_compiler: threading.Thread | None = None
         try:
             self._warmup()
@@ -236,6 +261,7 @@ class ARDiffusionModelRunner:
         if self._batches_to_compile():
             self._bucket_compiler = threading.Thread(target=self._compile_buckets_in_background,
                                                      name="ardiff-jax bucket compiler", daemon=True)
+            _COMPILING_RUNNERS.add(self)
             self._bucket_compiler.start()
 
     # -- read-only views ---------------------------------------------------------------------
@@ -644,9 +670,27 @@ class ARDiffusionModelRunner:
 
     def _compile_buckets_in_background(self) -> None:
         """The compiler thread: on a twin pipeline when the pipeline offers one and it fits, else under the lock."""
-        if isinstance(self._pipeline, SupportsARDiffusionCompileTwin) and self._compile_buckets_on_a_twin():
+        try:
+            if isinstance(self._pipeline, SupportsARDiffusionCompileTwin) and self._compile_buckets_on_a_twin():
+                return
+            self._compile_buckets_under_the_lock()
+        finally:
+            _COMPILING_RUNNERS.discard(self)
+
+    def _stop_bucket_compiler(self) -> None:
+        """Stop the background compiler and wait for it (it checks the flag between buckets).
+
+        Not from the compiler thread itself, nor while this thread holds the runner lock (the
+        compiler under the lock takes it per bucket): then only the flag is set.
+        """
+        self._stop_compiling.set()
+        compiler = self._bucket_compiler
+        if compiler is None or compiler is threading.current_thread() or self._lock._is_owned():
             return
-        self._compile_buckets_under_the_lock()
+        compiler.join(_COMPILER_JOIN_TIMEOUT_S)
+        if compiler.is_alive():  # pragma: no cover - a compile that outlasts the bound
+            logger.warning("AR-Diffusion background bucket compiler still running %.0f s after close; going on",
+                           _COMPILER_JOIN_TIMEOUT_S)
 
     def _compile_buckets_on_a_twin(self) -> bool:
         """Every bucket built by a twin runner of the same layout, outside this runner's lock; False: fall back.
@@ -660,13 +704,20 @@ class ARDiffusionModelRunner:
         config = dataclasses.replace(self._config, batch_compile="eager", host_offload_bytes=0,
                                      available_memory_bytes=plan.available_bytes,
                                      gpu_memory_fraction=plan.gpu_memory_fraction)
+        if self._stop_compiling.is_set():  # closed before the thread got here: no twin, no fallback
+            return True
         try:
-            twin = ARDiffusionModelRunner(self._pipeline.ar_diffusion_compile_twin(), config)
+            # The twin compiles every bucket inside its constructor; sharing the stop flag makes
+            # it stop between buckets when this runner closes (it is closed below either way).
+            twin = ARDiffusionModelRunner(self._pipeline.ar_diffusion_compile_twin(), config,
+                                          _stop_compiling=self._stop_compiling)
         except Exception as error:  # e.g. no room for a second set of pools: compile under the lock instead
             logger.warning("AR-Diffusion background compilation cannot use a twin pipeline (%r); compiling under "
                            "the runner lock", error)
             return False
         try:
+            if self._stop_compiling.is_set():  # stopped between the twin's buckets: its pools go now
+                return True
             if twin.kv_cache.layout != self._kv_cache.layout or twin.batch_buckets != self._batch_buckets:
                 logger.warning("AR-Diffusion twin pipeline planned another layout; compiling under the runner lock")
                 return False
@@ -674,6 +725,7 @@ class ARDiffusionModelRunner:
                 self._compiled_buckets |= set(twin.compiled_batch_buckets)
         finally:
             twin.close()
+            del twin  # the twin's pipeline and pools are freed with the thread, not kept by its frame
         logger.info("AR-Diffusion background compilation built batch buckets %s on a twin pipeline",
                     self._batch_buckets)
         return True
@@ -838,8 +890,12 @@ class ARDiffusionModelRunner:
             self._release_session(session_id, reset_model=False, reason="close")
 
     def close(self) -> None:
-        """Release every session (close hooks; errors logged) and free the pools. Idempotent."""
-        self._stop_compiling.set()  # the compiler thread stops at its next bucket (it takes the lock per bucket)
+        """Release every session (close hooks; errors logged) and free the pools. Idempotent.
+
+        A background bucket compiler is stopped first and waited for (it stops at its next
+        bucket, its twin's pools freed), outside the lock: it takes the lock per bucket.
+        """
+        self._stop_bucket_compiler()
         with self._locked():
             if self._closed:
                 return
@@ -1362,6 +1418,8 @@ class ARDiffusionModelRunner:
         executed = 0
         try:
             for request in self._pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID):
+                if self._stop_compiling.is_set():  # a compile twin whose serving runner closed
+                    break
                 if not isinstance(request, DiffusionRequest):
                     logger.warning("AR-Diffusion warmup yielded %r, not a DiffusionRequest; skipped", request)
                     continue
@@ -1407,6 +1465,9 @@ class ARDiffusionModelRunner:
         if self._batcher is None or not self._batch_buckets:
             return
         for bucket in self._batch_buckets:
+            if self._stop_compiling.is_set():  # a compile twin whose serving runner closed: stop between buckets
+                logger.info("AR-Diffusion batch warmup stopped before bucket %d (the runner closed)", bucket)
+                return
             if not self._warmup_bucket(bucket):
                 return
             self._compiled_buckets |= {bucket}
