@@ -700,18 +700,27 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         """
         if new_id in self._sessions:
             raise ValueError(f"{type(self).__name__} already holds model state for session {new_id!r}")
+        if noise_seed is not None and (not is_integer(noise_seed) or not 0 <= int(noise_seed) < 2**31):
+            # Checked before the import: a key that cannot be made must not leave the fork's state behind.
+            raise ValueError(f"noise_seed must be an integer in [0, 2**31) (as request seeds) or None, "
+                             f"got {noise_seed!r}")
         session = self._sessions.get(source_id)
         if session is None:
             return
         self.import_ar_diffusion_session(new_id, session.to_tree())
-        forked = self._sessions.get(new_id)
-        for name in type(session).donated_fields if forked is not None else ():
-            value = getattr(forked, name)
-            if value is not None:  # a program donates these: sharing them would delete the other session's
-                setattr(forked, name, jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value))
-        if noise_seed is not None:
-            self._sessions[new_id] = dataclasses.replace(self._sessions[new_id],
-                                                         key=new_session_key(int(noise_seed), self.device))
+        try:
+            forked = self._sessions.get(new_id)
+            for name in type(session).donated_fields if forked is not None else ():
+                value = getattr(forked, name)
+                if value is not None:  # a program donates these: sharing them would delete the other session's
+                    setattr(forked, name,
+                            jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value))
+            if noise_seed is not None:
+                self._sessions[new_id] = dataclasses.replace(self._sessions[new_id],
+                                                             key=new_session_key(int(noise_seed), self.device))
+        except BaseException:  # a refused fork leaves no model state under new_id
+            self._sessions.pop(new_id, None)
+            raise
 
     def _session_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the session's float arrays, for import validation (``"field"`` or ``"field.subfield"``)."""

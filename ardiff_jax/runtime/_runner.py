@@ -114,6 +114,10 @@ _BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = wea
 #: next bucket, so this bounds one bucket's compile; past it, close goes on and logs.
 _COMPILER_JOIN_TIMEOUT_S = 600.0
 
+#: Exclusive bound of a fork's ``noise_seed``: the request seeds' (``inputs["seed"]`` in the
+#: pipelines, ``seed`` in the server protocol), so a fork's seed is one a request could give.
+_MAX_NOISE_SEED = 2**31
+
 #: Runners whose background bucket compiler may still run (weakly held: a dropped runner is not kept).
 _COMPILING_RUNNERS: weakref.WeakSet[ARDiffusionModelRunner] = weakref.WeakSet()
 
@@ -1189,9 +1193,11 @@ class ARDiffusionModelRunner:
         """
         check_session_id(source_id)
         check_session_id(new_id, "fork session id")
-        if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer))
-                                       or noise_seed < 0):
-            raise ValueError(f"noise_seed must be a non-negative integer or None, got {noise_seed!r}")
+        if noise_seed is not None and (isinstance(noise_seed, (bool, np.bool_))
+                                       or not isinstance(noise_seed, (int, np.integer))
+                                       or not 0 <= int(noise_seed) < _MAX_NOISE_SEED):
+            raise ValueError(f"noise_seed must be an integer in [0, 2**31) (as request seeds) or None, "
+                             f"got {noise_seed!r}")
         if not isinstance(self._pipeline, SupportsARDiffusionSessionFork):
             raise TypeError(f"{type(self._pipeline).__name__} cannot fork sessions: it does not implement "
                             "SupportsARDiffusionSessionFork (fork_ar_diffusion_session)")
@@ -1218,19 +1224,20 @@ class ARDiffusionModelRunner:
                 raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
             value = source._value
             state = self._kv_cache.create_state(new_id)
-            forked = False
             try:
                 with self._running_pipeline_code(_ForkCall(source_id, new_id)):
                     self._pipeline.fork_ar_diffusion_session(source_id, new_id, noise_seed=noise_seed)
-                forked = True
                 state.restore(SessionKV(session_id=new_id, slot=state.slot, cursors=value.cursors,
                                         cross_attention=value.cross_attention, run_owners=value.run_owners,
                                         pages=value.pages))  # holds the shared pages: nothing is copied
             except BaseException:
                 state._release()
-                if forked:
-                    with contextlib.suppress(Exception):
-                        self._pipeline.close_ar_diffusion_session(new_id)
+                # Undo whatever model state the hook imported, also when the hook itself failed
+                # after importing: left behind, it would refuse the next fork under new_id and
+                # seed a new session under new_id from the source. new_id is neither resident
+                # nor offloaded here, so the pipeline holds nothing else under it.
+                with contextlib.suppress(Exception):
+                    self._pipeline.close_ar_diffusion_session(new_id)
                 raise
             state._runner_managed = True
             self._table.add(new_id, state)
