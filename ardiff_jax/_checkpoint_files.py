@@ -52,6 +52,7 @@ from ardiff_jax._files import check_regular_file, open_regular_file
 
 __all__ = [
     "MAX_EXPECTED_TENSORS",
+    "MAX_HEADER_TENSORS",
     "SAFETENSORS_DTYPES",
     "CheckpointError",
     "SafetensorsError",
@@ -88,6 +89,12 @@ _HEADER_METADATA_BYTES = 2**20
 #: The tensor count a loader expects when it does not know the network yet (the largest
 #: published networks it reads have ~1100: Wan 14B's 40 blocks).
 MAX_EXPECTED_TENSORS = 4096
+#: Tensor entries any safetensors header may have. Real checkpoints have a few thousand (Wan 14B
+#: ~1100, umT5-XXL ~500, a whole VLA checkpoint ~3000); without a bound, a 90 MB header of 1.4M
+#: zero-size entries costs 1.3 GB and 15 s of parsing, all before any tensor is looked at.
+MAX_HEADER_TENSORS = 65_536
+#: The largest byte count (and, zeros aside, element count) an array may have: numpy's ``intp``.
+_MAX_ARRAY_BYTES = np.iinfo(np.intp).max
 
 
 def header_budget(tensors: int) -> int:
@@ -95,8 +102,20 @@ def header_budget(tensors: int) -> int:
     return min(_MAX_HEADER_BYTES, _HEADER_METADATA_BYTES + _HEADER_BYTES_PER_TENSOR * max(int(tensors), 1))
 
 
-class SafetensorsError(ValueError):
-    """A ``.safetensors`` file that is not a valid one (truncated, corrupt header, bad offsets)."""
+class CheckpointError(ValueError):
+    """A checkpoint (or LoRA, or config) that cannot be loaded into the requested model."""
+
+
+class SafetensorsError(CheckpointError):
+    """A ``.safetensors`` file that is not a valid one (truncated, corrupt header, bad offsets).
+
+    A :class:`CheckpointError`, so that a caller reading a file directly (not through a
+    loader's :func:`as_checkpoint_error`) catches it as one too.
+    """
+
+
+class _TooManyEntries(Exception):
+    """Raised inside the JSON parser to stop it at the header entry limit (not a ValueError: json's own)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +171,24 @@ class SafetensorsFile:
         return SafetensorsError(f"{self.path} is not a valid safetensors file: it {what}")
 
     def _parse(self, raw: bytes, data_size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+        limit = MAX_HEADER_TENSORS
+        objects = 0
+
+        # The parser counts the JSON objects it builds (each tensor entry is one, plus the top level and the
+        # metadata) and stops at the first past the limit: a header of a million entries is refused after
+        # `limit` of them, not materialised whole (1.3 GB for 90 MB) and then looked at.
+        def counted(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            nonlocal objects
+            objects += 1
+            if objects > limit + 2:
+                raise _TooManyEntries
+            return dict(pairs)  # what json.loads builds: the last of duplicate keys wins
+
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=counted)
+        except _TooManyEntries:
+            raise self._error(f"has more than {limit} entries in its header, more than it may have (real "
+                              "checkpoints have a few thousand tensors; corrupt, or built to exhaust memory)") from None
         except UnicodeDecodeError as error:  # (its message would quote the byte)
             raise self._error(f"has a corrupt JSON header (not UTF-8 at byte {error.start})") from None
         except RecursionError:
@@ -167,6 +202,9 @@ class SafetensorsFile:
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict):
             raise self._error("has a '__metadata__' entry that is not an object")
+        if len(header) > limit:  # (the parser's count allows for the top level and the metadata)
+            raise self._error(f"has {len(header)} entries in its header, more than the {limit} it may have (real "
+                              "checkpoints have a few thousand tensors)")
         tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
@@ -188,6 +226,12 @@ class SafetensorsFile:
             if offsets[1] > data_size:
                 raise self._error(f"places tensor {name!r} at bytes {offsets} of a {data_size}-byte data section "
                                   "(truncated)")
+            # numpy refuses (a bare ValueError, at read time) a shape whose dimensions, zeros skipped, span more
+            # bytes than an address can: [0, 2**63] holds no bytes, so the checks above let it through.
+            if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
+                shown = shape if len(shape) <= 8 else f"of {len(shape)} dimensions"
+                raise self._error(f"has shape {shown} for tensor {name!r} ({entry['dtype']}), beyond what an array "
+                                  f"can address ({_MAX_ARRAY_BYTES} bytes, zero dimensions aside)")
             tensors[name] = TensorInfo(name, dtype, tuple(shape), self._data_start + offsets[0],
                                        self._data_start + offsets[1])
         ranges = sorted((info.start, info.end, name) for name, info in tensors.items() if info.nbytes)
@@ -245,10 +289,6 @@ class SafetensorsFile:
 
 
 # -- checkpoint refusals ---------------------------------------------------------------------------
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or LoRA, or config) that cannot be loaded into the requested model."""
 
 
 def shown_names(names: Iterable[str], limit: int = 12) -> str:

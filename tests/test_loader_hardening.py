@@ -234,6 +234,51 @@ def test_a_header_larger_than_the_expected_tensors_need_is_refused_before_it_is_
     assert load_checkpoint(good, CONFIG).config == CONFIG
 
 
+def _zero_size_entries(path: Path, count: int) -> Path:
+    """A safetensors file of ``count`` zero-size F32 entries (the cheapest header entry there is)."""
+    body = ",".join(f'"t{i}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}' for i in range(count))
+    raw = ("{" + body + "}").encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return path
+
+
+def test_a_header_with_too_many_entries_is_refused_before_they_are_all_built(tmp_path, monkeypatch):
+    """Issue 43 item 11: a 90 MB header of 1.4M zero-size entries cost 1.3 GB and 15 s to open. The parser
+    now stops at the entry limit: with the limit at 50, a 20,000-entry header is refused having built ~50."""
+    import ardiff_jax._checkpoint_files as files
+
+    path = _zero_size_entries(tmp_path / "many.safetensors", 20_000)
+    header_bytes = path.stat().st_size
+    monkeypatch.setattr(files, "MAX_HEADER_TENSORS", 50)
+    result, peak = _peak(lambda: SafetensorsFile(path))
+    assert isinstance(result, CheckpointError), result  # SafetensorsError is a CheckpointError
+    assert "many.safetensors" in str(result) and "more than 50 entries" in str(result), result
+    # The raw header and its decoded text (2x its size), not 20,000 parsed entries (~20x).
+    assert peak < 4 * header_bytes, (peak, header_bytes)
+    monkeypatch.undo()
+    # At the real limit, far above any checkpoint (Wan 14B ~1100 tensors, a VLA ~3000).
+    path = _zero_size_entries(tmp_path / "limit.safetensors", files.MAX_HEADER_TENSORS + 1)
+    with pytest.raises(CheckpointError, match=rf"limit\.safetensors .*has {files.MAX_HEADER_TENSORS + 1} entries"):
+        SafetensorsFile(path)
+    assert len(SafetensorsFile(_zero_size_entries(tmp_path / "real.safetensors", 3000))) == 3000
+
+
+@pytest.mark.parametrize("dtype, shape", [("F32", [0, 2**63]), ("U8", [0, 2**63]), ("F32", [0, 2**62, 4]),
+                                          ("BF16", [2**40, 0, 2**40])])
+def test_a_zero_size_tensor_no_array_can_have_is_a_checkpoint_error_naming_the_file(tmp_path, dtype, shape):
+    """Issue 43 item 11: shape [0, 2**63] holds no bytes, so the offsets agree with it; numpy then refused it
+    with a bare ValueError when the tensor was read. It is refused with the header, naming the file."""
+    path = _raw_safetensors(tmp_path / "huge.safetensors", {"t": {"dtype": dtype, "shape": shape,
+                                                                  "data_offsets": [0, 0]}})
+    with pytest.raises(CheckpointError, match=r"huge\.safetensors .*shape .* for tensor 't'.*beyond what an array"):
+        SafetensorsFile(path).read("t")
+    # The largest such shape numpy can make is still read (as an empty array).
+    fine = [0, (2**63 - 1) // np.dtype(np.float32).itemsize]
+    path = _raw_safetensors(tmp_path / "fine.safetensors", {"t": {"dtype": "F32", "shape": fine,
+                                                                  "data_offsets": [0, 0]}})
+    assert SafetensorsFile(path).read("t").shape == tuple(fine)
+
+
 # -- 6. side files and weight files are regular files of bounded size --------------------------------------
 
 
