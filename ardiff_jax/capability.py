@@ -400,8 +400,11 @@ class SupportsARDiffusionBatch(Protocol):
     protocol the engine runs the requests one by one.
 
     Contract for ``forward_batch``: **all or nothing on the pipeline's side.** It changes no
-    session's model state until every device call of the batch returned; if it raises, every
-    session's model state is as before the call. The runtime then restores every session's
+    session's model state itself: it stages it and hands its installation to
+    ``batch.defer_publish``, which the runtime runs only once it has awaited the batch's
+    outputs and pool writes (a device error can surface only then, e.g. an out-of-memory at
+    execution time). If it raises, or the batch fails when awaited, every session's model
+    state is as before the call. The runtime then restores every session's
     KV bookkeeping to its value before the batch (pages written by the batch sit where the
     restored cursors do not read: a commit writes only pages its forward could not see) and
     reruns the requests one by one, so only a failing session is released.

@@ -53,6 +53,7 @@ map); image tokens are the first observed latent frame's patch features resample
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
@@ -635,8 +636,8 @@ class CFGWorldActionPipeline(PipelineBase):
         Per session, as :meth:`forward`: the prompt check (a changed prompt resets the
         session), the cross caches and the observation's commit on both branches. Then every
         denoise step of every session and both branches is one program
-        (:data:`cfg_step_batch`). Model state is staged and installed after the last device
-        call (all or nothing).
+        (:data:`cfg_step_batch`). Model state is staged and installed by the runner only once it
+        has awaited the batch's device work (``batch.defer_publish``; all or nothing).
         """
         batch = self._bound_batch()
         states = batch.states
@@ -684,7 +685,8 @@ class CFGWorldActionPipeline(PipelineBase):
             session.last_video, session.last_actions = video, actions
             session.block_index += 1
             outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
-        self._publish_staged(staged)
+        batch.defer_publish(functools.partial(self._publish_staged, staged),
+                            [session.device_arrays() for session in staged.values()])
         return outputs
 
     @staticmethod

@@ -768,9 +768,10 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         """A private copy of a session's model state for a batched tick (a new one if it has none).
 
         ``forward_batch`` is all or nothing (``SupportsARDiffusionBatch``): it changes these
-        copies (every change is an attribute assignment, so a shallow copy suffices) and
-        installs them with :meth:`_publish_staged` only after every device call returned; a
-        batch that raises leaves ``self._sessions`` as it was.
+        copies (every change is an attribute assignment, so a shallow copy suffices) and hands
+        :meth:`_publish_staged` of them to ``batch.defer_publish``: the runner installs them only
+        once it has awaited the batch's device work, so a batch that raises, or fails when
+        awaited, leaves ``self._sessions`` as it was.
         """
         session = self._sessions.get(session_id)
         if session is None:
@@ -778,7 +779,7 @@ class PipelineBase(BoundStateMixin, abc.ABC):
         return dataclasses.replace(session)
 
     def _publish_staged(self, sessions: Mapping[str, Any]) -> None:
-        """Install the staged sessions of a batched tick that completed."""
+        """Install the staged sessions of a batched tick the runner awaited (``batch.defer_publish``)."""
         self._sessions.update(sessions)
 
     def _text_kv(self, prompt: str) -> tuple[jax.Array, jax.Array]:

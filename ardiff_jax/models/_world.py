@@ -45,6 +45,7 @@ runner touches any session; ``forward`` and ``step`` parse with the same code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -472,7 +473,9 @@ class WorldPipeline(PipelineBase):
         prompt and cross caches, a new session's prefill) runs per session as in
         :meth:`forward`; the denoise steps and the clean commit run once for the whole batch
         (:data:`world_step_batch`), and every block is committed with one donated write. Model
-        state is staged and installed only after the last device call (all or nothing).
+        state is staged and installed by the runner only once it has awaited the batch's device
+        work (``batch.defer_publish``): a batch that raises, here or when awaited, leaves every
+        session's model state as it was (all or nothing).
         """
         batch = self._bound_batch()
         states = batch.states
@@ -491,7 +494,8 @@ class WorldPipeline(PipelineBase):
             self._start_block(state, session, block_inputs, staged=True)
             staged[session_id] = session
         blocks = self._advance_batch(batch, [staged[state.session_id] for state in states])
-        self._publish_staged(staged)
+        batch.defer_publish(functools.partial(self._publish_staged, staged),
+                            [session.device_arrays() for session in staged.values()])
         return [with_tick_metadata(block, request) for block, request in zip(blocks, requests, strict=True)]
 
     def _advance_batch(self, batch: Any, sessions: list[_WorldSession]) -> list[WorldBlock]:

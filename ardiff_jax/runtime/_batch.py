@@ -14,12 +14,17 @@ Padded rows read nothing (their cursor says nothing is committed, so every page 
 invisible) and write nothing (their pages are the null page).
 
 Everything follows the state handle's transaction rule: validate on the host, dispatch
-one device call, then publish bookkeeping.
+one device call, then publish bookkeeping. A pipeline's own model state of the batch
+follows it too, one step later: ``forward_batch`` hands it to
+:meth:`ARDiffusionKVBatch.defer_publish`, and the runner installs it only once it has
+awaited the batch's device work (an asynchronous device error, as an out-of-memory at
+execution time, surfaces only there), so the one-by-one rerun of a failed batch starts
+from the model state before the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
@@ -146,6 +151,7 @@ class ARDiffusionKVBatch:
         self._index = {state.session_id: i for i, state in enumerate(states)}
         if len(self._index) != len(states):
             raise ValueError("ARDiffusionKVBatch sessions must be distinct")
+        self._deferred: list[tuple[Callable[[], None], Any]] = []  # (publish, arrays): see defer_publish
 
     # -- a handle, not a value -------------------------------------------------------------------
     def _refuse_copy(self, *args: Any) -> NoReturn:
@@ -276,6 +282,40 @@ class ARDiffusionKVBatch:
         self._check_bound()
         for state in self._states:
             state.discard_paged_context(kv_branch)
+
+    # -- the pipeline's model state: installed only once the batch is known good -----------------
+    def defer_publish(self, publish: Callable[[], None], arrays: Any = ()) -> None:
+        """Install the batch's staged model state with ``publish()`` once the runner knows the batch good.
+
+        ``forward_batch`` dispatches device work and returns before it ran: a device error
+        (an out-of-memory at execution time on an accelerator) surfaces only when the runner
+        awaits the outputs. So a pipeline stages its sessions' model state and hands its
+        installation here instead of installing it itself. After ``forward_batch`` returns,
+        the runner awaits the outputs, the pool writes and ``arrays`` (a pytree: the staged
+        state's device arrays), then calls every ``publish``, in order. If ``forward_batch``
+        raises or any of that fails, no ``publish`` runs: the runner reruns the requests one by
+        one from exactly the model state before the batch. ``publish`` runs on the host and
+        must not raise (it installs what was staged, e.g. ``dict.update``); if it does, every
+        session of the batch is released (fail-closed), as its state is then half installed.
+        """
+        self._check_bound()
+        if not callable(publish):
+            raise TypeError(f"defer_publish(publish) needs a callable, got {type(publish).__name__}")
+        self._deferred.append((publish, arrays))
+
+    def _deferred_arrays(self) -> list[Any]:
+        """What the runner awaits besides the outputs before it publishes (the staged model state)."""
+        return [arrays for _, arrays in self._deferred]
+
+    def _publish_deferred(self) -> None:
+        """The runner, after the batch's device work is known good: install the staged model state."""
+        deferred, self._deferred = self._deferred, []
+        for publish, _ in deferred:
+            publish()
+
+    def _drop_deferred(self) -> None:
+        """The runner, on a failed batch: the staged model state is never installed (its arrays freed now)."""
+        self._deferred = []
 
     def _validate_block_kv(self, kv: Any, seq_len: int) -> tuple[jax.Array, jax.Array]:
         layout = self._cache.layout

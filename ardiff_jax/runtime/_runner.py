@@ -635,8 +635,11 @@ class ARDiffusionModelRunner:
                 raise TypeError(f"forward_batch must return one output per request ({len(requests)}), got "
                                 f"{type(outputs).__name__}")
             outputs = list(outputs)
-            self._synchronize(outputs)
+            # An asynchronous device error surfaces here, not in forward_batch: the staged model
+            # state (batch.defer_publish) is awaited too and installed only after this returned.
+            self._synchronize((outputs, batch._deferred_arrays()))
         except Exception as error:
+            batch._drop_deferred()  # never installed: the rerun starts from the model state before the batch
             logger.warning("AR-Diffusion batched forward of sessions %s failed (%r); rerunning them one by one",
                            session_ids, error)
             if self._kv_cache.pools.is_deleted():  # nothing to rerun on: every session's KV is gone
@@ -651,6 +654,14 @@ class ARDiffusionModelRunner:
             for session_id in session_ids:
                 self._fail_closed(session_id, error)
             raise
+        try:
+            batch._publish_deferred()
+        except BaseException as error:  # model state half installed beside committed KV: nothing to rerun from
+            for session_id in session_ids:
+                self._fail_closed(session_id, error)
+            if not isinstance(error, Exception):
+                raise
+            return [None] * len(requests), dict.fromkeys(session_ids, error)
         self._compiled_buckets |= {bucket}
         return outputs, {}
 
