@@ -28,9 +28,10 @@ from ardiff_jax.models._cfg import (
     cfg_step,
 )
 from ardiff_jax.models._common import DiTModules, FewStepSchedule, noise_key
-from ardiff_jax.models._config import DIT_PRESETS, CausalDiTConfig, dit_preset
+from ardiff_jax.models._config import DIT_PRESETS, ActionRegisterConfig, CausalDiTConfig, dit_preset
 from ardiff_jax.models._dit import (
     ActionInputs,
+    ActionStateInputs,
     ActionKV,
     ByteTextEncoder,
     CausalDiT,
@@ -70,6 +71,8 @@ from ardiff_jax.models._world import (
 
 __all__ = [
     "ActionInputs",
+    "ActionRegisterConfig",
+    "ActionStateInputs",
     "ActionKV",
     "commit_action_cache",
     "init_action_cache",

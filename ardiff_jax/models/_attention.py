@@ -18,11 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ardiff_jax.kv import KVLayout, ref_attention, visible_history
 from ardiff_jax.models._config import CausalDiTConfig
 
-__all__ = ["SelfAttentionBackend", "DenseAttention", "MaskedAttention", "block_causal_mask", "dot_attention"]
+__all__ = ["SelfAttentionBackend", "DenseAttention", "MaskedAttention", "block_causal_mask", "dot_attention",
+           "teacher_forcing_mask"]
 
 
 @runtime_checkable
@@ -146,6 +148,61 @@ def block_causal_mask(
     per_instance = jnp.concatenate([video, registers], axis=1)  # [Bq, S]
     rows = jnp.concatenate([jnp.repeat(per_instance, f * tokens, axis=0), jnp.repeat(per_instance, num_reg, axis=0)])
     return rows
+
+
+def teacher_forcing_mask(config: CausalDiTConfig, num_frames: int, *, state_attends_like_inference: bool = False
+                         ) -> np.ndarray:
+    """``bool[S, S]``: DreamZero's teacher-forcing token mask (:meth:`~ardiff_jax.models.CausalDiT.
+    forward_teacher_forcing`), ``S = 2 F T + N (A + S_r)``.
+
+    Tokens: the ``F = 1 + N f`` clean frames, the ``F`` noisy frames, the ``N`` blocks' actions,
+    then their states. As the release's training forward:
+
+    * clean frame 0 and noisy frame 0 (the conditioning frame) see only themselves;
+    * clean block ``i`` sees clean frame 0, the clean frames of its window up to itself
+      (``window_frames`` frames ending with the block, frame 0 excluded from the count);
+    * noisy block ``i`` and its actions see every clean frame before the block, the block's noisy
+      frames, its actions and its state;
+    * a state token sees its block's state tokens only (``state_attends_like_inference``: what an
+      action token sees, which is what the cached inference shows it).
+    """
+    register = config.action_register
+    if register is None:
+        raise ValueError(f"config {config.name!r} has no action/state register")
+    f, tokens, window = config.frames_per_block, config.tokens_per_frame, config.window_frames
+    a, s = register.actions_per_block, register.states_per_block
+    if num_frames < 1 + f or (num_frames - 1) % f:
+        raise ValueError(f"num_frames must be 1 + a positive multiple of {f}, got {num_frames}")
+    blocks = (num_frames - 1) // f
+    video = num_frames * tokens
+    size = 2 * video + blocks * (a + s)
+    mask = np.zeros((size, size), bool)
+
+    def clean(first: int, last: int) -> slice:
+        return slice(first * tokens, last * tokens)
+
+    def noisy(first: int, last: int) -> slice:
+        return slice(video + first * tokens, video + last * tokens)
+
+    def actions(i: int) -> slice:
+        return slice(2 * video + i * a, 2 * video + (i + 1) * a)
+
+    def states(i: int) -> slice:
+        return slice(2 * video + blocks * a + i * s, 2 * video + blocks * a + (i + 1) * s)
+
+    mask[clean(0, 1), clean(0, 1)] = True
+    mask[noisy(0, 1), noisy(0, 1)] = True
+    for i in range(blocks):
+        first, end = 1 + i * f, 1 + (i + 1) * f
+        mask[clean(first, end), clean(0, 1)] = True
+        mask[clean(first, end), clean(max(1, end - window), end)] = True
+        rows = [noisy(first, end), actions(i)] + ([states(i)] if state_attends_like_inference else [])
+        for row in rows:
+            for col in (clean(0, first), noisy(first, end), actions(i), states(i)):
+                mask[row, col] = True
+        if not state_attends_like_inference:
+            mask[states(i), states(i)] = True
+    return mask
 
 
 def dot_attention(

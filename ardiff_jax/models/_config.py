@@ -25,6 +25,9 @@ Presets:
   Matrix-Game 2.0 (36 input channels, CLIP image tokens as the only context, keyboard/mouse
   action modules in blocks 0-14; ``ardiff_jax.models.matrix_game``); ``matrix-game-tiny`` for
   CPU tests.
+* ``dreamzero-droid``, ``dreamzero-wan22-5b``: DreamZero (causal Wan with an action/state register,
+  :class:`ActionRegisterConfig`; ``ardiff_jax.models.dreamzero``) on the Wan2.1-I2V-14B and
+  Wan2.2-TI2V-5B backbones; ``dreamzero-tiny``: the tiny network of its parity fixture.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 
-__all__ = ["CONTEXT_EMBEDDINGS", "DIT_PRESETS", "ActionConfig", "CausalDiTConfig", "dit_preset"]
+__all__ = ["CONTEXT_EMBEDDINGS", "DIT_PRESETS", "ActionConfig", "ActionRegisterConfig", "CausalDiTConfig", "dit_preset"]
 
 #: How a config's cross-attention context is embedded: ``"text"`` (Wan's text MLP,
 #: Linear-GELU(tanh)-Linear) or ``"image"`` (Wan I2V's ``img_emb`` MLPProj over CLIP image
@@ -113,11 +116,60 @@ class ActionConfig:
         return 1 + self.frames_per_latent * (num_latent_frames - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class ActionRegisterConfig:
+    """DreamZero's action/state register: the robot's noisy action chunk and its state ride with a block.
+
+    Per denoised block the transformer reads ``actions_per_block`` action tokens and
+    ``states_per_block`` state tokens after the video tokens. They are never cached (scratch),
+    attend to everything the video tokens attend to (and are attended by them), and carry their
+    own per-token timestep (actions: each its own; the state: its block's first action's).
+
+    * ``action_encoder``: ``W3(swish(W2([W1 a, sinusoid(t)])))``, each a category-specific linear
+      (``W [categories, in, out]``) of width ``dim``; the sinusoid is ``[sin, cos]`` over ``dim``;
+    * ``state_encoder``: ``layer2(relu(layer1 s))``, width ``hidden_size``;
+    * ``action_decoder``: ``layer2(relu(layer1 h))`` on the last block's hidden states of the
+      action tokens (no head norm), width ``hidden_size``;
+    * 1-D RoPE over the whole head: action ``j`` of register block ``i`` at position
+      ``i * actions_per_block + j`` (a table of ``action_positions``), the state at ``i``
+      (``state_positions``), with ``i = (frame_start - 1) // frames_per_block``.
+
+    Attributes:
+      action_dim: width of one action (DROID: 32, of which 8 are used).
+      state_dim: width of the state vector (DROID: 64, of which 8 are used).
+      actions_per_block, states_per_block: register tokens per block (DROID: 24 and 1).
+      hidden_size: width of the state encoder and action decoder MLPs (the release's
+        ``CausalWanModel.hidden_size``, 1024 for DROID; not the head config's field).
+      categories: embodiment categories of the category-specific linears (the release forces 1).
+      action_positions, state_positions: rows of the 1-D RoPE tables (10240 and 1024).
+    """
+
+    action_dim: int = 32
+    state_dim: int = 64
+    actions_per_block: int = 24
+    states_per_block: int = 1
+    hidden_size: int = 1024
+    categories: int = 1
+    action_positions: int = 10240
+    state_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            object.__setattr__(self, field.name,
+                               check_positive_int(f"ActionRegisterConfig {field.name}", getattr(self, field.name)))
+
+    @property
+    def num_tokens(self) -> int:
+        """Register tokens per block: actions then states."""
+        return self.actions_per_block + self.states_per_block
+
+
 _POSITIVE = (
     "num_layers", "dim", "num_heads", "ffn_dim", "latent_channels", "latent_height", "latent_width",
     "patch_size", "text_len", "text_dim", "frames_per_block", "window_frames", "freq_dim",
 )
-_NON_NEGATIVE = ("sink_frames", "image_len", "num_register_tokens", "register_dim", "control_dim", "input_channels")
+_NON_NEGATIVE = ("sink_frames", "image_len", "image_dim", "num_register_tokens", "register_dim", "control_dim",
+                 "input_channels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +182,10 @@ class CausalDiTConfig:
       patch_size: spatial patch (Wan: 2x2); ``tokens_per_frame = (H / p) * (W / p)``.
       text_len, text_dim: text context tokens and the text encoder's width (umT5: 512 x 4096).
       image_len: image-conditioning tokens (Wan I2V CLIP: 257); 0 = no image branch.
+      image_dim: width of the image tokens. 0: the image branch reads patch features
+        (``patch_dim``) through a stand-in MLP; > 0 (CLIP ViT-H/14: 1280): Wan I2V's ``img_emb``
+        MLPProj (LayerNorm, Linear ``image_dim -> image_dim``, GELU, Linear ``-> dim``,
+        LayerNorm; eps 1e-5), as DreamZero runs it.
       frames_per_block: latent frames one AR block generates and commits.
       window_frames, sink_frames: visible context = sink + window frames, current block included.
       num_register_tokens, register_dim: action/state (control) tokens that ride along with
@@ -144,6 +200,7 @@ class CausalDiTConfig:
         ``text_len x text_dim`` cross-attention context is embedded. ``"image"``: the context is
         CLIP image tokens (Matrix-Game: 257 x 1280) through Wan's MLPProj; there is no text.
       action: :class:`ActionConfig` (Matrix-Game 2.0's keyboard/mouse modules) or None.
+      action_register: :class:`ActionRegisterConfig` (DreamZero's action/state register) or None.
       freq_dim: sinusoidal timestep embedding width (Wan: 256).
       rope_theta, eps: RoPE base and norm epsilon.
       dtype: activation dtype; param_dtype: parameter dtype.
@@ -163,12 +220,14 @@ class CausalDiTConfig:
     sink_frames: int = 0
     patch_size: int = 2
     image_len: int = 0
+    image_dim: int = 0
     num_register_tokens: int = 0
     register_dim: int = 0
     control_dim: int = 0
     input_channels: int = 0
     context_embedding: str = "text"
     action: ActionConfig | None = None
+    action_register: ActionRegisterConfig | None = None
     freq_dim: int = 256
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -225,6 +284,16 @@ class CausalDiTConfig:
             if self.sink_frames or self.num_register_tokens or self.control_dim or self.image_len:
                 raise ValueError("CausalDiTConfig with action modules must have sink_frames, num_register_tokens, "
                                  "control_dim and image_len 0")
+        if self.action_register is not None:
+            if not isinstance(self.action_register, ActionRegisterConfig):
+                raise TypeError(f"CausalDiTConfig action_register must be an ActionRegisterConfig or None, got "
+                                f"{type(self.action_register).__name__}")
+            # One register kind per network: DreamZero's encoders replace the generic register map.
+            if self.num_register_tokens or self.control_dim or self.action is not None:
+                raise ValueError("CausalDiTConfig with an action_register must have num_register_tokens, control_dim "
+                                 "0 and no action modules")
+        if self.image_dim and not self.image_len:
+            raise ValueError(f"CausalDiTConfig image_dim ({self.image_dim}) needs image_len > 0")
         if (self.num_register_tokens > 0) != (self.register_dim > 0):
             raise ValueError(
                 "CausalDiTConfig num_register_tokens and register_dim must both be zero or both positive, got "
@@ -405,12 +474,51 @@ def matrix_game_tiny() -> CausalDiTConfig:
                             keyboard_hidden_dim=16, mouse_hidden_dim=16, rope_dim=4))
 
 
+def _dreamzero(name: str, *, num_layers: int, dim: int, num_heads: int, ffn_dim: int, channels: int,
+               latent: tuple[int, int], input_channels: int, hidden_size: int = 1024,
+               dtype: str = "bfloat16") -> CausalDiTConfig:
+    # DreamZero (NVIDIA GEAR): causal Wan with an action/state register. 2-frame blocks; the
+    # release's local_attn_size = max_chunk_size (4) * 2 + 1 = 9 frames visible (its cache keeps
+    # the last 9 frames, current block included), no sink; 512 x 4096 umT5 text plus 257 CLIP
+    # ViT-H/14 tokens (1280 wide) through img_emb.
+    return CausalDiTConfig(
+        name=name, num_layers=num_layers, dim=dim, num_heads=num_heads, ffn_dim=ffn_dim, latent_channels=channels,
+        latent_height=latent[0], latent_width=latent[1], text_len=512, text_dim=4096, image_len=257, image_dim=1280,
+        frames_per_block=2, window_frames=9, sink_frames=0, input_channels=input_channels,
+        action_register=ActionRegisterConfig(hidden_size=hidden_size), dtype=dtype, param_dtype=dtype)
+
+
+def dreamzero_droid() -> CausalDiTConfig:
+    """DreamZero-DROID (``GEAR-Dreams/DreamZero-DROID``): the Wan2.1-I2V-14B network (40 layers, 40 heads x 128,
+    dim 5120, FFN 13824), 36 input channels (16 noisy + 4 mask + 16 image latent), three 176x320 views tiled
+    into 352x640 = a 44x80 latent (880 tokens/frame), register width 1024; bf16."""
+    return _dreamzero("dreamzero-droid", num_layers=40, dim=5120, num_heads=40, ffn_dim=13824, channels=16,
+                      latent=(44, 80), input_channels=36)
+
+
+def dreamzero_wan22_5b() -> CausalDiTConfig:
+    """DreamZero on the Wan2.2-TI2V-5B backbone (the release's ``WAN22_BACKBONE.md``): 30 layers, 24 heads
+    x 128, dim 3072, FFN 14336, 48 latent channels read alone (no first-frame concat; the first frame
+    enters through CLIP), 160x320 video through the 16x VAE = a 10x20 latent (50 tokens/frame); bf16."""
+    return _dreamzero("dreamzero-wan22-5b", num_layers=30, dim=3072, num_heads=24, ffn_dim=14336, channels=48,
+                      latent=(10, 20), input_channels=0)
+
+
+def dreamzero_tiny() -> CausalDiTConfig:
+    """The tiny random DreamZero-DROID network of the parity fixture: 3 layers, 2 heads x 32, dim 64, FFN 160,
+    an 8x12 latent (24 tokens/frame, non-square), register width 40; text, CLIP and register sizes as DROID;
+    float32."""
+    return _dreamzero("dreamzero-tiny", num_layers=3, dim=64, num_heads=2, ffn_dim=160, channels=16,
+                      latent=(8, 12), input_channels=36, hidden_size=40, dtype="float32")
+
+
 DIT_PRESETS: dict[str, Callable[[], CausalDiTConfig]] = {
     "tiny": tiny, "medium": medium, "wan_1_3b": wan_1_3b, "sprite_world": sprite_world,
     "sprite-world-tiny": sprite_world_tiny,
     "wan-tiny": wan_tiny, "wan2.1-t2v-1.3b": wan21_t2v_1_3b, "wan2.1-t2v-14b": wan21_t2v_14b, "wan2.2-ti2v-5b": wan22_ti2v_5b,
     "matrix-game-2-universal": matrix_game_2_universal, "matrix-game-2-gta-drive": matrix_game_2_gta_drive,
-    "matrix-game-2-templerun": matrix_game_2_templerun, "matrix-game-tiny": matrix_game_tiny}
+    "matrix-game-2-templerun": matrix_game_2_templerun, "matrix-game-tiny": matrix_game_tiny,
+    "dreamzero-droid": dreamzero_droid, "dreamzero-wan22-5b": dreamzero_wan22_5b, "dreamzero-tiny": dreamzero_tiny}
 
 
 def dit_preset(name: str, **overrides: object) -> CausalDiTConfig:

@@ -57,13 +57,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ardiff_jax.models._attention import SelfAttentionBackend, dot_attention
+from ardiff_jax.models._attention import MaskedAttention, SelfAttentionBackend, dot_attention, teacher_forcing_mask
 from ardiff_jax.models._config import ActionConfig, CausalDiTConfig
 
 __all__ = ["CausalDiT", "DiTOutput", "ByteTextEncoder", "tokenize_prompt", "patchify", "unpatchify",
            "rope_rotation", "apply_rope", "timestep_embedding", "ActionModule", "ActionInputs", "ActionKV",
            "init_action_cache", "commit_action_cache", "action_history_mask", "action_cache_nbytes",
-           "block_causal_action_mask"]
+           "block_causal_action_mask", "ActionStateInputs", "CategorySpecificLinear", "action_state_rotation"]
 
 _F32 = jnp.float32
 
@@ -329,7 +329,7 @@ class SelfAttention(nnx.Module):
         self,
         x: jax.Array,  # [V + E, dim]: video tokens then register tokens
         num_video: int,  # V (static)
-        rotation: tuple[jax.Array, jax.Array],  # (cos, sin) f32[V, D/2] each
+        rotation: tuple[jax.Array, jax.Array],  # (cos, sin) f32[V, D/2] or f32[V + E, D/2] each
         layer: jax.Array,  # i32[]
         attention: SelfAttentionBackend,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -340,15 +340,17 @@ class SelfAttention(nnx.Module):
         k = self.norm_k(self.k(x)).reshape(s, heads, head_dim)
         v = self.v(x).reshape(s, heads, head_dim)
         # Rotate before the K/V leave the layer: the cache holds rotated keys at absolute
-        # frame positions, so history never needs re-rotation when the window slides.
-        q_video = apply_rope(q[:num_video], rotation)
-        k_video = apply_rope(k[:num_video], rotation)
-        v_video = v[:num_video]
+        # frame positions, so history never needs re-rotation when the window slides. The
+        # rotation covers the video tokens, or the video tokens and the registers (DreamZero's
+        # 1-D register RoPE, action_state_rotation); registers past it stay unrotated.
+        rotated = rotation[0].shape[0]
+        q = jnp.concatenate([apply_rope(q[:rotated], rotation), q[rotated:]]) if rotated < s else apply_rope(q, rotation)
+        k = jnp.concatenate([apply_rope(k[:rotated], rotation), k[rotated:]]) if rotated < s else apply_rope(k, rotation)
+        k_video, v_video = k[:num_video], v[:num_video]
         if s > num_video:
-            q_all = jnp.concatenate([q_video, q[num_video:]])
-            extra_k, extra_v = k[num_video:], v[num_video:]
+            q_all, extra_k, extra_v = q, k[num_video:], v[num_video:]
         else:
-            q_all, extra_k, extra_v = q_video, None, None
+            q_all, extra_k, extra_v = q, None, None
         out = attention.attend(layer, q_all, k_video, v_video, extra_k=extra_k, extra_v=extra_v,
                                scale=1.0 / math.sqrt(head_dim))
         return self.o(out.reshape(s, cfg.dim)), (k_video, v_video)
@@ -698,6 +700,90 @@ def block_causal_action_mask(
     return (history | itself).reshape(num_instances, num_instances * f)
 
 
+class ActionStateInputs(NamedTuple):
+    """One denoising call's action/state register (DreamZero, ``config.action_register``).
+
+    Attributes:
+      actions: ``f32[A, action_dim]`` the noisy action chunk (A = actions_per_block).
+      action_timesteps: ``f32[A]`` each action token's diffusion time (integers in DreamZero).
+      state: ``f32[S, state_dim]`` the robot state (S = states_per_block), zero-padded.
+    """
+
+    actions: jax.Array
+    action_timesteps: jax.Array
+    state: jax.Array
+
+
+class CategorySpecificLinear(nnx.Module):
+    """A linear map per embodiment category: ``x @ W[c] + b[c]`` with ``W [categories, in, out]``
+    (the release's layout, not torch's ``[out, in]``). DreamZero forces one category."""
+
+    def __init__(self, categories: int, din: int, dout: int, param_dtype: str, rngs: nnx.Rngs) -> None:
+        self.W = nnx.Param((jax.random.normal(rngs.params(), (categories, din, dout), _F32) / math.sqrt(din))
+                           .astype(param_dtype))
+        self.b = nnx.Param(jnp.zeros((categories, dout), param_dtype))
+
+    def __call__(self, x: jax.Array, category: int = 0) -> jax.Array:
+        out = jnp.matmul(x, self.W[category].astype(x.dtype), preferred_element_type=_F32)
+        return out + self.b[category].astype(_F32)
+
+
+class CategorySpecificMLP(nnx.Module):
+    """``layer2(relu(layer1(x)))``, both category-specific (DreamZero's state encoder and action decoder)."""
+
+    def __init__(self, categories: int, din: int, hidden: int, dout: int, param_dtype: str, rngs: nnx.Rngs) -> None:
+        self.layer1 = CategorySpecificLinear(categories, din, hidden, param_dtype, rngs)
+        self.layer2 = CategorySpecificLinear(categories, hidden, dout, param_dtype, rngs)
+
+    def __call__(self, x: jax.Array, dtype: Any) -> jax.Array:
+        h = jax.nn.relu(self.layer1(x.astype(dtype)))
+        return self.layer2(h.astype(dtype))
+
+
+class ActionEncoder(nnx.Module):
+    """DreamZero's ``MultiEmbodimentActionEncoder``: ``W3(swish(W2([W1 a, sinusoid(t)])))``, width ``dim``.
+
+    The sinusoid is ``[sin, cos](t * exp(-k ln(10000) / (dim/2)))`` in float32, as the release's
+    ``SinusoidalPositionalEncoding`` computes it (not Wan's ``[cos, sin]`` of the modulation).
+    """
+
+    def __init__(self, categories: int, action_dim: int, dim: int, param_dtype: str, rngs: nnx.Rngs) -> None:
+        self.W1 = CategorySpecificLinear(categories, action_dim, dim, param_dtype, rngs)
+        self.W2 = CategorySpecificLinear(categories, 2 * dim, dim, param_dtype, rngs)
+        self.W3 = CategorySpecificLinear(categories, dim, dim, param_dtype, rngs)
+
+    def __call__(self, actions: jax.Array, timesteps: jax.Array, dtype: Any) -> jax.Array:
+        dim = self.W3.W.shape[-1]
+        embedded = self.W1(actions.astype(dtype))
+        angles = jnp.asarray(timesteps, _F32)[:, None] * jnp.asarray(_action_sinusoid_freqs(dim))
+        tau = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+        h = self.W2(jnp.concatenate([embedded, tau], axis=-1).astype(dtype))
+        return self.W3(jax.nn.silu(h).astype(dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _action_sinusoid_freqs(dim: int) -> np.ndarray:
+    """``f32[dim/2]``: ``exp(-k ln(10000) / (dim/2))``, rounded once from float64 (the release builds it in float32)."""
+    half = dim // 2
+    return np.exp(-np.arange(half, dtype=np.float64) * (math.log(10000.0) / half)).astype(np.float32)
+
+
+def action_state_rotation(config: CausalDiTConfig, frame_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin) f32[A + S, D/2]``: DreamZero's 1-D RoPE of a denoising call's register tokens.
+
+    Over the whole head (base ``rope_theta``): action ``j`` at ``i * A + j``, state ``k`` at
+    ``i * S + k``, where ``i = (frame_start - 1) // frames_per_block`` is the register block (the
+    first block after the conditioning frame is 0). The release slices its 10240- and 1024-row
+    tables there, so positions past them are outside what it can run.
+    """
+    register = config.action_register
+    assert register is not None
+    block = jnp.floor_divide(jnp.asarray(frame_start, jnp.int32) - 1, config.frames_per_block)
+    positions = jnp.concatenate([block * register.actions_per_block + jnp.arange(register.actions_per_block),
+                                 block * register.states_per_block + jnp.arange(register.states_per_block)])
+    return _rotation_at(positions, config.head_dim, config.rope_theta)
+
+
 class CausalDiT(nnx.Module):
     """Wan-style block-causal video DiT (see the module docstring).
 
@@ -728,12 +814,25 @@ class CausalDiT(nnx.Module):
         self.time_in = _linear(config, config.freq_dim, dim, rngs)
         self.time_out = _linear(config, dim, dim, rngs)
         self.time_projection = _linear(config, dim, 6 * dim, rngs)
-        if config.image_len:
+        if config.image_len and config.image_dim:
+            # Wan I2V's img_emb MLPProj over CLIP tokens (torch LayerNorm's default eps 1e-5).
+            self.image_norm_in = AffineLayerNorm(config.image_dim, 1e-5, config.param_dtype)
+            self.image_in = _linear(config, config.image_dim, config.image_dim, rngs)
+            self.image_out = _linear(config, config.image_dim, dim, rngs)
+            self.image_norm_out = AffineLayerNorm(dim, 1e-5, config.param_dtype)
+        elif config.image_len:
             # Wan's MLPProj over CLIP features; here over the stand-in image features (patch features).
             self.image_norm_in = AffineLayerNorm(config.patch_dim, config.eps, config.param_dtype)
             self.image_in = _linear(config, config.patch_dim, dim, rngs)
             self.image_out = _linear(config, dim, dim, rngs)
             self.image_norm_out = AffineLayerNorm(dim, config.eps, config.param_dtype)
+        if config.action_register is not None:
+            register, pdt = config.action_register, config.param_dtype
+            self.state_encoder = CategorySpecificMLP(register.categories, register.state_dim, register.hidden_size,
+                                                     dim, pdt, rngs)
+            self.action_encoder = ActionEncoder(register.categories, register.action_dim, dim, pdt, rngs)
+            self.action_decoder = CategorySpecificMLP(register.categories, dim, register.hidden_size,
+                                                      register.action_dim, pdt, rngs)
         if config.control_dim:
             self.control_in = _linear(config, config.control_dim, dim, rngs)
             self.control_out = _linear(config, dim, dim, rngs)
@@ -773,7 +872,7 @@ class CausalDiT(nnx.Module):
         return self.text_out(jax.nn.gelu(self.text_in(text_features), approximate=True))
 
     def embed_image(self, image_features: jax.Array) -> jax.Array:
-        """``[Ni, patch_dim]`` -> ``[Ni, dim]`` (Wan's img_emb MLPProj)."""
+        """``[Ni, image_dim or patch_dim]`` -> ``[Ni, dim]`` (Wan's img_emb MLPProj)."""
         if not self.config.image_len:
             raise ValueError("this CausalDiT has no image branch (config.image_len == 0)")
         h = self.image_in(self.image_norm_in(image_features))
@@ -789,7 +888,7 @@ class CausalDiT(nnx.Module):
         return self._per_layer(lambda attn: attn.project_text(context))
 
     def image_cross_kv(self, image_features: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Every layer's image cross-attention K/V: ``[Ni, patch_dim]`` -> ``[L, Ni, H, D]`` x 2."""
+        """Every layer's image cross-attention K/V: ``[Ni, image_dim or patch_dim]`` -> ``[L, Ni, H, D]`` x 2."""
         context = self.embed_image(image_features)
         return self._per_layer(lambda attn: attn.project_image(context))
 
@@ -937,6 +1036,7 @@ class CausalDiT(nnx.Module):
         condition: jax.Array | None = None,  # f32[f, in_channels - C, H, W]: I2V channels after the latent's
         actions: ActionInputs | None = None,  # the block's action windows (config.action)
         action_history: ActionKV | None = None,  # the session's action ring [A, W, ...] (config.action)
+        action_state: ActionStateInputs | None = None,  # the register of a denoising call (config.action_register)
     ) -> DiTOutput:
         """One AR block (inference): history comes from ``attention`` (the paged view or a dense reference).
 
@@ -946,6 +1046,12 @@ class CausalDiT(nnx.Module):
         channels (Matrix-Game: 4 mask + 16 image-condition channels). With action modules
         (``config.action``) ``actions`` and ``action_history`` are required; the output's
         ``action_kv`` is what :func:`commit_action_cache` stores for the clean block.
+
+        With an action/state register (``config.action_register``, DreamZero) a denoising call
+        passes ``action_state``: its tokens follow the video tokens with their own per-token
+        timesteps and 1-D RoPE, and the output's ``registers`` is the action flow
+        ``f32[A, action_dim]`` (the decoder on the last block's hidden states). A commit call
+        passes none (video tokens only).
         """
         cfg = self.config
         self._check_latents(latents, 1)
@@ -958,6 +1064,12 @@ class CausalDiT(nnx.Module):
         if condition is not None:
             latents = jnp.concatenate([latents.astype(_F32), condition.astype(_F32)], axis=1)
         x = self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
+        if cfg.action_register is not None:
+            return self._call_action_state(x, frames, timestep, frame_start, text_kv, image_kv, registers, controls,
+                                           attention, action_state)
+        if action_state is not None:
+            raise ValueError("this CausalDiT has no action/state register (config.action_register is None); "
+                             "action_state must be None")
         if registers is not None:
             if registers.ndim != 2:
                 raise ValueError(
@@ -990,6 +1102,68 @@ class CausalDiT(nnx.Module):
                            cfg.latent_width, cfg.patch_size)
         reg_out = self.register_head(h[num_video:]).astype(_F32) if registers is not None else None
         return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v, action_kv=action_kv)
+
+    def _encode_action_state(self, inputs: ActionStateInputs) -> jax.Array:
+        """``[A + S, dim]`` (or every block's: ``[N*A + N*S, dim]``): the action encoder's tokens, then the
+        state encoder's (category 0, as the release)."""
+        cfg = self.config
+        actions = self.action_encoder(inputs.actions, inputs.action_timesteps, cfg.dtype)
+        state = self.state_encoder(inputs.state, cfg.dtype)
+        return jnp.concatenate([actions, state]).astype(_F32)
+
+    def _check_action_state(self, inputs: Any, registers: Any, controls: Any) -> None:
+        register = self.config.action_register
+        if registers is not None or controls is not None:
+            raise ValueError("a CausalDiT with an action/state register takes no registers or controls")
+        if inputs is None:
+            return
+        if not isinstance(inputs, ActionStateInputs):
+            raise TypeError(f"action_state must be an ActionStateInputs, got {type(inputs).__name__}")
+        a, s = register.actions_per_block, register.states_per_block
+        want = {"actions": (a, register.action_dim), "action_timesteps": (a,), "state": (s, register.state_dim)}
+        for field, shape in want.items():
+            got = tuple(jnp.shape(getattr(inputs, field)))
+            if got != shape:
+                raise ValueError(f"action_state.{field} must be {list(shape)}, got {list(got)}")
+
+    def _call_action_state(self, x: jax.Array, frames: int, timestep: jax.Array, frame_start: jax.Array,
+                           text_kv: tuple[jax.Array, jax.Array], image_kv: tuple[jax.Array, jax.Array] | None,
+                           registers: Any, controls: Any, attention: SelfAttentionBackend,
+                           action_state: ActionStateInputs | None) -> DiTOutput:
+        """:meth:`__call__` of a network with DreamZero's action/state register (``x`` the patch-embedded video).
+
+        Every token has its own timestep (video tokens their frame's, action tokens their own, a
+        state token its block's first action's) and the register is rotated by its 1-D RoPE
+        after the video tokens' 3-D one (:func:`action_state_rotation`).
+        """
+        cfg = self.config
+        register = cfg.action_register
+        self._check_action_state(action_state, registers, controls)
+        num_video = frames * cfg.tokens_per_frame
+        times = jnp.broadcast_to(jnp.asarray(timestep, _F32), (frames,))
+        rotation = rope_rotation(cfg, frame_start, frames)
+        counts = [cfg.tokens_per_frame] * frames
+        if action_state is not None:
+            x = jnp.concatenate([x, self._encode_action_state(action_state)])
+            action_times = jnp.asarray(action_state.action_timesteps, _F32)
+            # The release's timestep_action[:, ::stride]: each state token takes its block's first action time.
+            state_times = action_times[:: register.actions_per_block // register.states_per_block]
+            times = jnp.concatenate([times, action_times, state_times])
+            counts += [1] * register.num_tokens
+            reg_cos, reg_sin = action_state_rotation(cfg, frame_start)
+            rotation = (jnp.concatenate([rotation[0], reg_cos]), jnp.concatenate([rotation[1], reg_sin]))
+        e, e0 = self._time(times)
+        counts = np.array(counts)
+        e = jnp.repeat(e, counts, axis=0, total_repeat_length=int(counts.sum()))
+        e0 = jnp.repeat(e0, counts, axis=0, total_repeat_length=int(counts.sum()))
+        x, block_k, block_v = self._layers(x, e0, num_video, rotation, attention, text_kv, image_kv)
+        h = self._head(x[:num_video], e[:num_video])
+        video = unpatchify(self.head(h).astype(_F32), frames, cfg.latent_channels, cfg.latent_height,
+                           cfg.latent_width, cfg.patch_size)
+        action_flow = None
+        if action_state is not None:  # the decoder reads the residual stream itself: no head norm
+            action_flow = self.action_decoder(x[num_video: num_video + register.actions_per_block], cfg.dtype)
+        return DiTOutput(video=video, registers=action_flow, k=block_k, v=block_v)
 
     def _check_action_args(self, frames: int, condition: jax.Array | None, actions: ActionInputs | None,
                            history: ActionKV | None, image_kv: Any, registers: Any) -> None:
@@ -1164,6 +1338,85 @@ class CausalDiT(nnx.Module):
         if registers is not None:
             reg_out = self.register_head(h[num_video:]).astype(_F32).reshape(num_instances, -1, cfg.register_dim)
         return DiTOutput(video=video, registers=reg_out, k=block_k, v=block_v, action_kv=action_kv)
+
+    def forward_teacher_forcing(
+        self,
+        noisy: jax.Array,  # f32[F, C, H, W]: noisy latents, F = 1 + N * frames_per_block
+        clean: jax.Array,  # f32[F, C, H, W]: the clean latents of the same frames (the context)
+        timesteps: jax.Array,  # f32[F]: each noisy frame's diffusion time
+        text_kv: tuple[jax.Array, jax.Array],  # [L, N_text, H, D] each
+        image_kv: tuple[jax.Array, jax.Array] | None,  # [L, 257, H, D] each
+        action_state: ActionStateInputs,  # actions [N*A, action_dim], action_timesteps [N*A], state [N*S, state_dim]
+        *,
+        condition: jax.Array | None = None,  # f32[F, in_channels - C, H, W]: the I2V channels of every frame
+        state_attends_like_inference: bool = False,
+    ) -> DiTOutput:
+        """DreamZero's training-mode whole-sequence forward (teacher forcing, the release's ``_forward_train``).
+
+        The clean frames (timestep 0), the noisy frames, every block's action tokens and state tokens go
+        through the network at once under :func:`~ardiff_jax.models.teacher_forcing_mask`; video and
+        register tokens are rotated and modulated exactly as in the cached inference (clean and noisy
+        frame ``g`` at frame ``g``, register block ``i`` at ``i``). The release's state token attends only
+        to itself here, unlike in inference (``state_attends_like_inference=True`` gives the inference
+        visibility, which makes this forward equal the cached rollout).
+
+        Shapes:
+          returns: DiTOutput with ``video f32[F, C, H, W]`` (the noisy frames' flow) and ``registers
+          f32[N*A, action_dim]`` (the action flow); ``k``, ``v`` are the whole sequence's video keys.
+        """
+        cfg = self.config
+        register = cfg.action_register
+        if register is None:
+            raise ValueError("forward_teacher_forcing needs a network with an action/state register")
+        self._check_latents(noisy, 1)
+        self._check_latents(clean, 1)
+        frames = noisy.shape[0]
+        blocks = (frames - 1) // cfg.frames_per_block
+        if clean.shape != noisy.shape or jnp.shape(timesteps) != (frames,) or frames < 1 + cfg.frames_per_block \
+                or (frames - 1) % cfg.frames_per_block:
+            raise ValueError(f"noisy and clean must be the same [1 + N * {cfg.frames_per_block}, C, H, W] frames "
+                             f"and timesteps [F]; got {noisy.shape}, {clean.shape}, {jnp.shape(timesteps)}")
+        want = {"actions": (blocks * register.actions_per_block, register.action_dim),
+                "action_timesteps": (blocks * register.actions_per_block,),
+                "state": (blocks * register.states_per_block, register.state_dim)}
+        for field, shape in want.items():
+            if tuple(jnp.shape(getattr(action_state, field))) != shape:
+                raise ValueError(f"action_state.{field} must be {list(shape)} for {blocks} blocks, got "
+                                 f"{list(jnp.shape(getattr(action_state, field)))}")
+        extra = cfg.in_channels - cfg.latent_channels
+        if extra and (condition is None or tuple(condition.shape) != (frames, extra, cfg.latent_height,
+                                                                     cfg.latent_width)):
+            raise ValueError(f"condition must be [{frames}, {extra}, {cfg.latent_height}, {cfg.latent_width}]")
+
+        def embed(latents: jax.Array) -> jax.Array:
+            if extra:
+                latents = jnp.concatenate([latents.astype(_F32), condition.astype(_F32)], axis=1)
+            return self.patch_embedding(patchify(latents.astype(cfg.dtype), cfg.patch_size)).astype(_F32)
+
+        num_video = 2 * frames * cfg.tokens_per_frame
+        x = jnp.concatenate([embed(clean), embed(noisy), self._encode_action_state(action_state)])
+        action_times = jnp.asarray(action_state.action_timesteps, _F32)
+        state_times = action_times[:: register.actions_per_block // register.states_per_block]
+        times = jnp.concatenate([jnp.zeros((frames,), _F32), jnp.asarray(timesteps, _F32), action_times, state_times])
+        counts = np.array([cfg.tokens_per_frame] * (2 * frames) + [1] * (blocks * register.num_tokens))
+        e, e0 = self._time(times)
+        e = jnp.repeat(e, counts, axis=0, total_repeat_length=int(counts.sum()))
+        e0 = jnp.repeat(e0, counts, axis=0, total_repeat_length=int(counts.sum()))
+        video_cos, video_sin = rope_rotation(cfg, jnp.int32(0), frames)
+        # Register block i's action j at i * A + j and its state k at i * S + k (the inference positions).
+        positions = jnp.concatenate([jnp.arange(blocks * register.actions_per_block),
+                                     jnp.arange(blocks * register.states_per_block)])
+        reg_cos, reg_sin = _rotation_at(positions, cfg.head_dim, cfg.rope_theta)
+        rotation = (jnp.concatenate([video_cos, video_cos, reg_cos]), jnp.concatenate([video_sin, video_sin, reg_sin]))
+        mask = teacher_forcing_mask(cfg, frames, state_attends_like_inference=state_attends_like_inference)
+        x, block_k, block_v = self._layers(x, e0, num_video, rotation, MaskedAttention(jnp.asarray(mask)), text_kv,
+                                           image_kv)
+        noisy_tokens = slice(num_video // 2, num_video)
+        h = self._head(x[noisy_tokens], e[noisy_tokens])
+        video = unpatchify(self.head(h).astype(_F32), frames, cfg.latent_channels, cfg.latent_height,
+                           cfg.latent_width, cfg.patch_size)
+        action_flow = self.action_decoder(x[num_video: num_video + blocks * register.actions_per_block], cfg.dtype)
+        return DiTOutput(video=video, registers=action_flow, k=block_k, v=block_v)
 
     @property
     def num_params(self) -> int:

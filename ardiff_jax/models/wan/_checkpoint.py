@@ -179,10 +179,34 @@ def _action_entries(mouse: bool) -> list[_Entry]:
     return entries
 
 
+def _i2v_entries() -> list[_Entry]:
+    """Wan I2V's image branch over CLIP tokens (DreamZero): ``img_emb`` MLPProj and each block's ``k_img``,
+    ``v_img``, ``norm_k_img``."""
+    return [_Entry("image_norm_in.scale", "img_emb.proj.0.weight", "copy"),
+            _Entry("image_norm_in.bias", "img_emb.proj.0.bias", "copy"),
+            *_linear_entries("image_in", "img_emb.proj.1"), *_linear_entries("image_out", "img_emb.proj.3"),
+            _Entry("image_norm_out.scale", "img_emb.proj.4.weight", "copy"),
+            _Entry("image_norm_out.bias", "img_emb.proj.4.bias", "copy"),
+            *_linear_entries("blocks.cross_attn.k_img", "blocks.{i}.cross_attn.k_img"),
+            *_linear_entries("blocks.cross_attn.v_img", "blocks.{i}.cross_attn.v_img"),
+            _Entry("blocks.cross_attn.norm_k_img.weight", "blocks.{i}.cross_attn.norm_k_img.weight", "copy")]
+
+
+#: DreamZero's action/state register: category-specific linears, ``W [categories, in, out]`` as stored.
+_REGISTER_LINEARS = ("state_encoder.layer1", "state_encoder.layer2", "action_encoder.W1", "action_encoder.W2",
+                     "action_encoder.W3", "action_decoder.layer1", "action_decoder.layer2")
+
+
+def _register_entries() -> list[_Entry]:
+    return [_Entry(f"{name}.{p}", f"{name}.{p}", "copy") for name in _REGISTER_LINEARS for p in ("W", "b")]
+
+
 def _entries(config: CausalDiTConfig) -> list[_Entry]:
     """The mapping of ``config``'s network: Wan's, with Matrix-Game's image context (Wan I2V's ``img_emb``
-    MLPProj instead of the text MLP) and action modules when the config has them."""
-    if config.context_embedding == "text" and config.action is None:
+    MLPProj instead of the text MLP) and action modules, or DreamZero's I2V image branch and action/state
+    register, when the config has them."""
+    if config.context_embedding == "text" and config.action is None and not config.image_dim \
+            and config.action_register is None:
         return _MAPPING
     entries = list(_MAPPING)
     if config.context_embedding == "image":
@@ -194,12 +218,16 @@ def _entries(config: CausalDiTConfig) -> list[_Entry]:
                     _Entry("context_norm_out.bias", "img_emb.proj.4.bias", "copy")]
     if config.action is not None:
         entries += _action_entries(bool(config.action.mouse_dim))
+    if config.image_len and config.image_dim:
+        entries += _i2v_entries()
+    if config.action_register is not None:
+        entries += _register_entries()
     return entries
 
 
 def _by_path(config: CausalDiTConfig) -> dict[str, _Entry]:
-    return _BY_PATH if config.context_embedding == "text" and config.action is None else {
-        entry.path: entry for entry in _entries(config)}
+    entries = _entries(config)
+    return _BY_PATH if entries is _MAPPING else {entry.path: entry for entry in entries}
 
 
 def _stack_size(entry: _Entry, config: CausalDiTConfig) -> int:
@@ -275,6 +303,22 @@ def _our_shapes(config: CausalDiTConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"context_norm_in.scale": (c,), "context_norm_in.bias": (c,), "context_in.kernel": (c, c),
                        "context_in.bias": (c,), "context_out.kernel": (c, d), "context_out.bias": (d,),
                        "context_norm_out.scale": (d,), "context_norm_out.bias": (d,)})
+    if config.image_len and config.image_dim:
+        c = config.image_dim
+        shapes.update({"image_norm_in.scale": (c,), "image_norm_in.bias": (c,), "image_in.kernel": (c, c),
+                       "image_in.bias": (c,), "image_out.kernel": (c, d), "image_out.bias": (d,),
+                       "image_norm_out.scale": (d,), "image_norm_out.bias": (d,),
+                       "blocks.cross_attn.k_img.kernel": (L, d, d), "blocks.cross_attn.k_img.bias": (L, d),
+                       "blocks.cross_attn.v_img.kernel": (L, d, d), "blocks.cross_attn.v_img.bias": (L, d),
+                       "blocks.cross_attn.norm_k_img.weight": (L, d)})
+    if config.action_register is not None:
+        r = config.action_register
+        widths = {"state_encoder.layer1": (r.state_dim, r.hidden_size), "state_encoder.layer2": (r.hidden_size, d),
+                  "action_encoder.W1": (r.action_dim, d), "action_encoder.W2": (2 * d, d), "action_encoder.W3": (d, d),
+                  "action_decoder.layer1": (d, r.hidden_size), "action_decoder.layer2": (r.hidden_size, r.action_dim)}
+        for name, (din, dout) in widths.items():
+            shapes[f"{name}.W"] = (r.categories, din, dout)
+            shapes[f"{name}.b"] = (r.categories, dout)
     if config.action is not None:
         a = config.action
         n, kh, mh, e = a.num_blocks, a.keyboard_hidden_dim, a.mouse_hidden_dim, a.keyboard_embed_dim
@@ -1200,6 +1244,19 @@ def load_checkpoint(
     _check_tensors(ckpt, expected)
     with _as_checkpoint_error():
         loras = _read_lora(lora, lora_alpha, expected) if lora is not None else {}
+    return build_checked_model(ckpt, config, loras, mesh=mesh, progress=progress, lora_name=lora)
+
+
+def build_checked_model(ckpt: _Checkpoint, config: CausalDiTConfig, loras: dict[str, _Lora], *,
+                        mesh: jax.sharding.Mesh | None, progress: bool | None, lora_name: Any = None) -> CausalDiT:
+    """The :class:`CausalDiT` of ``config`` filled from ``ckpt`` (Wan names, already checked against
+    ``wan_names(config)``), each LoRA of ``loras`` merged into its tensor in float32 first.
+
+    One parameter at a time is built on the host in its final dtype and put on device, so the host
+    holds at most one stacked ``[L, ...]`` parameter beside the memory-mapped files; every tensor is
+    used exactly once (asserted).
+    """
+    lora = lora_name
     placement = _placement(mesh, config)
 
     abstract = nnx.eval_shape(lambda: CausalDiT(config, rngs=nnx.Rngs(0)))

@@ -1,0 +1,19 @@
+"""DreamZero (NVIDIA GEAR's world-action model): its transformer is :class:`~ardiff_jax.models.CausalDiT`
+with an action/state register (:class:`~ardiff_jax.models.ActionRegisterConfig`), loaded from the
+release's checkpoint directory by :func:`load_dreamzero`.
+
+Presets: ``dreamzero-droid`` (the 14B DROID network), ``dreamzero-wan22-5b`` (the Wan2.2-5B backbone)
+and ``dreamzero-tiny`` (the parity fixture's network). ``docs/models.md`` ("DreamZero") says what is
+proven against the release's own outputs and what is not yet built (the episode loop, serving).
+"""
+
+from ardiff_jax._checkpoint_files import CheckpointError
+from ardiff_jax.models.dreamzero._checkpoint import (
+    DIT_PREFIX,
+    HEAD_TARGETS,
+    DreamZeroCheckpoint,
+    dreamzero_checkpoint_config,
+    load_dreamzero,
+)
+
+__all__ = ["CheckpointError", "DIT_PREFIX", "HEAD_TARGETS", "DreamZeroCheckpoint", "dreamzero_checkpoint_config", "load_dreamzero"]
