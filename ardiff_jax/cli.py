@@ -189,6 +189,40 @@ def _output_dir(text: str) -> str:
     return text
 
 
+def _make_output_dir(text: str) -> str | None:
+    """Create the directory ``--out`` names and write a file in it; None, or why not (naming --out).
+
+    Run after every other check and before any work: a parent that is writable to ``os.access``
+    can still refuse the directory (a name too long, a read-only or special filesystem, root's
+    ``access`` saying yes to everything), and that used to surface after the whole run.
+    """
+    import tempfile
+
+    try:
+        os.makedirs(text, exist_ok=True)
+        with tempfile.TemporaryFile(dir=text):
+            pass
+    except OSError as error:
+        return f"argument --out: cannot write in {text!r}: {error.strerror or error}"
+    return None
+
+
+def _bounded_int(low: int, high: int, why: str = "") -> Any:
+    """An argument type taking integers in ``low..high``; its error says the range (and ``why``)."""
+
+    def bounded(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low}..{high}{why}, got {text!r}")
+        return value
+
+    bounded.__name__ = "integer"  # argparse names the type in some messages
+    return bounded
+
+
 def _non_negative_int(text: str) -> int:
     return _int_argument(text, 0, 2**31, "an integer in [0, 2**31)")
 
@@ -437,8 +471,20 @@ def _run_train(args: argparse.Namespace) -> int:
 
     try:
         from ardiff_jax.training import TrainConfig, train
+        from ardiff_jax.training._loop import MAX_BATCH_SIZE, MAX_FRAMES_PER_STEP, MAX_SEQUENCE_FRAMES
     except ImportError as error:
         return _refuse("train", str(error))
+    # The step's size is bounded here, by flag, before any data, weights or compile (TrainConfig says why).
+    batch = args.batch_size if args.batch_size is not None else TrainConfig.batch_size
+    frames = args.sequence_frames if args.sequence_frames is not None else TrainConfig.sequence_frames
+    if batch > MAX_BATCH_SIZE:
+        return _refuse("train", f"--batch-size must be 1..{MAX_BATCH_SIZE}, got {batch}")
+    if not 2 <= frames <= MAX_SEQUENCE_FRAMES:
+        return _refuse("train", f"--sequence-frames must be 2..{MAX_SEQUENCE_FRAMES} (the sink and at least one "
+                                f"target), got {frames}")
+    if batch * frames > MAX_FRAMES_PER_STEP:
+        return _refuse("train", f"--batch-size x --sequence-frames must be at most {MAX_FRAMES_PER_STEP} frames per "
+                                f"step, got {batch} x {frames}")
     overrides = {name: getattr(args, name) for name in (
         "steps", "batch_size", "checkpoint_every", "learning_rate", "warmup_steps", "end_learning_rate",
         "encounter_share", "encounter_weight", "chase_probability", "init_weights", "num_layers", "sequence_frames",
@@ -446,6 +492,12 @@ def _run_train(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None}
     try:
         config = dataclasses.replace(TrainConfig(seed=args.seed), **overrides)
+    except ValueError as error:
+        return _refuse("train", str(error))
+    problem = _make_output_dir(args.out)
+    if problem is not None:
+        return _refuse("train", problem)
+    try:
         result = train(config, args.out, resume=not args.no_resume, progress=not args.no_progress,
                        force=args.force)
     except ValueError as error:
@@ -483,9 +535,13 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser("demo", help="play the trained SpriteWorld model in several sessions and check it "
                                               "against the simulator")
     demo.add_argument("--out", required=True, type=_output_dir, help="directory for GIFs, contact sheet, summary.json")
-    demo.add_argument("--sessions", type=_positive_int, default=4, help="sessions (worlds), driven round-robin")
+    # The tracking demo's and the agent's own flags default to None, so that a flag the chosen mode does not use
+    # is refused instead of ignored; each mode fills in its defaults (_DEMO_DEFAULTS, _AGENT_DEFAULTS).
+    demo.add_argument("--sessions", type=_bounded_int(1, MAX_DEMO_SESSIONS), default=None,
+                      help=f"sessions (worlds), driven round-robin, 1..{MAX_DEMO_SESSIONS} (default: 4)")
     demo.add_argument("--frames", type=lambda text: _int_argument(text, 2, 100_001, "an integer in [2, 100000]"),
-                      default=64, help="generated frames per session (at least 2: the error compares two halves)")
+                      default=None, help="generated frames per session, at least 2: the error compares two halves "
+                                         "(default: 64)")
     demo.add_argument("--capacity", type=_positive_int, default=None,
                       help="session capacity of the engine (default: --sessions; below it, LRU eviction shows)")
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="first world seed; actions are seeded too")
@@ -496,14 +552,84 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     from ardiff_jax.planning import add_agent_arguments
 
     add_agent_arguments(demo)
+    agent_types = {"--worlds": _bounded_int(1, MAX_AGENT_WORLDS),
+                   "--budget": _bounded_int(1, MAX_AGENT_BUDGET),
+                   # The engine's capacity bounds it further (checked in _run_demo, from the memory plan).
+                   "--candidates": _bounded_int(1, 2**31),
+                   "--horizon": _bounded_int(1, MAX_AGENT_HORIZON, " imagined steps per candidate")}
+    for action in demo._actions:
+        flag = action.option_strings[0] if action.option_strings else None
+        if flag in agent_types:
+            action.type, action.default = agent_types[flag], None
+            bound = {"--worlds": MAX_AGENT_WORLDS, "--budget": MAX_AGENT_BUDGET,
+                     "--horizon": MAX_AGENT_HORIZON}.get(flag)
+            action.help = (f"{action.help} (--agent only; " + (f"1..{bound}; " if bound else
+                                                              "at most the engine's sessions less one; ")
+                           + f"default: {_AGENT_DEFAULTS[action.dest]})")
     demo.set_defaults(run=_run_demo)
 
 
+#: The tracking demo's defaults (its flags default to None: given with --agent, they are refused).
+_DEMO_DEFAULTS = {"sessions": 4, "frames": 64}
+#: demo --agent's defaults (ardiff_jax.planning.run_agent_demo's).
+_AGENT_DEFAULTS = {"worlds": 32, "budget": 6, "candidates": 8, "horizon": 6}
+#: Sessions the tracking demo plays (each one's frames are kept for its GIF, npz and the error).
+MAX_DEMO_SESSIONS = 256
+#: Generated frames the tracking demo keeps, all sessions together (3 KB each, twice with the baseline).
+MAX_DEMO_FRAMES = 100_000
+#: demo --agent: worlds per policy, real steps per episode, imagined steps per candidate.
+MAX_AGENT_WORLDS = 10_000
+MAX_AGENT_BUDGET = 256
+MAX_AGENT_HORIZON = 64
+#: demo --agent's engine (ardiff_jax.planning.run_agent_demo): float32 KV in a 256 MiB budget.
+_AGENT_KV_BYTES = 2**28
+
+
+def _agent_session_capacity(weights: str | None) -> int:
+    """Sessions the agent demo's engine will hold, planned from the model's spec (no weights built)."""
+    from ardiff_jax.models import CausalDiTConfig, SpriteWorldPipeline, SpriteWorldPipelineConfig, pretrained_metadata
+
+    config = CausalDiTConfig(**pretrained_metadata("sprite_world", weights=weights)["config"])
+    spec = SpriteWorldPipeline.kv_spec_for(config, SpriteWorldPipelineConfig(session_capacity=2**31))
+    return plan_memory(spec, dtype="float32", available_memory_bytes=_AGENT_KV_BYTES,
+                       gpu_memory_fraction=1.0).session_capacity
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    # Every check before any work: flags of the other mode, bounds, then --out created.
+    tracking = {"--sessions": args.sessions, "--frames": args.frames, "--capacity": args.capacity,
+                "--no-untrained": args.no_untrained or None}
+    agent = {"--worlds": args.worlds, "--budget": args.budget, "--candidates": args.candidates,
+             "--horizon": args.horizon}
+    unused = [flag for flag, value in (tracking if args.agent else agent).items() if value is not None]
+    if unused:
+        where = "demo --agent" if args.agent else "demo without --agent"
+        return _refuse("demo", f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used by {where}")
+    defaults = _AGENT_DEFAULTS if args.agent else _DEMO_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.agent:  # plan inside the world model: the controller comparison (ardiff_jax.planning)
+        try:
+            capacity = _agent_session_capacity(args.weights)
+        except (KeyError, TypeError, ValueError) as error:
+            return _refuse("demo", f"argument --weights: {error}")
+        if args.candidates > capacity - 1:
+            return _refuse("demo", f"--candidates must be 1..{capacity - 1}: the live session and the candidates "
+                                   f"share the engine's {capacity} sessions (its {_AGENT_KV_BYTES // 2**20} MiB KV "
+                                   "budget)")
+        problem = _make_output_dir(args.out)
+        if problem is not None:
+            return _refuse("demo", problem)
         from ardiff_jax.planning import run_agent_from_args
 
         return run_agent_from_args(args)
+    if args.sessions * args.frames > MAX_DEMO_FRAMES:
+        return _refuse("demo", f"--sessions x --frames must be at most {MAX_DEMO_FRAMES} generated frames, got "
+                               f"{args.sessions} x {args.frames}")
+    problem = _make_output_dir(args.out)
+    if problem is not None:
+        return _refuse("demo", problem)
     from ardiff_jax.demo import run_demo, verdict
 
     try:

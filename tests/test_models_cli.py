@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -135,3 +136,118 @@ def socket_connect(host, port):
     import socket
 
     return socket.create_connection((host, port), timeout=5)
+
+
+# -- demo and train: every argument bounded and checked before any work (issue 43, item 10) ----------------
+
+TOO_LONG = "a" * 300  # a directory name no filesystem takes (NAME_MAX is 255), whoever runs the tests (root too)
+
+CHECKED_FIRST = [
+    # demo --agent: the planner's sizes, bounded before the model is built (they ended in a MemoryError after it)
+    (["demo", "--agent", "--horizon", "2000000000"], "argument --horizon: must be 1..64"),
+    (["demo", "--agent", "--horizon", "65"], "argument --horizon: must be 1..64"),
+    (["demo", "--agent", "--horizon", "0"], "argument --horizon: must be 1..64"),
+    (["demo", "--agent", "--worlds", "2000000000"], "argument --worlds: must be 1..10000"),
+    (["demo", "--agent", "--budget", "2000000000"], "argument --budget: must be 1..256"),
+    # the live session and the candidates share the 221 sessions of the agent engine's 256 MiB KV plan
+    (["demo", "--agent", "--candidates", "2000000000"], "--candidates must be 1..220"),
+    (["demo", "--agent", "--candidates", "221"], "--candidates must be 1..220"),
+    # flags the mode does not use are refused, not ignored
+    (["demo", "--agent", "--capacity", "3"], "--capacity is not used by demo --agent"),
+    (["demo", "--agent", "--sessions", "2"], "--sessions is not used by demo --agent"),
+    (["demo", "--agent", "--no-untrained"], "--no-untrained is not used by demo --agent"),
+    (["demo", "--agent", "--frames", "8"], "--frames is not used by demo --agent"),
+    (["demo", "--agent", "--sessions", "2", "--capacity", "1"], "--sessions, --capacity are not used by demo --agent"),
+    (["demo", "--horizon", "3"], "--horizon is not used by demo without --agent"),
+    (["demo", "--candidates", "3", "--worlds", "2"], "--worlds, --candidates are not used by demo without --agent"),
+    # the tracking demo keeps every generated frame
+    (["demo", "--sessions", "257"], "argument --sessions: must be 1..256"),
+    (["demo", "--sessions", "256", "--frames", "1000"], "--sessions x --frames must be at most 100000"),
+    # an --out that cannot be created, refused before the run (it failed after every episode)
+    (["demo", "--agent", "--out", "{tmp}/" + TOO_LONG], "argument --out: cannot write in"),
+    (["demo", "--out", "{tmp}/" + TOO_LONG], "argument --out: cannot write in"),
+    # train: the step's size (a MemoryError after 30 s of building and compiling)
+    (["train", "--batch-size", "2000000000"], "--batch-size must be 1..1024"),
+    (["train", "--sequence-frames", "2000000000"], "--sequence-frames must be 2..64"),
+    (["train", "--batch-size", "1024", "--sequence-frames", "64"], "--batch-size x --sequence-frames must be at most "
+                                                                  "4096"),
+    (["train", "--out", "{tmp}/" + TOO_LONG], "argument --out: cannot write in"),
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Reaching the demo, the agent demo, training or a model's weights fails the test."""
+    import ardiff_jax.demo
+    import ardiff_jax.models
+    import ardiff_jax.planning
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(ardiff_jax.demo, "run_demo", refuse)
+    monkeypatch.setattr(ardiff_jax.planning, "run_agent_demo", refuse)
+    monkeypatch.setattr(ardiff_jax.models, "pretrained", refuse)
+    monkeypatch.setattr(DiTModules, "create", classmethod(refuse))
+    if importlib.util.find_spec("optax") is not None:
+        import ardiff_jax.training
+
+        monkeypatch.setattr(ardiff_jax.training, "train", refuse)
+
+
+@pytest.mark.parametrize("argv, message", CHECKED_FIRST, ids=[" ".join(argv)[:60] for argv, _ in CHECKED_FIRST])
+def test_demo_and_train_check_every_argument_before_any_work(argv, message, tmp_path, capsys, no_work):
+    if argv[0] == "train":
+        pytest.importorskip("optax")
+    if "--out" not in argv:
+        argv = [*argv, "--out", "{tmp}/out"]
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # --out is created only once every argument passed
+
+
+def test_demo_creates_its_out_directory_before_the_run(tmp_path, monkeypatch, capsys):
+    """The directory exists (and takes a file) when the demo starts, so a bad one cannot fail after the run."""
+    import ardiff_jax.planning
+
+    out = tmp_path / "new" / "agent"
+    seen = []
+
+    def stop(out_dir, **kwargs):
+        seen.append((out.is_dir(), kwargs["num_candidates"], kwargs["horizon"], kwargs["worlds"], kwargs["budget"]))
+        raise ValueError("stopped")
+
+    monkeypatch.setattr(ardiff_jax.planning, "run_agent_demo", stop)
+    assert _exit_code(["demo", "--agent", "--out", str(out), "--candidates", "220", "--horizon", "64"]) == 2
+    assert seen == [(True, 220, 64, 32, 6)]  # the largest bounds pass; the defaults are the planner's
+    assert "stopped" in capsys.readouterr().err
+
+
+def test_the_cli_fills_in_the_planners_and_the_demos_own_defaults():
+    """demo's mode-specific flags default to None (so that the other mode can refuse them); the values the CLI
+    fills in are the library's."""
+    import inspect
+
+    from ardiff_jax import cli
+    from ardiff_jax.demo import run_demo
+    from ardiff_jax.planning import run_agent_demo
+
+    agent = inspect.signature(run_agent_demo).parameters
+    assert cli._AGENT_DEFAULTS == {"worlds": agent["worlds"].default, "budget": agent["budget"].default,
+                                   "candidates": agent["num_candidates"].default, "horizon": agent["horizon"].default}
+    demo = inspect.signature(run_demo).parameters
+    assert cli._DEMO_DEFAULTS == {"sessions": demo["sessions"].default, "frames": demo["num_frames"].default}
+
+
+def test_train_config_bounds_the_step_for_library_callers_too():
+    pytest.importorskip("optax")
+    from ardiff_jax.training import TrainConfig
+
+    for fields in (dict(batch_size=2_000_000_000), dict(sequence_frames=2_000_000_000),
+                   dict(batch_size=1024, sequence_frames=64)):
+        with pytest.raises(ValueError, match="TrainConfig batch_size"):
+            TrainConfig(**fields)
+    assert TrainConfig(batch_size=1024, sequence_frames=4).batch_size == 1024

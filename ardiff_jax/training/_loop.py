@@ -30,7 +30,19 @@ from ardiff_jax.training._self_forcing import Truncation
 
 __all__ = ["TrainConfig", "TrainState", "TrainResult", "make_optimizer", "init_train_state", "make_train_step",
            "deepen", "train", "save_checkpoint", "restore_checkpoint", "plot_loss_curve", "checkpoint_config",
-           "config_differences", "BOOKKEEPING_FIELDS", "training_batch"]
+           "config_differences", "BOOKKEEPING_FIELDS", "training_batch", "MAX_BATCH_SIZE", "MAX_SEQUENCE_FRAMES",
+           "MAX_FRAMES_PER_STEP"]
+
+# Bounds on a step's size, checked with the config (before any data, weights or compile): a teacher-forced
+# step attends densely over 2 (sequence_frames - 1) frames of 64 tokens each, so its memory grows with the
+# batch and with the square of the sequence; the default step is 16 x 4 frames. Without them
+# `--batch-size 2000000000` ended in a MemoryError after 30 s of building and compiling.
+#: Sequences per step.
+MAX_BATCH_SIZE = 1024
+#: Frames per sequence, the sink included.
+MAX_SEQUENCE_FRAMES = 64
+#: batch_size x sequence_frames: 64 times the default step's 64 frames.
+MAX_FRAMES_PER_STEP = 4096
 
 
 def _optional(module: str) -> Any:
@@ -122,6 +134,12 @@ class TrainConfig:
                              "(ardiff_jax.training.EVALUATION_SEED); train with another")
         if check_positive_int("TrainConfig sequence_frames", self.sequence_frames) < 2:
             raise ValueError("TrainConfig sequence_frames must be at least 2 (the sink and one target)")
+        if self.batch_size > MAX_BATCH_SIZE or self.sequence_frames > MAX_SEQUENCE_FRAMES:
+            raise ValueError(f"TrainConfig batch_size must be 1..{MAX_BATCH_SIZE} and sequence_frames "
+                             f"2..{MAX_SEQUENCE_FRAMES}, got {self.batch_size} and {self.sequence_frames}")
+        if self.batch_size * self.sequence_frames > MAX_FRAMES_PER_STEP:
+            raise ValueError(f"TrainConfig batch_size x sequence_frames must be at most {MAX_FRAMES_PER_STEP} frames "
+                             f"per step, got {self.batch_size} x {self.sequence_frames}")
         for name in ("learning_rate", "end_learning_rate", "weight_decay", "grad_clip", "change_weight",
                      "focus_weight", "sigma_one_probability", "low_sigma_max", "encounter_share",
                      "encounter_weight", "chase_probability"):
