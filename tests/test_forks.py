@@ -255,4 +255,80 @@ def test_a_device_rollout_of_a_fork_copies_its_shared_slots_first_and_leaves_the
     np.testing.assert_array_equal(visible(source), before)
     sink, *ring = fork.snapshot().pages[0]
     assert sink == value.pages[0][0] and not set(ring) & set(value.pages[0])  # only the unwritten sink is shared
-    cache.page_pool.check_tables([*source.snapshot().pages, *fork.snapshot().pages])
+    cache.page_pool.check_tables([table for state in (source, fork, *others) for table in state.snapshot().pages])
+
+
+def test_an_offloaded_source_restores_into_its_old_slot_while_its_fork_reads_those_pages(modules, replayed):
+    """Issue 43, item 2: the host record (pinned host memory) goes back into free pages around the fork's shared
+    ones; before the fix every try failed (``Memory kind mismatch``) for as long as the fork lived."""
+    with _engine(modules, capacity=2, host_offload_bytes=1 << 26) as engine:
+        _replay(engine, "a", PREFIX)
+        engine.fork_session("a", "b")
+        other = [_play(engine, "b", OTHER[:1])]  # b most recent: a is the one evicted next
+        _replay(engine, "c", [0])  # a offloaded; c takes slot 0, whose pages b still reads
+        assert engine.offloaded_sessions == ("a",)
+        record = engine.runner.host_tier.get("a")
+        assert record.pages.k.sharding.memory_kind == "pinned_host"  # the record the runtime makes, not numpy
+        other.append(_play(engine, "b", OTHER[1:2]))  # c is now the least recently used
+        np.testing.assert_array_equal(_play(engine, "a", SUFFIX), replayed["suffix"])  # c offloaded, a in slot 0
+        state = engine.runner.session_table.get("a")
+        homes = engine.runner.kv_cache.home_tables(state.slot)
+        assert state.slot == 0 and state._value.pages != homes  # restored around the fork's pages
+        other.append(_play(engine, "b", OTHER[2:]))
+        np.testing.assert_array_equal(np.concatenate(other), replayed["other"])
+        _check_counts(engine)
+
+
+@pytest.mark.parametrize("capacity", [2, 3])
+def test_a_session_and_its_fork_commit_as_one_batch_on_matrix_games_geometry(capacity):
+    """Issue 43, item 8: no sink, a 4-frame window, 3-frame blocks (matrix-game-tiny, gta-drive). A session and
+    its fork overwrite the same three shared pages; planned row by row each wanted three fresh pages (six) and the
+    batch ran out ("no free page for a remapped slot"). Planned together, one keeps the pages and one batched write
+    commits both, each row's frames in its own pages, the history neither overwrote still shared."""
+    import jax.numpy as jnp
+
+    from ardiff_jax import ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec
+    from ardiff_jax.kv import gather_table_pages
+    from ardiff_jax.runtime import ARDiffusionKVCache, SessionKV
+    from ardiff_jax.runtime._batch import ARDiffusionKVBatch
+
+    L, T, H, D, F = 2, 2, 1, 4, 3
+    spec = ARDiffusionKVCacheSpec(num_layers=L, num_kv_heads=H, head_size=D, tokens_per_frame=T, frames_per_block=F,
+                                  window_frames=4, sink_frames=0, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+                                  session_capacity=capacity)
+    cache = ARDiffusionKVCache(spec, dtype=jnp.float32, available_memory_bytes=10**7, gpu_memory_fraction=1.0)
+    layout = cache.layout
+    assert layout.num_pages == 4 * capacity
+    rng = np.random.default_rng(0)
+
+    def block() -> np.ndarray:
+        return rng.normal(size=(L, F * T, H, D)).astype(np.float32)
+
+    source = cache.create_state("S")
+    for _ in range(2):  # six frames: the ring wrapped
+        source.get_kv_caches("main", seq_len=F * T, commit_current=True)
+        source.commit_paged_context("main", kv=(block(), block()))
+    value = source.snapshot()
+    fork = cache.create_state("F")
+    fork.restore(SessionKV(session_id="F", slot=fork.slot, cursors=value.cursors, cross_attention={},
+                           run_owners=value.run_owners, pages=value.pages))
+    others = [cache.create_state(f"other{i}") for i in range(capacity - 2)]
+    for other in others:  # every slot taken, each holding a block of its own
+        other.get_kv_caches("main", seq_len=F * T, commit_current=True)
+        other.commit_paged_context("main", kv=(block(), block()))
+    ks, vs = [block(), block()], [block(), block()]
+    batch = ARDiffusionKVBatch(cache, [source, fork], 2)
+    batch._bound = True  # as the runner binds it for forward_batch
+    batch.get_kv_caches("main", seq_len=F * T, commit_current=True)
+    batch.commit_paged_context("main", kv=(jnp.stack(ks), jnp.stack(vs)))
+    written = [int(s) for s in (6 % 4, 7 % 4, 8 % 4)]  # frames 6, 7, 8
+    for state, k, v in ((source, ks[0], vs[0]), (fork, ks[1], vs[1])):
+        assert state.adapter("main").committed_frames == 9
+        table = state.snapshot().pages[0]
+        got = gather_table_pages(layout, cache.pools, np.array([table[s] for s in written], np.int32))
+        np.testing.assert_array_equal(np.asarray(got.k), k.reshape(L, F, T, H, D))
+        np.testing.assert_array_equal(np.asarray(got.v), v.reshape(L, F, T, H, D))
+    shared = 5 % 4  # frame 5: neither session overwrote it
+    assert source.snapshot().pages[0][shared] == fork.snapshot().pages[0][shared] == value.pages[0][shared]
+    assert cache.pages_in_use == 4 + F + F * (capacity - 2)  # the fork's three: all it wrote
+    cache.page_pool.check_tables([table for state in (source, fork, *others) for table in state.snapshot().pages])

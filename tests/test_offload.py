@@ -398,7 +398,7 @@ def test_a_failing_offload_releases_the_session_as_without_offload(world_modules
     hooks = _HookCounter(pipeline)
     engine.generate(_world_request("s0", 0))
     cache = engine.runner.kv_cache
-    monkeypatch.setattr(cache, "offload_slot", lambda slot: (_ for _ in ()).throw(RuntimeError("DMA failed")))
+    monkeypatch.setattr(cache, "offload_slot", lambda slot, *written: (_ for _ in ()).throw(RuntimeError("DMA failed")))
     engine.generate(_world_request("s1", 0))
     assert engine.sessions == ("s1",) and engine.offloaded_sessions == () and hooks.closed == ["s0"]
 
@@ -550,3 +550,27 @@ def test_a_finished_stepwise_request_releases_its_offloaded_session(world_module
     assert engine.offloaded_sessions == ("A",)
     engine.step(StepSchedulerOutput(finished_req_ids=frozenset({"A"})))  # the scheduler aborts A
     assert engine.offloaded_sessions == () and hooks.closed == ["A"] and "A" not in pipeline.session_ids
+
+
+def test_an_offload_record_holds_zeros_where_its_session_wrote_nothing(world_modules):
+    """Issue 43, item 3: a session that has not filled its window sits on pages that still hold the previous
+    occupant's frames; its host record copies what it wrote and zeros, and it continues exactly after a restore."""
+    _, engine = _world(world_modules, capacity=1, host=HOST)
+    for block in range(5):  # fills every page of slot 0
+        engine.generate(_world_request("s0", block))
+    engine.close_session("s0")
+    first = engine.generate(_world_request("s1", 0))  # slot 0 again: one block (the sink and one ring frame)
+    cache = engine.runner.kv_cache
+    run_pages, committed = cache.layout.run_pages, _committed(engine, "s1", "main")
+    assert 0 < committed < run_pages and np.asarray(cache.pools.k)[:, committed:run_pages].any()
+    engine.generate(_world_request("s2", 0))  # s1 offloaded
+    record = engine.runner.host_tier.get("s1")
+    assert record.pages.k.sharding.memory_kind == "pinned_host"
+    for pages in (record.pages.k, record.pages.v):
+        pages = np.asarray(pages)
+        assert not pages[:, committed:run_pages].any() and pages[:, :committed].any()
+    later = [engine.generate(_world_request("s1", block)).latents for block in (1, 2)]  # restored: exact
+    _, reference = _world(world_modules, capacity=2)
+    assert np.array_equal(np.asarray(reference.generate(_world_request("s1", 0)).latents), np.asarray(first.latents))
+    for block, got in zip((1, 2), later, strict=True):
+        assert np.array_equal(np.asarray(reference.generate(_world_request("s1", block)).latents), np.asarray(got))

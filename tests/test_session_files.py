@@ -717,3 +717,35 @@ def test_uint16_pages_load_into_an_engine_that_stores_bfloat16(world_base, bf16_
     assert target.load_session(copy) == "h"
     _assert_same_blocks(expected, _run_world(target, "h", range(WORLD_BLOCKS, WORLD_BLOCKS + MORE_BLOCKS)),
                         "uint16 pages loaded into a bfloat16-storage engine")
+
+
+# -- 8. a file holds only what its session wrote (issue 43, item 3) ------------------------------------------
+
+
+def test_a_saved_file_holds_zeros_where_its_session_wrote_nothing(world_base, tmp_path):
+    """A session that has not filled its window takes over a slot whose pages hold the previous occupant's
+    frames; its file carries its own frames and zeros, never the other user's KV."""
+    import orbax.checkpoint as ocp
+
+    engine = _world(world_base, capacity=1)
+    _run_world(engine, "previous", range(WORLD_BLOCKS))  # fills every page of slot 0
+    engine.close_session("previous")
+    _run_world(engine, "next", range(1))  # slot 0 again: one block, the sink and one ring frame
+    path = engine.save_session("next", tmp_path / "next.session")
+    cache = engine.runner.kv_cache
+    run_pages, committed = cache.layout.run_pages, _committed_frames(engine, "next")
+    pool = np.asarray(cache.pools.k)
+    engine.close()
+    checkpointer = ocp.StandardCheckpointer()
+    arrays = {name: np.asarray(array) for name, array in checkpointer.restore(path / "arrays").items()}
+    checkpointer.close()
+    for name in ("pages_k", "pages_v"):
+        pages = arrays[name].reshape(arrays[name].shape[0], -1, run_pages, *arrays[name].shape[2:])  # [L, R, K+W, ...]
+        assert pages[:, :, committed:].size and not pages[:, :, committed:].any(), f"{name}: unwritten pages not zero"
+        assert pages[:, 0, :committed].any()  # what it wrote is there
+    assert pool[:, committed:run_pages].any()  # the previous occupant's frames are still in the pool's pages
+
+
+def _committed_frames(engine: ARDiffusionEngine, sid: str) -> int:
+    value = engine.runner.session_table.get(sid)._value
+    return max(cursor.committed_frames for cursor in value.cursors.values())

@@ -35,6 +35,7 @@ from ardiff_jax._checks import check_not_traced
 from ardiff_jax.kv import PagedKVCaches, make_table_cursor
 from ardiff_jax.runtime._legacy import branch_of
 from ardiff_jax.runtime._session import commit_frames, with_run_table
+from ardiff_jax.runtime._state import plan_batch_writes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
@@ -265,13 +266,13 @@ class ARDiffusionKVBatch:
         committed = [commit_frames(spec, layout, state._value, kv_branch, context.num_frames)
                      for state in self._states]  # every refusal before the write
         pages = np.full((self._bucket_size, context.num_frames), layout.null_page, np.int32)  # padded rows drop
-        reserved: set[int] = set()  # fresh pages of one row are never another row's
-        plans = []
-        for row, state in enumerate(self._states):
-            adapter = state.adapter(kv_branch)
-            frames = adapter.committed_frames + np.arange(context.num_frames, dtype=np.int32)
-            plans.append((adapter.local_index, state._plan_write(adapter.local_index, frames, reserved)))
-            pages[row] = plans[-1][1].pages
+        writes = [(state, state.adapter(kv_branch).local_index,
+                   state.adapter(kv_branch).committed_frames + np.arange(context.num_frames, dtype=np.int32))
+                  for state in self._states]
+        # Planned together: a session and its fork overwrite the same shared pages (no page twice).
+        plans = [(local, plan) for (_, local, _), plan in zip(writes, plan_batch_writes(writes), strict=True)]
+        for row, (_, plan) in enumerate(plans):
+            pages[row] = plan.pages
         cache._write_blocks(pages, k, v)
         for state, value, (local, plan) in zip(self._states, committed, plans, strict=True):  # after the device call
             state._publish(with_run_table(spec, layout, value, local, plan.new))

@@ -41,7 +41,7 @@ from ardiff_jax.kv import (
 )
 from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
-from ardiff_jax.runtime._offload import host_memory_kind, to_host
+from ardiff_jax.runtime._offload import device_memory, host_memory_kind, to_host
 from ardiff_jax.runtime._pages import PagePool
 from ardiff_jax.runtime._session import SessionKV, home_table, run_base, run_table
 from ardiff_jax.runtime._state import ARDiffusionKVState
@@ -66,6 +66,19 @@ def _read_slot_pages(layout: KVLayout, sharding: KVSharding | None, num_pages: i
     return sharded_read_runs(layout, sharding, pools, where)
 
 
+def _read_written_pages(layout: KVLayout, sharding: KVSharding | None, num_pages: int, pools: KVPools, where: Any,
+                        written: Any) -> KVPools:
+    """:func:`_read_slot_pages` with the pages a session never wrote as zeros (``written``: bool[num_pages]).
+
+    A slot's pages outlive its sessions: a page the current one has not written yet still
+    holds a previous occupant's frame, which must not leave the device in this session's copy.
+    """
+    pages = _read_slot_pages(layout, sharding, num_pages, pools, where)
+    keep = jax.numpy.asarray(written)[None, :, None, None, None]
+    return KVPools(k=jax.numpy.where(keep, pages.k, jax.numpy.zeros_like(pages.k)),
+                   v=jax.numpy.where(keep, pages.v, jax.numpy.zeros_like(pages.v)))
+
+
 def _write_slot_pages(layout: KVLayout, sharding: KVSharding | None, pools: KVPools, where: Any,
                       pages: KVPools) -> KVPools:
     """The inverse of :func:`_read_slot_pages`."""
@@ -76,6 +89,7 @@ def _write_slot_pages(layout: KVLayout, sharding: KVSharding | None, pools: KVPo
 
 #: A copy of one slot's pages (the pools are not donated), and one written back (the pools donated).
 _copy_slot = jax.jit(_read_slot_pages, static_argnums=(0, 1, 2))
+_copy_written = jax.jit(_read_written_pages, static_argnums=(0, 1, 2))
 _restore_slot = jax.jit(_write_slot_pages, static_argnums=(0, 1), donate_argnums=2)
 
 
@@ -370,31 +384,35 @@ class ARDiffusionKVCache:
         return tuple(home_table(self._spec, self._layout, slot, local, branch_major=self.branch_major)
                      for local in range(self._spec.num_local_kv_branches))
 
-    def _session_pages(self, value: SessionKV) -> np.ndarray | None:
-        """The pages a copy of ``value`` reads, in slot-copy order; None when they are its slot's own runs.
+    def _session_pages(self, value: SessionKV) -> tuple[np.ndarray | None, np.ndarray]:
+        """``(pages, written)`` of a copy of ``value``, in slot-copy order.
 
-        A session every written slot of which sits on its home page (every session that never
-        forked or shared) copies with the contiguous slot programs; another one (a fork, or a
-        source whose shared slots moved) is gathered page by page into the same array.
+        ``written`` says which of the copy's pages the session wrote (its table holds a page
+        there); ``pages`` is None when every written slot sits on its home page (every session
+        that never forked or shared: the contiguous slot programs copy it), else the table's
+        pages to gather one by one into the same array (a fork, or a source whose shared slots
+        moved). Either way the pages it never wrote are copied as zeros.
         """
         layout = self._layout
         homes = self.home_tables(value.slot)
-        tables = [run_table(layout, value, local) for local in range(len(homes))]
-        if all(page in (layout.null_page, own) for table, home in zip(tables, homes, strict=True)
-               for page, own in zip(table, home, strict=True)):
-            return None
+        tables = np.array([run_table(layout, value, local) for local in range(len(homes))], np.int32)
+        written = (tables != layout.null_page).reshape(-1)
+        if np.all((tables == layout.null_page) | (tables == np.array(homes, np.int32))):
+            return None, written
         if self._sharding is not None:  # pragma: no cover - forks are refused on a mesh
             raise RuntimeError("AR-Diffusion sessions with remapped pages cannot be copied on a mesh")
-        return np.concatenate([np.asarray(table, np.int32) for table in tables])
+        return tables.reshape(-1), written
 
     def offload_session(self, value: SessionKV) -> KVPools:
         """The session's pages copied to host memory, in the slot-copy layout whatever its page tables.
 
-        A fork's shared pages are copied too: the copy stands alone (restored or loaded
-        without its source)."""
-        pages = self._session_pages(value)
+        Only what the session wrote: a page it never wrote is zeros in the copy, never a
+        previous occupant's frame (so no offload record or session file carries another
+        session's KV). A fork's shared pages are copied too: the copy stands alone (restored or
+        loaded without its source)."""
+        pages, written = self._session_pages(value)
         if pages is None:
-            return self.offload_slot(value.slot)
+            return self.offload_slot(value.slot, written)
         self.check_pools()
         return to_host(gather_table_pages(self._layout, self._pools, pages), self._device)
 
@@ -417,7 +435,10 @@ class ARDiffusionKVCache:
                                                    range(self._layout.run_pages), home, reserved).new
                        for home in homes)
         target = np.concatenate([np.asarray(table, np.int32) for table in tables])
-        on_device = KVPools(k=jax.device_put(pages.k, self._device), v=jax.device_put(pages.v, self._device))
+        # Into device memory as write_slot places them: a record in pinned host memory (what the
+        # runtime offloads) cannot be put on a bare device ("Memory kind mismatch").
+        placement = device_memory(self.slot_copy_sharding)
+        on_device = KVPools(k=jax.device_put(pages.k, placement), v=jax.device_put(pages.v, placement))
         self._pools = scatter_table_pages(self._layout, self._pools, target, on_device)
         return tables
 
@@ -429,20 +450,26 @@ class ARDiffusionKVCache:
                 raise ValueError(f"AR-Diffusion slot pages {name} must be {layout.storage_dtype}{list(shape)}, got "
                                  f"{array.dtype}{list(array.shape)}")
 
-    def offload_slot(self, slot: int) -> KVPools:
+    def offload_slot(self, slot: int, written: np.ndarray | None = None) -> KVPools:
         """``slot``'s pages copied to host memory (``pinned_host``), dispatched and not awaited.
 
-        One program reads the slot and writes it straight into host memory: the bytes cross
-        once. Where the backend cannot compile that, a device copy is moved to host memory
-        instead (two passes). On a mesh the host copy keeps the heads split over ``"tp"``
-        (each device's host memory holds its heads).
+        ``written`` (bool per page of the slot, default all) keeps those pages; the others are
+        zeros in the copy. One program reads the slot and writes it straight into host memory:
+        the bytes cross once. Where the backend cannot compile that, a device copy is moved to
+        host memory instead (two passes). On a mesh the host copy keeps the heads split over
+        ``"tp"`` (each device's host memory holds its heads).
         """
         self.check_pools()
         where = self._slot_where(slot)
+        written = np.ones(self.session_pages, bool) if written is None else np.asarray(written, bool)
+        if written.shape != (self.session_pages,):
+            raise ValueError(f"AR-Diffusion offload_slot written must be bool[{self.session_pages}], got "
+                             f"{written.dtype}{list(written.shape)}")
         offload = self._compiled_host_programs()[0]
         if offload is None:
-            return to_host(self.read_slot(slot), self._device)
-        return offload(self._pools, where)
+            copy = _copy_written(self._layout, self._sharding, self.session_pages, self._pools, where, written)
+            return to_host(copy, self._device)
+        return offload(self._pools, where, written)
 
     def write_slot(self, slot: int, pages: KVPools) -> None:
         """Overwrite ``slot``'s pages with ``pages`` (host or device arrays): one donated in-place write.
@@ -491,8 +518,9 @@ class ARDiffusionKVCache:
             return _write_slot_pages(layout, sharding, pools, where, jax.device_put(pages, device))
 
         try:
-            read = functools.partial(_read_slot_pages, layout, sharding, num_pages)
-            offload = jax.jit(read, out_shardings=host).lower(self._pools, where).compile()
+            read = functools.partial(_read_written_pages, layout, sharding, num_pages)
+            offload = jax.jit(read, out_shardings=host).lower(self._pools, where,
+                                                             np.ones(num_pages, bool)).compile()
         except Exception as error:  # pragma: no cover - backends without host-memory outputs
             logger.warning("AR-Diffusion offload falls back to two passes (%r)", error)
             offload = None

@@ -82,29 +82,57 @@ class PagePool:
         A slot whose page only this run holds is written in place. Any other slot (never
         written, or its page shared) gets a fresh page: its home page when free, else the
         lowest free page. ``reserved`` collects the fresh pages of other plans of the same
-        device write (a batch), so two rows never get one page; it is updated.
+        device write, so two plans never get one page; it is updated. (One run's write:
+        :meth:`plan_batch` with one row.)
+        """
+        return self.plan_batch([(table, slots, home)], reserved)[0]
+
+    def plan_batch(self, rows: Sequence[tuple[PageTable, Sequence[int], PageTable]],
+                   reserved: set[int] | None = None) -> list[PagePlan]:
+        """Where one device write of several runs goes (a batch: ``(table, slots, home)`` per row), planned together.
+
+        The rows' remaps are counted together: a page every holder of which is a row of this
+        write that overwrites the slot it sits in (a session and its fork writing the same
+        slot) is released by all of them at once, so it stays with one of them, written in
+        place, and only the others need a fresh page. Planned one row at a time, each row
+        would see the page still held by the others and take a fresh page too: on a geometry
+        with no sink and a 4-frame window (Matrix-Game) a session and its fork then needed
+        more free pages than the pool has. The write happens after the batch's forward read
+        every page, so nothing overwritten is read afterwards; what a row overwrites in place
+        is the frame its own commit evicts.
+
+        A page goes to one row at most; ``reserved`` (pages other plans of the same write
+        took) is respected and updated. Counts do not change: they follow the published values.
         """
         reserved = set() if reserved is None else reserved
-        new = list(table)
-        pages = np.empty(len(slots), np.int32)
-        free: np.ndarray | None = None
-        for i, slot in enumerate(slots):
-            page = new[slot]
-            if page != self.num_pages and self._counts[page] == 1 and page not in reserved:
-                pages[i] = page
-                continue
-            fresh = home[slot]
-            if fresh in reserved or self._counts[fresh] != 0:
-                if free is None:
-                    free = np.flatnonzero(self._counts == 0)
-                candidates = [int(p) for p in free if int(p) not in reserved]
-                if not candidates:  # the arithmetic in the module docstring says this cannot happen
-                    raise RuntimeError("AR-Diffusion KV pages exhausted: no free page for a remapped slot")
-                fresh = candidates[0]
-            reserved.add(fresh)
-            new[slot] = fresh
-            pages[i] = fresh
-        return PagePlan(tuple(table), tuple(new), pages)
+        released = np.zeros(self.num_pages, np.int32)  # how many rows overwrite each page's slot
+        for table, slots, _ in rows:
+            for slot in slots:
+                if table[slot] != self.num_pages:
+                    released[table[slot]] += 1
+        free: list[int] | None = None
+        plans = []
+        for table, slots, home in rows:
+            new = list(table)
+            pages = np.empty(len(slots), np.int32)
+            for i, slot in enumerate(slots):
+                page = new[slot]
+                if page != self.num_pages and self._counts[page] == released[page] and page not in reserved:
+                    reserved.add(page)  # kept by this row; the other rows that held it move to fresh pages
+                    pages[i] = page
+                    continue
+                fresh = home[slot]
+                if fresh in reserved or self._counts[fresh] != 0:
+                    if free is None:
+                        free = [int(p) for p in np.flatnonzero(self._counts == 0)]
+                    fresh = next((p for p in free if p not in reserved), None)
+                    if fresh is None:  # the arithmetic in the module docstring says this cannot happen
+                        raise RuntimeError("AR-Diffusion KV pages exhausted: no free page for a remapped slot")
+                reserved.add(fresh)
+                new[slot] = fresh
+                pages[i] = fresh
+            plans.append(PagePlan(tuple(table), tuple(new), pages))
+        return plans
 
     def hold(self, pages: Iterable[int]) -> None:
         """One more holder for each page (a new table, or a fork sharing its source's)."""

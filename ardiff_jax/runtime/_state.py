@@ -42,7 +42,7 @@ from ardiff_jax.runtime._session import (
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 
-__all__ = ["ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV"]
+__all__ = ["ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV", "plan_batch_writes"]
 
 
 class ARDiffusionRequestAdapter:
@@ -204,16 +204,24 @@ class ARDiffusionKVState(LegacyStateAPI):
 
         Pages only this session holds are written in place; a slot whose page is shared (a
         fork's history) or was never written gets a fresh page, so no other session's frames
-        change. Planned on the host, counted only when the new value is published.
+        change. Planned on the host, counted only when the new value is published. A batch's
+        rows are planned together instead (:func:`plan_batch_writes`).
         """
+        return self._cache.page_pool.plan_batch([self._write_row(local_index, frames)], reserved)[0]
+
+    def _write_row(self, local_index: int, frames: np.ndarray) -> tuple[tuple[int, ...], list[int], tuple[int, ...]]:
+        """``(table, slots, home)`` of a write of ``frames`` of run ``local_index``: one row of a page plan."""
         slots = [int(s) for s in slot_of_frame(self._cache.layout, np.asarray(frames), np)]
-        return self._plan_slots(local_index, slots, reserved)
+        return self._slots_row(local_index, slots)
+
+    def _slots_row(self, local_index: int, slots: list[int]) -> tuple[tuple[int, ...], list[int], tuple[int, ...]]:
+        cache = self._cache
+        home = home_table(cache.spec, cache.layout, self._value.slot, local_index, branch_major=cache.branch_major)
+        return run_table(cache.layout, self._value, local_index), slots, home
 
     def _plan_slots(self, local_index: int, slots: list[int], reserved: set[int] | None = None) -> Any:
         """:meth:`_plan_write` by run slot (each slot once): the one call into the cache's page pool."""
-        cache = self._cache
-        home = home_table(cache.spec, cache.layout, self._value.slot, local_index, branch_major=cache.branch_major)
-        return cache.page_pool.plan_writes(run_table(cache.layout, self._value, local_index), slots, home, reserved)
+        return self._cache.page_pool.plan_batch([self._slots_row(local_index, slots)], reserved)[0]
 
     # -- a handle, not a value -------------------------------------------------------------------
     def _refuse_copy(self, *args: Any) -> NoReturn:
@@ -641,3 +649,18 @@ class ARDiffusionKVState(LegacyStateAPI):
             "pending": {name: dataclasses.asdict(p) for name, p in pending.items()},
             "cross_attention": sorted(value.cross_attention),
         }
+
+
+def plan_batch_writes(writes: Iterable[tuple[ARDiffusionKVState, int, np.ndarray]]) -> list[Any]:
+    """Page plans of one device write of several sessions (``(state, local_index, frames)`` per row), planned together.
+
+    A session and its fork in one batch overwrite the same shared pages: counted together,
+    one of them keeps each such page and only the others take fresh ones
+    (:meth:`~ardiff_jax.runtime._pages.PagePool.plan_batch`), so the batch fits the pool
+    whenever the sessions do. Every state must belong to one cache.
+    """
+    writes = list(writes)
+    if not writes:
+        return []
+    cache = writes[0][0]._cache
+    return cache.page_pool.plan_batch([state._write_row(local_index, frames) for state, local_index, frames in writes])
