@@ -546,7 +546,7 @@ def test_disconnect_closes_the_session_and_metrics_and_health_follow(sprite_engi
         assert metric(client, "ardiff_chunk_latency_seconds_count") >= 1
         health = client.get("/healthz").json()
         assert health["status"] == "ok" and health["sessions"] == {"connected": 0, "streaming": 0, "admitted": 0,
-                                                                    "resident": 0}
+                                                                    "resident": 0, "closing": 0}
         assert "text/plain" in client.get("/metrics").headers["content-type"]
         root = client.get("/")
         assert root.status_code == 200 and root.headers["content-type"].startswith("text/html")

@@ -5,8 +5,10 @@ Routes
 * ``WS /v1/realtime/video``: one WebSocket per generation session (the vLLM-Omni streaming
   video protocol, below);
 * ``GET /healthz``: JSON ``{"status", "model", "sessions": {"connected", "streaming",
-  "admitted", "resident"}, "capacity"}``; ``status`` is ``ok``, ``stalled`` (the generation
+  "admitted", "resident", "closing"}, "capacity"}``; ``status`` is ``ok``, ``stalled`` (the generation
   loop has been on one chunk for over ``stall_timeout_s``: every session waits) or ``stopped``;
+  ``closing`` counts sessions whose engine close failed and is being retried (with a bounded
+  backoff, 0.05 s doubling to 2 s; the slot frees once the engine releases the session);
 * ``GET /metrics``: Prometheus text (names prefixed ``ardiff_``);
 * ``GET /``: the browser client (``static/index.html``, one page, no external resources): plays
   the stream at the session's announced rate behind a small jitter buffer (0.1 s; ``jpeg`` on

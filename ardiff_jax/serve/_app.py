@@ -67,9 +67,18 @@ logger = logging.getLogger(__name__)
 REALTIME_VIDEO_PATH = "/v1/realtime/video"
 #: Wire event ids a connection remembers to answer repeats as duplicates (older ones count as new).
 REMEMBERED_EVENT_IDS = 4096
-#: Seconds between the retries of a failed engine close (after the first attempt); then it is given up, logged, and
-#: tried again only when a start finds the server full while the engine still holds the session.
-CLOSE_RETRY_DELAYS_S = (0.1, 1.0)
+
+
+def close_retry_delays(first_s: float = 0.05, max_s: float = 2.0, attempts: int = 40) -> tuple[float, ...]:
+    """A bounded backoff: ``first_s`` doubling up to ``max_s``, ``attempts`` delays (0.05 s .. 2 s, 40: ~72 s)."""
+    return tuple(min(first_s * 2**k, max_s) for k in range(attempts))
+
+
+#: Seconds between the retries of a failed engine close (after the first attempt). A transient failure
+#: must not cost a slot until restart: the close is retried until it succeeds (the engine releases the
+#: session, its slot frees); past the last delay it is given up, logged, and tried again only when a
+#: start finds the server full while the engine still holds the session.
+CLOSE_RETRY_DELAYS_S = close_retry_delays()
 #: WebSocket close codes.
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008
@@ -266,7 +275,8 @@ class _Server:
         # Start pictures are decoded here, never on the event loop (nor on the encoders, which every session needs).
         self.decode_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ardiff-serve-image")
         self.held = _EngineHeld(engine)
-        # Sessions whose engine close failed and has not succeeded since; the engine may still hold them.
+        # Sessions whose engine close failed and has not succeeded since; the engine may still hold them
+        # (/healthz reports them as closing, and so does the ardiff_sessions_closing gauge).
         self.unclosed: set[str] = set()
         self.close_retries: dict[str, asyncio.Task] = {}
         self.consumer = EngineTickConsumer(
@@ -296,6 +306,11 @@ class _Server:
     async def stop(self) -> None:
         for conn in list(self.connections):
             await self._release(conn)
+        # A close still failing would hold shutdown for its whole backoff; the engine closes its sessions anyway.
+        for session_id, retry in list(self.close_retries.items()):
+            if not retry.done():
+                logger.warning("shutting down: the close of session %s is no longer retried", session_id)
+                retry.cancel()
         while self.background:
             await asyncio.gather(*self.background, return_exceptions=True)
         if self.loop_task is not None:
@@ -601,11 +616,22 @@ class _Server:
             await self.manager.close_session(conn.request_id)
         except Exception:  # noqa: BLE001 - not only the control plane's own errors: any engine error
             logger.exception("closing session %s failed; retrying", conn.request_id)
-            self.unclosed.add(conn.request_id)
+            self._mark_unclosed(conn.request_id, True)
             self._retry_close_later(conn.request_id, CLOSE_RETRY_DELAYS_S)
         finally:
             self.plans.pop(conn.request_id, None)
             self.world_states.pop(conn.request_id, None)
+
+    def _mark_unclosed(self, session_id: str, unclosed: bool) -> None:
+        if unclosed:
+            self.unclosed.add(session_id)
+        else:
+            self.unclosed.discard(session_id)
+        self.metrics.set_closing(len(self.unclosed))
+
+    def closing(self) -> int:
+        """Sessions whose engine close failed and is being retried (the engine may hold their slots meanwhile)."""
+        return len(self.unclosed)
 
     def _retry_close_later(self, session_id: str, delays: tuple[float, ...]) -> None:
         """Retry the close of ``session_id`` after each of ``delays`` until one succeeds (one series at a time)."""
@@ -629,7 +655,7 @@ class _Server:
                 logger.warning("retried close of session %s failed: %s: %s", session_id, type(error).__name__, error)
             else:
                 logger.info("session %s closed on a retry", session_id)
-                self.unclosed.discard(session_id)
+                self._mark_unclosed(session_id, False)
                 return
         if session_id in self.held.ids():
             logger.error("session %s could not be closed (%d retries failed): the engine still holds it, so its "
@@ -913,7 +939,9 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
         return JSONResponse({"status": server.status(), "model": world.name,
                              "sessions": {"connected": connected, "streaming": streaming,
                                           "admitted": sum(1 for c in server.connections if c.admitted),
-                                          "resident": len(engine.sessions)},
+                                          "resident": len(engine.sessions),
+                                          # engine closes that failed and are being retried (slots held meanwhile)
+                                          "closing": server.closing()},
                              "capacity": server.capacity})
 
     async def metrics_endpoint(request: Request) -> Response:

@@ -9,6 +9,8 @@ Metrics:
 * ``ardiff_sessions_resident`` (gauge): engine sessions whose KV is on the device,
   followed from the engine's session events (:meth:`ServerMetrics.on_session_event`).
 * ``ardiff_sessions_connected`` (gauge): WebSocket sessions currently open.
+* ``ardiff_sessions_closing`` (gauge): sessions whose engine close failed and is being
+  retried (the engine may still hold them, and their slots with them).
 * ``ardiff_evictions_total``: sessions pushed off the device by the LRU policy, whether
   offloaded to host memory or released.
 * ``ardiff_sessions_offloaded_total`` / ``ardiff_sessions_restored_total``: moves to and
@@ -71,6 +73,8 @@ class ServerMetrics:
                                             registry=r)
         self.sessions_connected = prom.Gauge("ardiff_sessions_connected", "Open WebSocket video sessions",
                                              registry=r)
+        self.sessions_closing = prom.Gauge("ardiff_sessions_closing",
+                                           "Sessions whose engine close failed and is being retried", registry=r)
         self.evictions = prom.Counter("ardiff_evictions", "Sessions evicted from the device by the LRU policy",
                                       registry=r)
         self.sessions_offloaded = prom.Counter("ardiff_sessions_offloaded", "Sessions offloaded to host memory",
@@ -166,6 +170,10 @@ class ServerMetrics:
     def dropped(self, count: int = 1) -> None:
         """``count`` chunks (metadata + media pairs) dropped from a full send queue."""
         self.send_queue_dropped.inc(check_non_negative_int("count", count))
+
+    def set_closing(self, count: int) -> None:
+        """The number of sessions whose engine close failed and has not succeeded since."""
+        self.sessions_closing.set(check_non_negative_int("count", count))
 
     def connected(self, delta: int) -> None:
         """A WebSocket session opened (``+1``) or closed (``-1``)."""
