@@ -269,6 +269,29 @@ class OraclePlanner:
         return _best(actions, frames, start)
 
 
+def _close_sessions(engine: Any, session_ids: Sequence[str]) -> None:
+    """Close every one of ``session_ids`` the engine holds, whatever fails; then raise the first failure.
+
+    A close that raises must not leave the others resident (a planner's leftover candidates would
+    refuse every later plan): each is tried, and the first error is raised with the later ones as
+    notes.
+    """
+    errors: list[tuple[str, Exception]] = []
+    for session_id in session_ids:
+        try:
+            if session_id in engine.sessions or session_id in engine.offloaded_sessions:
+                engine.close_session(session_id)
+        except Exception as error:  # noqa: BLE001 - collected, the first raised below
+            errors.append((session_id, error))
+    if errors:
+        first = errors[0][1]
+        first.add_note(f"closing session {errors[0][0]!r} failed; every other session was closed"
+                       + ("" if len(errors) == 1 else ", except:"))
+        for session_id, error in errors[1:]:
+            first.add_note(f"  closing session {session_id!r} also failed: {type(error).__name__}: {error}")
+        raise first
+
+
 def _pages_in_use(engine: Any) -> int:
     """Distinct KV pages the engine's sessions hold (a page the candidates share counts once)."""
     return int(engine.runner.kv_cache.pages_in_use)
@@ -340,9 +363,7 @@ class WorldModelPlanner:
                 frames[:, h] = step
                 pages["peak"] = max(pages["peak"], _pages_in_use(engine))
         finally:
-            for cid in ids:
-                if cid in engine.sessions or cid in engine.offloaded_sessions:
-                    engine.close_session(cid)
+            _close_sessions(engine, ids)
         assert frames is not None
         return _best(actions, frames, start, forked=forked, pages=pages)
 

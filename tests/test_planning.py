@@ -162,6 +162,39 @@ def test_the_world_model_planner_forks_imagines_and_leaves_only_the_live_session
     engine.close_session("live")
 
 
+def test_a_failing_candidate_close_closes_every_other_candidate_and_raises_the_first_error(engine, monkeypatch):
+    """Issue 43, item 9: cleanup goes on past a failing close_session, so only the candidates whose
+    close failed stay; the first error is raised, the later one noted."""
+    planner = WorldModelPlanner(num_candidates=CAPACITY - 1, horizon=1, seed=0)
+    frame = SpriteWorld(205).reset()
+    engine.generate(DiffusionRequest("live-0", extra_args={"session_id": "live"},
+                                     inputs={"actions": np.array([0]), "observation": frame}))
+    ids = planner.candidate_ids("live")
+    failing = {ids[0]: "first", ids[2]: "second"}
+    tried: list[str] = []
+    close_session = engine.close_session
+
+    def flaky_close(session_id):
+        tried.append(session_id)
+        if session_id in failing:
+            raise RuntimeError(f"the {failing.pop(session_id)} close failed")
+        close_session(session_id)
+
+    monkeypatch.setattr(engine, "close_session", flaky_close)
+    with pytest.raises(RuntimeError, match="the first close failed") as raised:
+        planner.plan(engine, "live", key=(205, 1))
+    assert tried == ids  # every candidate's close was tried
+    assert sorted(engine.sessions) == sorted(["live", ids[0], ids[2]])  # only the failed ones stay
+    assert any("the second close failed" in note for note in raised.value.__notes__)
+    for cid in (ids[0], ids[2]):
+        engine.close_session(cid)
+    assert planner.plan(engine, "live", key=(205, 2)).forked  # the next plan is not refused
+    assert engine.sessions == ("live",)
+    monkeypatch.undo()
+    engine.close_session("live")
+    assert engine.sessions == ()
+
+
 def test_a_world_model_episode_keeps_the_live_session_in_step_and_cleans_up(engine):
     planner = WorldModelPlanner(num_candidates=CAPACITY - 1, horizon=2, seed=0)
     episode = run_episode("world-model planner", 203, budget=3, engine=engine, planner=planner, record=True)
