@@ -471,7 +471,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     try:
         from ardiff_jax.training import TrainConfig, train
-        from ardiff_jax.training._loop import MAX_BATCH_SIZE, MAX_FRAMES_PER_STEP, MAX_SEQUENCE_FRAMES
+        from ardiff_jax.training import MAX_BATCH_SIZE, MAX_FRAMES_PER_STEP, MAX_SEQUENCE_FRAMES
     except ImportError as error:
         return _refuse("train", str(error))
     # The step's size is bounded here, by flag, before any data, weights or compile (TrainConfig says why).

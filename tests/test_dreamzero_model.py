@@ -25,7 +25,7 @@ from ardiff_jax.models import ActionStateInputs
 from ardiff_jax.models._common import dit_kv_spec
 from ardiff_jax.models._dit import CausalDiT
 from ardiff_jax.models.dreamzero import CheckpointError, DIT_PREFIX, load_dreamzero
-from ardiff_jax.models.dreamzero import _checkpoint as dz_checkpoint
+from ardiff_jax.models.wan import _dreamzero as dz_checkpoint
 from ardiff_jax.models.wan import wan_names
 
 FIXTURES = Path(__file__).parent / "fixtures"

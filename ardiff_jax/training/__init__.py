@@ -36,6 +36,9 @@ from ardiff_jax.training._dmd import (
 from ardiff_jax.training._evaluate import EVALUATION_SEED, OneStepAccuracy, one_step_accuracy
 from ardiff_jax.training._loop import (
     BOOKKEEPING_FIELDS,
+    MAX_BATCH_SIZE,
+    MAX_FRAMES_PER_STEP,
+    MAX_SEQUENCE_FRAMES,
     checkpoint_config,
     config_differences,
     deepen,
@@ -76,6 +79,9 @@ from ardiff_jax.training._self_forcing import (
 )
 
 __all__ = [
+    "MAX_BATCH_SIZE",
+    "MAX_FRAMES_PER_STEP",
+    "MAX_SEQUENCE_FRAMES",
     "BOOKKEEPING_FIELDS",
     "checkpoint_config",
     "config_differences",

@@ -7,10 +7,11 @@ and ``dreamzero-tiny`` (the parity fixture's network). ``docs/models.md`` ("Drea
 proven against the release's own outputs and what is not yet built (the episode loop, serving).
 """
 
-from ardiff_jax._checkpoint_files import CheckpointError
-from ardiff_jax.models.dreamzero._checkpoint import (
-    DIT_PREFIX,
-    HEAD_TARGETS,
+# The loader lives with the other causal-Wan loaders (it shares their readers and checks).
+from ardiff_jax.models.wan import (
+    DREAMZERO_DIT_PREFIX as DIT_PREFIX,
+    DREAMZERO_HEAD_TARGETS as HEAD_TARGETS,
+    CheckpointError,
     DreamZeroCheckpoint,
     dreamzero_checkpoint_config,
     load_dreamzero,

@@ -29,6 +29,13 @@ from ardiff_jax.models.wan._checkpoint import (
     load_checkpoint,
     wan_names,
 )
+from ardiff_jax.models.wan._dreamzero import (
+    DIT_PREFIX as DREAMZERO_DIT_PREFIX,
+    HEAD_TARGETS as DREAMZERO_HEAD_TARGETS,
+    DreamZeroCheckpoint,
+    dreamzero_checkpoint_config,
+    load_dreamzero,
+)
 from ardiff_jax.models.wan._umt5 import (
     WAN_UMT5_FILE,
     UMT5Config,
@@ -77,6 +84,11 @@ from ardiff_jax.models.wan._pipeline import (
 )
 
 __all__ = [
+    "DREAMZERO_DIT_PREFIX",
+    "DREAMZERO_HEAD_TARGETS",
+    "DreamZeroCheckpoint",
+    "dreamzero_checkpoint_config",
+    "load_dreamzero",
     "CHECKPOINT_FORMATS",
     "CheckpointError",
     "checkpoint_config",
