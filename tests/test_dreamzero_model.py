@@ -156,6 +156,7 @@ def test_every_dit_call_of_the_episode_through_paged_kv(replay: Replay) -> None:
             for key, got in (("flow_video_cond", video_pos), ("flow_video_uncond", video_neg),
                              ("flow_action_cond", action_pos), ("flow_action_uncond", action_neg)):
                 worst[key] = max(worst.get(key, 0.0), float(np.abs(got - ref[key][chunk, evaluation]).max()))
+    print(f"{replay.root.name}: worst |diff| per output over the episode: {worst}")
     assert all(value < ATOL for value in worst.values()), worst
 
 
@@ -350,3 +351,22 @@ def test_the_training_forward_equals_the_releases(replay: Replay) -> None:
     assert np.abs(video - ref["whole_flow_video"]).max() < ATOL
     assert np.abs(actions - ref["whole_flow_action"]).max() < ATOL
     assert np.abs(outs[True][1] - ref["whole_flow_action"]).max() > 1e-3
+
+
+def test_a_single_file_checkpoint_loads_like_the_sharded_one(tmp_path: Path, replay: Replay) -> None:
+    """``model.safetensors`` alone (no index) is the other layout ``save_pretrained`` writes."""
+    from safetensors.torch import load_file, save_file
+
+    source = replay.root / "DreamZero-DROID-tiny"
+    target = tmp_path / "single"
+    target.mkdir()
+    shutil.copy(source / "config.json", target / "config.json")
+    tensors = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    model, info = load_dreamzero(target, dtype="float32")
+    assert info.config == replay.config and len(info.skipped) == 3
+    for ours, theirs in ((model.head.kernel, replay.model.head.kernel),
+                         (model.blocks.ffn_in.kernel, replay.model.blocks.ffn_in.kernel)):
+        np.testing.assert_array_equal(ours[...], theirs[...])
