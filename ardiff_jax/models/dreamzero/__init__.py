@@ -2,6 +2,9 @@
 with an action/state register (:class:`~ardiff_jax.models.ActionRegisterConfig`), loaded from the
 release's checkpoint directory by :func:`load_dreamzero`.
 
+:class:`DreamZeroPipeline` runs the release's inference loop per robot session on the paged runtime
+(flow UniPC, CFG on the video only, the DiT step mask); the encoders and the robot server come next.
+
 Presets: ``dreamzero-droid`` (the 14B DROID network), ``dreamzero-wan22-5b`` (the Wan2.2-5B backbone)
 and ``dreamzero-tiny`` (the parity fixture's network). ``docs/models.md`` ("DreamZero") says what is
 proven against the release's own outputs and what is not yet built (the episode loop, serving).
@@ -17,4 +20,20 @@ from ardiff_jax.models.wan import (
     load_dreamzero,
 )
 
-__all__ = ["CheckpointError", "DIT_PREFIX", "HEAD_TARGETS", "DreamZeroCheckpoint", "dreamzero_checkpoint_config", "load_dreamzero"]
+from ardiff_jax.models.dreamzero._pipeline import (
+    DreamZeroPipeline,
+    DreamZeroPipelineConfig,
+    dreamzero_commit,
+    dreamzero_evaluate,
+)
+from ardiff_jax.models.dreamzero._unipc import (
+    DIT_STEP_MASKS,
+    UniPCSchedule,
+    UniPCState,
+    unipc_init,
+    unipc_schedule,
+    unipc_step,
+)
+
+__all__ = ["DreamZeroPipeline", "DreamZeroPipelineConfig", "dreamzero_commit", "dreamzero_evaluate", "DIT_STEP_MASKS",
+           "UniPCSchedule", "UniPCState", "unipc_init", "unipc_schedule", "unipc_step","CheckpointError", "DIT_PREFIX", "HEAD_TARGETS", "DreamZeroCheckpoint", "dreamzero_checkpoint_config", "load_dreamzero"]
