@@ -467,6 +467,14 @@ HOST_IDS = ("h0", "h1", "h2", "h3")
 LOAD_IDS = ("l0", "l1")
 
 
+def ring_of(frames: list, index: int) -> np.ndarray:
+    """What a session's host copy holds of K (``index`` 0) or V (1): each frame in its ring slot, zeros elsewhere."""
+    ring = np.zeros((SINK + WINDOW, D), np.float32)
+    for frame, kv in enumerate(frames):
+        ring[frame if frame < SINK else SINK + (frame - SINK) % WINDOW] = kv[index]
+    return ring
+
+
 class InjectedFault(RuntimeError):
     pass
 
@@ -512,6 +520,10 @@ class ExportingMachinePipeline(MachinePipeline):
                 or np.asarray(state["blocks"]).shape != (1,):
             raise ValueError(f"not a state this pipeline exported for {session_id}: {state!r}")
         self.model[session_id] = np.asarray(state["blocks"])
+
+    def fork_ar_diffusion_session(self, source_id, new_id, *, noise_seed=None):
+        """The fork continues from its source's model state (its block count)."""
+        self.model[new_id] = np.array(self.model.get(source_id, np.zeros(1, np.float32)))
 
 
 class HostTierMachine(RuleBasedStateMachine):
@@ -778,6 +790,13 @@ class HostTierMachine(RuleBasedStateMachine):
             return
         self.engine.save_session(session_id, path)  # invisible to the session: it is not hit
         self.files.append((path, frames))
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()  # the file holds what the session wrote, zeros elsewhere
+        arrays = checkpointer.restore(path / "arrays")
+        checkpointer.close()
+        for index, name in enumerate(("pages_k", "pages_v")):
+            np.testing.assert_array_equal(np.asarray(arrays[name]).reshape(SINK + WINDOW, D), ring_of(frames, index))
 
     @precondition(lambda self: self.files)
     @rule(index=st.integers(0, 20), session_id=st.sampled_from(LOAD_IDS), page_write_fails=st.booleans())
@@ -801,12 +820,37 @@ class HostTierMachine(RuleBasedStateMachine):
                 assert self.engine.load_session(path, session_id=session_id) == session_id
 
     # -- invariants ------------------------------------------------------------------------------------
+    @rule(source=st.sampled_from(HOST_IDS + LOAD_IDS), new_id=st.sampled_from(HOST_IDS))
+    def fork(self, source: str, new_id: str) -> None:
+        """A fork shares its source's pages: later restores go into slots whose pages a fork still reads (the records
+        in pinned host memory, as the runtime offloads them), and forks are offloaded and saved standing alone."""
+        if source not in self.resident and source not in self.offloaded:
+            with pytest.raises(KeyError):
+                self.engine.fork_session(source, new_id)
+            return
+        if new_id == source or new_id in self.resident or new_id in self.offloaded:
+            with pytest.raises(ValueError, match="taken"):
+                self.engine.fork_session(source, new_id)
+            return
+        if CAPACITY - len(self.resident) < (2 if source in self.offloaded else 1):  # forks never evict
+            with pytest.raises(RuntimeError, match="free slot"):
+                self.engine.fork_session(source, new_id)
+            return
+        self.hit = {source, new_id}
+        if source in self.offloaded:  # restored first, into a free slot
+            self.resident[source] = self.offloaded.pop(source)
+        self.engine.fork_session(source, new_id)
+        self.resident[new_id] = list(self.resident[source])
+        self.resident.move_to_end(source)
+
     def _session_bytes(self, session_id: str) -> tuple:
         """Everything of a session: its pages (slot or host record), cursors, run owners and model state."""
         runner = self.engine.runner
         state = runner.session_table.get(session_id)
         if state is not None:
-            pages, value, model = runner.kv_cache.read_slot(state.slot), state._value, self.pipeline.model[session_id]
+            # By page table: a fork's pages are not its slot's, and its slot's own pages may hold others' frames.
+            pages, value = runner.kv_cache.offload_session(state._value), state._value
+            model = self.pipeline.model[session_id]
         else:
             record = runner.host_tier.get(session_id)
             pages, value, model = record.pages, record.session, record.pipeline_state["blocks"]
@@ -834,6 +878,16 @@ class HostTierMachine(RuleBasedStateMachine):
         self.snapshots, self.hit = current, set()
 
     @invariant()
+    def host_copies_hold_only_what_their_session_wrote(self) -> None:
+        """Every offload record holds its session's frames in their ring slots and zeros in the slots it never
+        wrote, never a previous occupant's frames (issue 43, item 3); records are in pinned host memory."""
+        for session_id, frames in self.offloaded.items():
+            record = self.engine.runner.host_tier.get(session_id)
+            assert record.pages.k.sharding.memory_kind == "pinned_host"
+            for index, pages in enumerate((record.pages.k, record.pages.v)):
+                np.testing.assert_array_equal(np.asarray(pages).reshape(SINK + WINDOW, D), ring_of(frames, index))
+
+    @invariant()
     def attention_and_model_state_of_every_session(self) -> None:
         runner = self.engine.runner
         cache = runner.kv_cache
@@ -851,6 +905,252 @@ class HostTierMachine(RuleBasedStateMachine):
             record = runner.host_tier.get(session_id)
             assert record.session.cursors["main"].committed_frames == len(frames)
             assert np.asarray(record.pipeline_state["blocks"])[0] == len(frames) // FRAMES
+
+
+# -- forks on other geometries: Matrix-Game's (no sink, a 4-frame window, 3-frame blocks) ---------------------
+
+FORK_EXAMPLES = int(os.environ.get("ARDIFF_FORK_MACHINE_EXAMPLES", "40"))
+FORK_IDS = ("f0", "f1", "f2", "f3")
+
+
+class GeometryPipeline:
+    """Tick and batch forwards on any geometry (one token per frame, one head): attend, then commit the block."""
+
+    def __init__(self, spec: ARDiffusionKVCacheSpec) -> None:
+        self.spec, self.state, self.batch = spec, None, None
+        self.forward_calls = 0  # single-session forwards: a batch rerun one by one shows here
+
+    def ar_diffusion_kv_cache_spec(self):
+        return self.spec
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_state(self, session_id, state):
+        self.state = state
+        try:
+            yield
+        finally:
+            self.state = None
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_batch(self, batch):
+        self.batch = batch
+        try:
+            yield
+        finally:
+            self.batch = None
+
+    def reset_ar_diffusion_session(self, session_id):
+        pass
+
+    def close_ar_diffusion_session(self, session_id):
+        pass
+
+    def fork_ar_diffusion_session(self, source_id, new_id, *, noise_seed=None):
+        pass
+
+    def forward(self, request):
+        self.forward_calls += 1
+        kv, commit = request.inputs["kv"], request.inputs["kind"] == "commit"
+        k, v = jnp.asarray(kv[0][:, None, :]), jnp.asarray(kv[1][:, None, :])
+        caches = self.state.get_kv_caches("main", seq_len=len(kv[0]), commit_current=commit)
+        out = caches.attend(0, jnp.asarray(QUERY[:, None, :]), k, v)
+        self.state.commit_paged_context("main", kv=(k[None], v[None]) if commit else None)
+        return out
+
+    def forward_batch(self, requests):
+        commit = requests[0].inputs["kind"] == "commit"
+        rows = [request.inputs["kv"] for request in requests]
+        rows += [rows[0]] * (self.batch.bucket_size - len(rows))
+        k = jnp.asarray(np.stack([kv[0][:, None, :] for kv in rows]))
+        v = jnp.asarray(np.stack([kv[1][:, None, :] for kv in rows]))
+        caches = self.batch.get_kv_caches("main", seq_len=len(rows[0][0]), commit_current=commit)
+        q = jnp.broadcast_to(jnp.asarray(QUERY[:, None, :]), (len(rows), 1, 1, D))
+        out = jax.vmap(lambda c, q, k, v: c.attend(0, q, k, v), in_axes=(caches.vmap_axes(), 0, 0, 0))(caches, q, k, v)
+        self.batch.commit_paged_context("main", kv=(k[:, None], v[:, None]) if commit else None)
+        return [out[i] for i in range(len(requests))]
+
+
+class ForkGeometryMachine(RuleBasedStateMachine):
+    """Sessions, forks of forks and batches mixing a session with its forks, on one geometry, next to the float64
+    model: every session attends to exactly its own frames, the page counts are the tables, and a batch of
+    sessions that share pages runs as one batched forward (issue 43, item 8: Matrix-Game's geometry ran out of
+    pages and reran one by one)."""
+
+    sink, window, frames, capacity = 0, 4, 3, 2  # matrix-game-tiny and gta-drive
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spec = ARDiffusionKVCacheSpec(
+            num_layers=1, num_kv_heads=1, head_size=D, tokens_per_frame=1, frames_per_block=self.frames,
+            window_frames=self.window, sink_frames=self.sink, kv_branches=(ARDiffusionKVBranchSpec("main", 0),),
+            session_capacity=self.capacity)
+        self.pipeline = GeometryPipeline(self.spec)
+        self.engine = ARDiffusionEngine(self.pipeline, EngineConfig(
+            dtype="float32", available_memory_bytes=10**6, gpu_memory_fraction=1.0, warmup=False))
+        self.resident: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self.counter = 0
+
+    def teardown(self) -> None:
+        self.engine.close()
+
+    def _fresh_kv(self) -> np.ndarray:
+        self.counter += 1
+        return np.random.default_rng(self.counter).normal(size=(2, self.frames, D)).astype(np.float32)
+
+    def _expected(self, frames: list, current: np.ndarray) -> np.ndarray:
+        committed = len(frames)
+        visible = frames[:min(committed, self.sink)] + frames[max(self.sink, committed - (self.window - self.frames)):]
+        keys = np.array([f[0] for f in visible] + list(current[0]), np.float64).reshape(-1, D)
+        values = np.array([f[1] for f in visible] + list(current[1]), np.float64).reshape(-1, D)
+        scores = keys @ QUERY[0].astype(np.float64) / np.sqrt(D)
+        weights = np.exp(scores - scores.max())
+        return (weights / weights.sum()) @ values
+
+    def _request(self, session_id: str, kind: str, kv: np.ndarray) -> DiffusionRequest:
+        return DiffusionRequest("r", extra_args={"session_id": session_id}, inputs={"kind": kind, "kv": kv})
+
+    def _admit(self, session_ids: list[str]) -> None:
+        """LRU admission without a host tier: the least recently used session outside the request is released."""
+        for session_id in session_ids:
+            if session_id in self.resident:
+                self.resident.move_to_end(session_id)
+                continue
+            while len(self.resident) >= self.capacity:
+                del self.resident[next(sid for sid in self.resident if sid not in session_ids)]
+            self.resident[session_id] = []
+
+    @initialize()
+    def quiet_logs(self) -> None:
+        logging.getLogger("ardiff_jax.runtime").setLevel(logging.ERROR)
+
+    @rule(session_id=st.sampled_from(FORK_IDS), kind=st.sampled_from(["commit", "commit", "probe"]))
+    def tick(self, session_id: str, kind: str) -> None:
+        kv = self._fresh_kv()
+        self._admit([session_id])
+        expected = self._expected(self.resident[session_id], kv)
+        out = self.engine.generate(self._request(session_id, kind, kv))
+        np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), expected, rtol=2e-5, atol=2e-6)
+        if kind == "commit":
+            self.resident[session_id].extend(zip(kv[0], kv[1]))
+
+    @rule(session_ids=st.lists(st.sampled_from(FORK_IDS), min_size=2, max_size=3, unique=True),
+          kind=st.sampled_from(["commit", "commit", "probe"]))
+    def batch(self, session_ids: list[str], kind: str) -> None:
+        if len(session_ids) > self.capacity:
+            return
+        kvs = [self._fresh_kv() for _ in session_ids]
+        self._admit(session_ids)
+        expected = [self._expected(self.resident[sid], kv) for sid, kv in zip(session_ids, kvs, strict=True)]
+        calls = self.pipeline.forward_calls
+        outputs = self.engine.generate_batch([self._request(sid, kind, kv)
+                                              for sid, kv in zip(session_ids, kvs, strict=True)])
+        assert self.pipeline.forward_calls == calls, "the batch was rerun one by one"
+        for sid, kv, out, want in zip(session_ids, kvs, outputs, expected, strict=True):
+            np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), want, rtol=2e-5, atol=2e-6)
+            if kind == "commit":
+                self.resident[sid].extend(zip(kv[0], kv[1]))
+
+    @rule(source=st.sampled_from(FORK_IDS), new_id=st.sampled_from(FORK_IDS))
+    def fork(self, source: str, new_id: str) -> None:
+        if source not in self.resident:
+            with pytest.raises(KeyError):
+                self.engine.fork_session(source, new_id)
+        elif new_id in self.resident:
+            with pytest.raises(ValueError, match="taken"):
+                self.engine.fork_session(source, new_id)
+        elif len(self.resident) >= self.capacity:
+            with pytest.raises(RuntimeError, match="free slot"):
+                self.engine.fork_session(source, new_id)
+        else:
+            self.engine.fork_session(source, new_id)
+            self.resident[new_id] = list(self.resident[source])
+            self.resident.move_to_end(source)
+
+    @rule(source=st.sampled_from(FORK_IDS), new_id=st.sampled_from(FORK_IDS),
+          kind=st.sampled_from(["commit", "probe"]))
+    def fork_then_batch_with_it(self, source: str, new_id: str, kind: str) -> None:
+        """The case the issue names: ``generate_batch([S, fork of S])`` while every page of the fork is S's."""
+        self.fork(source, new_id)
+        if source in self.resident and new_id in self.resident and source != new_id:
+            self.batch([source, new_id], kind)
+
+    @rule(session_id=st.sampled_from(FORK_IDS))
+    def close(self, session_id: str) -> None:
+        self.resident.pop(session_id, None)
+        self.engine.close_session(session_id)
+
+    @invariant()
+    def every_session_reads_its_own_frames(self) -> None:
+        runner = self.engine.runner
+        cache = runner.kv_cache
+        assert self.engine.sessions == tuple(self.resident)
+        cache.page_pool.check_tables(table for sid in self.engine.sessions
+                                     for table in runner.session_table.get(sid)._value.pages)
+        current = np.stack([np.full((self.frames, D), 0.5, np.float32), np.full((self.frames, D), -0.25, np.float32)])
+        k, v = jnp.asarray(current[0][:, None, :]), jnp.asarray(current[1][:, None, :])
+        for session_id, frames in self.resident.items():
+            cursor = branch_cursor_array(cache.spec, cache.layout, runner.session_table.get(session_id)._value, "main")
+            caches = PagedKVCaches(pools=cache.pools, cursor=cursor, layout=cache.layout, seq_len=self.frames)
+            out = caches.attend(0, jnp.asarray(QUERY[:, None, :]), k, v)
+            np.testing.assert_allclose(np.asarray(out, np.float64).reshape(-1), self._expected(frames, current),
+                                       rtol=2e-5, atol=2e-6)
+
+
+class MatrixGameForkMachine3(ForkGeometryMachine):
+    capacity = 3
+
+
+class SpriteForkMachine(ForkGeometryMachine):
+    sink, window, frames, capacity = 1, 3, 1, 2  # the sprite world's
+
+
+@pytest.mark.parametrize("machine", [ForkGeometryMachine, MatrixGameForkMachine3, SpriteForkMachine],
+                         ids=["matrix-game-capacity-2", "matrix-game-capacity-3", "sprite-capacity-2"])
+def test_forks_and_batches_on_matrix_game_and_sprite_geometries(machine):
+    run_state_machine_as_test(machine, settings=_settings(FORK_EXAMPLES))
+
+
+def test_a_session_and_its_fork_batch_as_one_forward_on_matrix_games_geometry_a_fixed_story():
+    """The shortest story of issue 43, item 8, as the machine plays it (fails without the joint page plan)."""
+    machine = ForkGeometryMachine()
+    try:
+        machine.quiet_logs()
+        for _ in range(2):  # six frames: the 4-frame ring wrapped, every page of the slot written
+            machine.tick("f0", "commit")
+        machine.fork_then_batch_with_it("f0", "f1", "commit")
+        machine.every_session_reads_its_own_frames()
+        machine.batch(["f1", "f0"], "commit")
+        machine.every_session_reads_its_own_frames()
+    finally:
+        machine.teardown()
+
+
+def test_the_host_machine_restores_into_slots_a_fork_reads_a_fixed_story():
+    """Issue 43, item 2, as the host-tier machine plays it: a source offloaded (its record in pinned host memory)
+    while its fork lives, then restored into its old slot, whose pages the fork still reads; then saved and loaded.
+    Every invariant (the float64 model, no session but the one hit changed, host copies) after every step."""
+    machine = HostTierMachine()
+
+    def check() -> None:
+        machine.bookkeeping()
+        machine.no_session_but_the_one_hit_changed()
+        machine.host_copies_hold_only_what_their_session_wrote()
+        machine.attention_and_model_state_of_every_session()
+
+    try:
+        machine.quiet_logs()
+        for step in (lambda: machine.tick("h0", "commit", "none"), lambda: machine.tick("h0", "commit", "none"),
+                     lambda: machine.fork("h0", "h1"), lambda: machine.tick("h1", "commit", "none"),
+                     lambda: machine.tick("h2", "probe", "none"),  # h0 offloaded; h2 takes slot 0, h1 reads its pages
+                     lambda: machine.tick("h1", "commit", "none"),
+                     lambda: machine.tick("h0", "commit", "none"),  # h2 offloaded; h0 back into slot 0
+                     lambda: machine.save("h0", "none"), lambda: machine.close("h1", False),
+                     lambda: machine.load(0, "l0", False)):
+            step()
+            check()
+        assert machine.engine.offloaded_sessions == ("h2",) and set(machine.engine.sessions) == {"h0", "l0"}
+    finally:
+        machine.teardown()
 
 
 def _settings(examples: int) -> settings:
