@@ -208,3 +208,122 @@ def test_bad_requests_are_refused_and_change_nothing(episode: Episode) -> None:
     with pytest.raises(ValueError, match="no episode yet"):
         engine.generate(request("nobody", 1, good))
     engine.close_session("probe")
+
+
+def _robot_inputs(ref: dict[str, np.ndarray], robot: int, chunk: int) -> dict:
+    """Robot ``robot``'s call ``chunk``: the fixture's episode with its own state (and, for robot 2, its own
+    observations), so the rows of a batch differ."""
+    inputs = episode_inputs(ref, chunk)
+    inputs["state"] = ref["state"][chunk][:8] + 0.1 * robot
+    if robot == 2 and chunk:
+        inputs["latents"] = inputs["latents"][::-1].copy()
+    return inputs
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_many_robots_in_one_forward_equal_one_by_one(dynamic: bool) -> None:
+    """``generate_batch`` over robots at different points of their episodes (one starting, two continuing)
+    runs as one batched forward and equals each robot run alone, the per-row dynamic schedule included (to
+    float32 rounding: the batched program is another compiled program; measured 7e-7)."""
+    config = DreamZeroPipelineConfig(dynamic_schedule=dynamic, session_capacity=4)
+    alone = Episode("dreamzero", config)
+    together = Episode("dreamzero", config)
+    ref = alone.ref
+    plan = {0: [0, 1, 2], 1: [0, 1], 2: [0]}  # robot -> its calls; the batch then runs each robot's next call
+    expected = {}
+    for robot, calls in plan.items():
+        for chunk in calls:
+            out = alone.engine.generate(request(f"r{robot}", chunk, _robot_inputs(ref, robot, chunk)))
+        expected[robot] = out
+    for robot, calls in plan.items():
+        for chunk in calls[:-1]:
+            together.engine.generate(request(f"r{robot}", chunk, _robot_inputs(ref, robot, chunk)))
+    batched_calls = []
+    original = dz_pipeline.DreamZeroPipeline.forward_batch
+
+    def counted(self, requests):
+        batched_calls.append(len(requests))
+        return original(self, requests)
+
+    dz_pipeline.DreamZeroPipeline.forward_batch = counted
+    try:
+        outs = together.engine.generate_batch([request(f"r{robot}", calls[-1], _robot_inputs(ref, robot, calls[-1]))
+                                               for robot, calls in plan.items()])
+    finally:
+        dz_pipeline.DreamZeroPipeline.forward_batch = original
+    assert batched_calls == [3]
+    for robot, out in zip(plan, outs):
+        np.testing.assert_allclose(np.asarray(out["actions"]), np.asarray(expected[robot]["actions"]), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(out["video"]), np.asarray(expected[robot]["video"]), atol=1e-5, rtol=0)
+
+
+def _offload_engine(name: str = "dreamzero") -> Episode:
+    episode = Episode.__new__(Episode)
+    episode.ref = _fixture(name)
+    episode.pipeline = DreamZeroPipeline.from_checkpoint(FIXTURES / name / "DreamZero-DROID-tiny", dtype="float32",
+                                                         pipeline_config=DreamZeroPipelineConfig(session_capacity=1))
+    episode.engine = ARDiffusionEngine(episode.pipeline, EngineConfig(
+        dtype="float32", available_memory_bytes=10**10, gpu_memory_fraction=1.0, warmup=False,
+        host_offload_bytes=1 << 28))
+    return episode
+
+
+def test_a_forked_robot_and_its_source_both_continue_the_release_episode() -> None:
+    """A fork of a robot session mid-episode (KV pages shared, model state copied) and its source each continue
+    exactly as the release's episode does; neither sees the other's later frames."""
+    episode = Episode("dreamzero")
+    ref = episode.ref
+    episode.call("robot", 0)
+    episode.call("robot", 1)
+    episode.engine.fork_session("robot", "twin")
+    for chunk in (2, 3):
+        for session in ("robot", "twin"):
+            out = episode.call(session, chunk)
+            np.testing.assert_allclose(np.asarray(out["actions"]), ref["action_pred"][chunk], atol=ATOL, rtol=0)
+            np.testing.assert_allclose(np.asarray(out["video"]), ref["video_out"][chunk], atol=ATOL, rtol=0)
+    # The twin diverges on its own observation; the source is unaffected.
+    other = {**episode_inputs(ref, 3), "latents": ref["obs_latents"][0]}
+    episode.engine.close_session("robot")
+    episode.engine.close_session("twin")
+    episode.call("robot", 0)
+    episode.call("robot", 1)
+    episode.engine.fork_session("robot", "twin")
+    episode.engine.generate(request("twin", 2, other))
+    out = episode.call("robot", 2)
+    np.testing.assert_allclose(np.asarray(out["actions"]), ref["action_pred"][2], atol=ATOL, rtol=0)
+
+
+def test_an_offloaded_robot_session_continues_its_episode() -> None:
+    """With one device slot and host offload, a second robot pushes the first to the host; the first comes back
+    (KV, cross caches, condition, frame count) and continues the release's episode."""
+    episode = _offload_engine()
+    ref = episode.ref
+    episode.call("robot", 0)
+    episode.call("robot", 1)
+    episode.call("other", 0)  # the only slot: "robot" goes to the host tier
+    assert "robot" in episode.engine.offloaded_sessions
+    out = episode.call("robot", 2)
+    np.testing.assert_allclose(np.asarray(out["actions"]), ref["action_pred"][2], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(out["video"]), ref["video_out"][2], atol=ATOL, rtol=0)
+    out = episode.call("robot", 3)
+    np.testing.assert_allclose(np.asarray(out["actions"]), ref["action_pred"][3], atol=ATOL, rtol=0)
+
+
+def test_after_warmup_an_episode_and_its_restart_compile_nothing() -> None:
+    """The warmup provider (one episode start, then continuing calls until the window is full, as the release
+    warms up: one frame first, then full observations) compiles every program a robot's episode uses."""
+    from helpers import count_compiles
+
+    name = "dreamzero"
+    pipeline = DreamZeroPipeline.from_checkpoint(FIXTURES / name / "DreamZero-DROID-tiny", dtype="float32")
+    engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**10,
+                                                      gpu_memory_fraction=1.0))
+    ref = _fixture(name)
+    requests = list(pipeline.ar_diffusion_warmup_requests("w"))
+    assert [r.inputs["latents"].shape[0] for r in requests] == [1, 2, 2, 2]
+    with count_compiles() as compiled:
+        for chunk in range(4):
+            engine.generate(request("robot", chunk, episode_inputs(ref, chunk)))
+        restart = {"latents": ref["ys"][0:1, 4:], "condition": ref["ys"], "clip": ref["clip"]}
+        engine.generate(request("robot", 4, {**episode_inputs(ref, 1), "restart": restart}))
+    assert compiled == [], compiled

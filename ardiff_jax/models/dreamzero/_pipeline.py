@@ -49,6 +49,7 @@ returns it; ``f`` after).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import numbers
@@ -572,6 +573,109 @@ class DreamZeroPipeline(PipelineBase):
             if self.record_steps:
                 self.last_steps.append((x, a))
         return x, a
+
+    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[dict[str, jax.Array]]:
+        """:meth:`forward` for several robot sessions with one program per denoising step (``SupportsARDiffusionBatch``).
+
+        Per session, as :meth:`forward`: the episode logic, the cross caches and the commit of the observed
+        frames on both branches. Then each denoising step evaluates every session and both branches in one
+        program (:data:`dreamzero_evaluate_batch`) and steps every session's two solvers in another; each row
+        equals the session run alone. With the dynamic schedule each row keeps its own countdown and flows
+        (a step evaluates when any row runs; the others keep their last flows). Model state is staged and
+        installed by the runner once it has awaited the batch's device work (``batch.defer_publish``).
+        """
+        batch = self._bound_batch()
+        cfg, pc = self.config, self.pipeline_config
+        staged: dict[str, _DreamZeroSession] = {}
+        episodes: dict[str, tuple[bool, _Start | None]] = {}
+        rows = []
+        for request, state in zip(requests, batch.states, strict=True):
+            session_id = state.session_id
+            parsed = self._parse(session_id, request)
+            new_episode, start = self._plan(session_id, parsed)
+            session = self._sessions.get(session_id)
+            if new_episode:
+                session = self._start_episode(state, session_id, parsed, start, session)
+            else:
+                self._commit(state, session, self._to_device(parsed.latents))
+            frame = state.adapter(POSITIVE).committed_frames
+            staged[session_id] = dataclasses.replace(
+                session, block_index=0 if new_episode else session.block_index + 1, frames=frame)
+            episodes[session_id] = (new_episode, start)
+            x, a = parsed.noise if parsed.noise is not None else self._noise
+            y = self._condition_slice(session, frame, cfg.frames_per_block) if self._concat_condition \
+                else jnp.zeros((cfg.frames_per_block, 0, cfg.latent_height, cfg.latent_width), jnp.float32)
+            rows.append((self._to_device(x), self._to_device(a), self._to_device(parsed.state), np.int32(frame), y,
+                         self._branch_cross(state, POSITIVE), self._branch_cross(state, NEGATIVE)))
+        x, a, robot_state, frame, y, pos_cross, neg_cross = stack_rows(rows, batch.bucket_size)
+        if not self._concat_condition:
+            y = None
+        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+        video_state, action_state = jax.vmap(unipc_init)(x), jax.vmap(unipc_init)(a)
+        scale = np.float32(pc.guidance_scale)
+        size = batch.bucket_size
+        last_video = previous_video = last_action = None
+        evaluations = np.zeros(size, np.int64)
+        countdown = np.zeros(size, np.int64)
+        for step in range(pc.num_steps):
+            run = self._rows_to_run(step, evaluations, countdown, last_video, previous_video)
+            if run.any():
+                pos = batch.get_kv_caches(POSITIVE, seq_len=seq_len, commit_current=False)
+                neg = batch.get_kv_caches(NEGATIVE, seq_len=seq_len, commit_current=False)
+                outs = dreamzero_evaluate_batch(self._graphdef, self._params, pos, neg, x,
+                                                np.float32(self.video_schedule.timesteps[step]), a,
+                                                np.float32(self.action_schedule.timesteps[step]), robot_state, frame,
+                                                y, pos_cross, neg_cross, scale)
+                batch.commit_paged_context(POSITIVE)  # denoising reads the caches and writes nothing
+                batch.commit_paged_context(NEGATIVE)
+                if last_video is None:
+                    last_video, previous_video, last_action = outs[0], outs[0], outs[1]
+                else:
+                    mask = jnp.asarray(run)
+                    select = jax.vmap(jnp.where)
+                    previous_video = select(mask, last_video, previous_video)
+                    last_video = select(mask, outs[0], last_video)
+                    last_action = select(mask, outs[1], last_action)
+                evaluations += run
+            video_row, action_row, first = self._schedule_rows(step)
+            x, a, video_state, action_state = _solver_step_batch(x, a, last_video, last_action, video_state,
+                                                                 action_state, video_row, action_row, first)
+        outputs = []
+        for request, state, (video, actions) in zip(requests, batch.states, unstack_rows((x, a), batch.size),
+                                                    strict=True):
+            new_episode, start = episodes[state.session_id]
+            if new_episode:
+                video = jnp.concatenate([self._to_device(start.latents), video])
+            outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
+        batch.defer_publish(functools.partial(self._publish_staged, staged),
+                            [session.device_arrays() for session in staged.values()])
+        return outputs
+
+    def _rows_to_run(self, step: int, evaluations: np.ndarray, countdown: np.ndarray, last: Any, previous: Any
+                     ) -> np.ndarray:
+        """``bool[B]``: which rows run the transformer at ``step`` (the mask, or each row's own countdown);
+        updates ``countdown`` in place."""
+        pc = self.pipeline_config
+        if not pc.dynamic_schedule:
+            return np.full(evaluations.shape, pc.dit_step_mask[step])
+        run = np.ones(evaluations.shape, bool)
+        similarity = None
+        for row in range(evaluations.shape[0]):
+            if evaluations[row] < 2:
+                continue
+            if countdown[row] > 1:
+                countdown[row] -= 1
+                run[row] = False
+            elif countdown[row] == 1:
+                countdown[row] = 0
+            else:
+                if similarity is None:  # one host sync for every row's decision
+                    similarity = np.asarray(_cosine_batch(last, previous))
+                for threshold, count in DYNAMIC_SKIPS:
+                    if similarity[row] > threshold:
+                        countdown[row], run[row] = count, False
+                        break
+        return run
 
     def _should_run(self, step: int, flows: list[Any], skip: int) -> bool | tuple[bool, int]:
         """Whether the transformer runs at ``step``: the mask, or the release's similarity countdown."""
