@@ -3,7 +3,9 @@
 Rules: tick requests on a few session ids (committing and probe forwards, ``reset`` and
 ``close_session`` flags, forwards that fail before or after committing), ``reset_session``
 / ``close_session`` calls, stepwise requests (denoise steps, the last one commits and
-finishes) and aborts, pipeline hooks that fail, and LRU pressure (four ids, capacity two).
+finishes) and aborts, pipeline hooks that fail, batches (one failing row, or the whole batch
+failing only when its outputs are awaited, as an asynchronous device error does: the rerun
+one by one equals the unbatched outcome), and LRU pressure (four ids, capacity two).
 A close hook that fails (``close_session``, or ``engine.close()`` at stop) followed by a
 newcomer: the closed session is gone and its slot free, the newcomer evicts nobody (or is
 refused, "closed", after a stop).
@@ -19,6 +21,8 @@ A second machine drives the host tier and session files with injected faults: re
 more ids than slots (offload, restore, host-tier drops), saves and loads, closes, batches
 (generate_batch), and faults at a restore's page write, at the pipeline's import (restore,
 also inside a batch: only that request fails, with a SessionRestoreError) and export (save),
+at the await of a batch's outputs (the rerun one by one starts from the model state before
+the batch: each session's block count moves once),
 at the file write, and in close hooks (then a newcomer that needs room evicts only the least
 recently used session, to the tier; at stop every held session still gets its hook).
 After every step the resident and offloaded sessions, their order, the hooks and the tier's
@@ -185,6 +189,33 @@ def float64_attention(frames: list[np.ndarray], current: np.ndarray, *, forget_s
     return (weights / weights.sum()) @ values
 
 
+class AsyncDeviceError(RuntimeError):
+    """An error the device reports only when its work is awaited (an out-of-memory at execution time)."""
+
+
+@contextlib.contextmanager
+def failing_batch_await(engine: ARDiffusionEngine, armed: bool):
+    """While armed, the runner's first await (a batch's outputs: the device ran, the await reports an error).
+
+    Yields the list of awaits that failed, so a rule can check the fault was hit.
+    """
+    runner, fired = engine.runner, []
+    if armed:
+        real = runner._synchronize
+
+        def synchronize(output):
+            real(output)
+            if not fired:
+                fired.append(output)
+                raise AsyncDeviceError("batch failed when awaited")
+
+        runner._synchronize = synchronize
+    try:
+        yield fired
+    finally:
+        runner.__dict__.pop("_synchronize", None)
+
+
 class EngineMachine(RuleBasedStateMachine):
     """The engine next to a model of what it must do."""
 
@@ -271,12 +302,17 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.fail_pending)
     @rule(session_ids=st.lists(st.sampled_from(TICK_IDS), min_size=1, max_size=3, unique=True),
           kind=st.sampled_from(["commit", "probe"]),
-          fault=st.sampled_from([None, None, "fail_before", "fail_after"]), fault_at=st.integers(0, 2))
+          fault=st.sampled_from([None, None, "fail_before", "fail_after", "async"]), fault_at=st.integers(0, 2))
     def batch(self, session_ids: list[str], kind: str, fault: str | None, fault_at: int) -> None:
-        """generate_batch: admission without evicting the batch's own sessions, one forward, a fault reruns."""
+        """generate_batch: admission without evicting the batch's own sessions, one forward, a fault reruns.
+
+        ``async``: the batch fails only when its outputs are awaited (its KV was written); the rerun
+        one by one gives exactly the unbatched outcome, with no error.
+        """
         kinds = [kind] * len(session_ids)
-        if fault is not None:
+        if fault in ("fail_before", "fail_after"):
             kinds[fault_at % len(session_ids)] = fault
+        awaited_fault = fault == "async" and 2 <= len(session_ids) <= CAPACITY  # a batch of one runs unbatched
         kvs = [self._fresh_kv() for _ in session_ids]
         requests = [DiffusionRequest(f"b{i}", extra_args={"session_id": sid}, inputs={"kind": k, "kv": kv})
                     for i, (sid, k, kv) in enumerate(zip(session_ids, kinds, kvs, strict=True))]
@@ -301,13 +337,15 @@ class EngineMachine(RuleBasedStateMachine):
             expected[session_id] = self._expect_output(session_id, kv)
             if k == "commit":
                 self.resident[session_id].extend(zip(kv[0], kv[1]))
-        if failed:
-            with pytest.raises(ARDiffusionBatchError) as raised:
-                self.engine.generate_batch(requests)
-            assert set(raised.value.errors) == failed
-            outputs = raised.value.outputs
-        else:
-            outputs = self.engine.generate_batch(requests)
+        with failing_batch_await(self.engine, awaited_fault) as fired:
+            if failed:
+                with pytest.raises(ARDiffusionBatchError) as raised:
+                    self.engine.generate_batch(requests)
+                assert set(raised.value.errors) == failed
+                outputs = raised.value.outputs
+            else:
+                outputs = self.engine.generate_batch(requests)
+        assert len(fired) == awaited_fault
         for session_id, out in zip(session_ids, outputs, strict=True):
             if session_id in failed:
                 assert out is None
@@ -500,10 +538,13 @@ class ExportingMachinePipeline(MachinePipeline):
         return out
 
     def forward_batch(self, requests):
+        """Staged model state, installed by the runner once the batch is known good (batch.defer_publish)."""
         outs = super().forward_batch(requests)
+        staged = {}
         for state, request in zip(self.batch.states, requests, strict=True):
             blocks = self.model.get(state.session_id, np.zeros(1, np.float32))
-            self.model[state.session_id] = blocks + np.float32(request.inputs["kind"] == "commit")
+            staged[state.session_id] = blocks + np.float32(request.inputs["kind"] == "commit")
+        self.batch.defer_publish(lambda: self.model.update(staged))
         return outs
 
     def export_ar_diffusion_session(self, session_id):
@@ -638,7 +679,8 @@ class HostTierMachine(RuleBasedStateMachine):
             self.resident[session_id].extend(zip(kv[0], kv[1]))
 
     @rule(session_ids=st.lists(st.sampled_from(HOST_IDS), min_size=1, max_size=CAPACITY, unique=True),
-          kind=st.sampled_from(["commit", "commit", "probe"]), fault=st.sampled_from(["none", "page_write", "import"]))
+          kind=st.sampled_from(["commit", "commit", "probe"]),
+          fault=st.sampled_from(["none", "page_write", "import", "async"]))
     def batch(self, session_ids: list[str], kind: str, fault: str) -> None:
         """generate_batch with the restore of its first offloaded session failing: only that session fails.
 
@@ -646,12 +688,14 @@ class HostTierMachine(RuleBasedStateMachine):
         drops one of them), then creates the new ones; victims are the least recently used sessions outside
         the batch; the LRU order is then the request order. The failed session ends as ``generate`` leaves
         it: offloaded, byte for byte as before (page write), or released with its close hook (import).
+        ``async``: no restore fails, the batch fails when its outputs are awaited: the rerun one by one
+        starts from the model state before the batch (the invariant counts each session's blocks).
         """
         kvs = [self._fresh_kv() for _ in session_ids]
         requests = [DiffusionRequest(f"b{i}", extra_args={"session_id": sid}, inputs={"kind": kind, "kv": kv})
                     for i, (sid, kv) in enumerate(zip(session_ids, kvs, strict=True))]
         restores = [sid for sid in session_ids if sid in self.offloaded]
-        target = restores[0] if restores and fault != "none" else None
+        target = restores[0] if restores and fault in ("page_write", "import") else None
         admitted = []
         for session_id in restores + [sid for sid in session_ids if sid not in restores]:
             victims = []
@@ -689,8 +733,10 @@ class HostTierMachine(RuleBasedStateMachine):
         # A failed page write leaves its session exactly as it was: the invariant checks it byte for byte.
         self.hit = set(session_ids) - ({target} if fault == "page_write" and target in self.offloaded else set())
         self.pipeline.fail_next_import = fault == "import" and target is not None
+        awaited_fault = fault == "async" and len(admitted) >= 2  # a batch of one runs unbatched
         try:
-            with self._failing_page_write(fault == "page_write" and target is not None, once=True):
+            with self._failing_page_write(fault == "page_write" and target is not None, once=True), \
+                    failing_batch_await(self.engine, awaited_fault) as fired:
                 if target is None:
                     outputs = self.engine.generate_batch(requests)
                 else:
@@ -705,6 +751,7 @@ class HostTierMachine(RuleBasedStateMachine):
                     outputs = error.outputs
         finally:
             self.pipeline.fail_next_import = False
+        assert len(fired) == awaited_fault
         for session_id, out in zip(session_ids, outputs, strict=True):
             if session_id not in admitted:
                 assert out is None
