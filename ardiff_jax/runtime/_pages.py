@@ -9,7 +9,10 @@ block goes to the fresh page, the shared one keeps what the other sessions read.
 
 The pool has ``capacity x runs`` pages and every table at most ``sink + window`` entries, so
 the distinct pages in use never exceed the pool; a remapped slot needs a page only when its
-old page is shared (held at least twice), so a free page always exists when one is needed.
+old page is still held by a table other than the writers' after the write, so a free page
+always exists when one is needed. That holds for a batched write only when its rows are
+planned together (:meth:`PagePool.plan_batch`): a session and its fork that overwrite the
+same shared page release it together, and one of them keeps it.
 
 Everything here is host bookkeeping (numpy), planned before the device write and applied
 only after it returned (:meth:`PagePool.plan_writes`; the counts follow the session value the
