@@ -193,3 +193,30 @@ def test_forward_batch_must_defer_a_callable_and_only_while_bound():
     with pytest.raises(TypeError, match="defer_publish\\(publish\\) needs a callable"):
         batch.defer_publish("not callable")
     assert batch._deferred == []
+
+
+def test_a_publish_that_raises_releases_every_session_of_the_batch():
+    """The staged state could be half installed beside committed KV: nothing consistent to rerun from, so every
+    session of the batch fails closed (released, its next request starts it anew), none is left half moved."""
+    kind = _Kind("sprite")
+    pipeline, engine = kind.engine()
+    events = []
+    engine.runner.add_session_listener(events.append)
+    try:
+        engine.generate_batch(kind.requests(0, SESSIONS, {}))
+        publish = pipeline._publish_staged
+
+        def half_publish(sessions):
+            publish(dict(list(sessions.items())[:1]))
+            raise RuntimeError("publish failed halfway")
+
+        pipeline._publish_staged = half_publish
+        with pytest.raises(ARDiffusionBatchError) as raised:
+            engine.generate_batch(kind.requests(1, SESSIONS, {}))
+        assert list(raised.value.errors) == list(SESSIONS) and raised.value.outputs == [None] * 3
+        assert engine.sessions == () and pipeline.session_ids == ()
+        assert sorted(e.session_id for e in events if e.kind == "released") == list(SESSIONS)
+        del pipeline._publish_staged
+        assert len(engine.generate_batch(kind.requests(0, SESSIONS, {}))) == 3  # they start anew
+    finally:
+        engine.close()
