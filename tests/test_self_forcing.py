@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import types
 
 import jax
 import jax.numpy as jnp
@@ -148,70 +149,94 @@ def _loss(generated, latents, weights, probe):
     return jnp.sum(jnp.sum(jnp.square(generated - latents) * probe, axis=(2, 3, 4, 5)) * weights)
 
 
-def test_gradient_equals_a_central_finite_difference(sprite_modules):
+@pytest.fixture(scope="module")
+def sprite_gradient(sprite_modules):
+    """The small sprite problem's paged loss, its value, gradient and committed blocks, compiled and run once.
+
+    The finite-difference check and the dense recomputation both check this one gradient (each compiling
+    its own copy of the rollout's backward pass cost most of their time)."""
     graphdef, params = nnx.split(sprite_modules)
-    latents, observed, cond, noise, run_start, weights = _sprite_problem(sprite_modules)
+    latents, observed, cond, noise, run_start, weights = problem = _sprite_problem(sprite_modules)
     probe = jax.random.uniform(jax.random.key(9), latents.shape[2:])
+    n = observed.shape[1]
 
     def loss(p, context):
-        out = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(5, jnp.int32), run_start,
+        out = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(n, jnp.int32), run_start,
                            context, schedule=ONE_STEP, prediction="delta", finish=_snap)
-        return _loss(out.generated, latents, weights, probe)
+        return _loss(out.generated, latents, weights, probe), out.committed
 
-    grad = jax.grad(loss)(params, None)
-    direction = jax.tree.map(lambda g, k: jax.random.normal(k, g.shape), grad,
-                             jax.tree.unflatten(jax.tree.structure(grad),
-                                                list(jax.random.split(jax.random.key(2), len(jax.tree.leaves(grad))))))
+    (value, committed), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, None)
+    return types.SimpleNamespace(graphdef=graphdef, params=params, problem=problem, probe=probe, loss=loss,
+                                 value=value, grad=grad, committed=committed)
+
+
+def test_gradient_equals_a_central_finite_difference(sprite_gradient):
+    params, grad = sprite_gradient.params, sprite_gradient.grad
+
+    def loss(p, context):
+        return sprite_gradient.loss(p, context)[0]
+
+    # Everything jitted: one compile for both shifted losses and one for each tree helper (eagerly, every
+    # call re-traced and re-compiled the rollout's scans, and every leaf op compiled for its shape).
+    @jax.jit
+    def random_direction(tree):
+        keys = jax.random.split(jax.random.key(2), len(jax.tree.leaves(tree)))
+        return jax.tree.map(lambda g, k: jax.random.normal(k, g.shape), tree,
+                            jax.tree.unflatten(jax.tree.structure(tree), list(keys)))
+
+    direction = random_direction(grad)
     eps = 1e-3
-    shifted = [jax.tree.map(lambda p, d: p + s * eps * d, params, direction) for s in (1, -1)]
+    shift = jax.jit(lambda p, d, s: jax.tree.map(lambda p, d: p + s * eps * d, p, d))
+    shifted = [shift(params, direction, float(s)) for s in (1, -1)]
     # The gradient-free forwards (commits) stay at `params`, as stop_gradient holds them.
-    fd = (loss(shifted[0], params) - loss(shifted[1], params)) / (2 * eps)
-    analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction)))
+    shifted_loss = jax.jit(loss)
+    fd = (shifted_loss(shifted[0], params) - shifted_loss(shifted[1], params)) / (2 * eps)
+    analytic = jax.jit(lambda g, d: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(d))))(
+        grad, direction)
     assert float(jnp.abs(analytic)) > 1e-3
     np.testing.assert_allclose(float(fd), float(analytic), rtol=2e-2)
 
 
-def test_gradient_equals_a_dense_block_causal_recomputation(sprite_modules):
+def test_gradient_equals_a_dense_block_causal_recomputation(sprite_gradient):
     """The same loss computed without pools: clean context by ``forward_blocks``, each exit forward dense."""
-    graphdef, params = nnx.split(sprite_modules)
-    latents, observed, cond, noise, run_start, weights = _sprite_problem(sprite_modules)
-    probe = jax.random.uniform(jax.random.key(9), latents.shape[2:])
+    graphdef, params = sprite_gradient.graphdef, sprite_gradient.params
+    latents, observed, cond, noise, run_start, weights = sprite_gradient.problem
+    probe = sprite_gradient.probe
     rows, n = observed.shape
-    out = self_rollout(graphdef, params, latents, observed, cond, noise, jnp.zeros(n, jnp.int32), run_start,
-                       schedule=ONE_STEP, prediction="delta", finish=_snap)
-
-    def paged(p):
-        o = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(n, jnp.int32), run_start,
-                         schedule=ONE_STEP, prediction="delta", finish=_snap)
-        return _loss(o.generated, latents, weights, probe)
-
-    committed = out.committed  # [rows, n, 1, C, H, W], constants
+    committed = sprite_gradient.committed  # [rows, n, 1, C, H, W], constants
     positions = jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), run_start[:, None] + jnp.arange(n - 1)[None]], 1)
+
+    tokens = SPRITE.tokens_per_frame
+
+    def dense_row(modules, frozen, r):
+        """Row ``r``'s loss: its clean context in one masked ``forward_blocks`` pass, then every generated
+        block's exit forward against the dense K/V it may see (vmapped over the blocks: one forward traced
+        and compiled, not ``n - 1``)."""
+        text_kv = jax.tree.map(lambda a: a[r], cond.text_kv)
+        clean = frozen.transformer.forward_blocks(
+            committed[r], jnp.zeros(n), positions[r], text_kv, controls=cond.controls[r],
+            attention=MaskedAttention(block_causal_mask(SPRITE, positions[r], jnp.ones(n, bool))))
+        # Which clean frames block i's forward sees: the mask's row for a noisy copy of block i.
+        starts = jnp.concatenate([positions[r], positions[r]])
+        full = block_causal_mask(SPRITE, starts, jnp.arange(2 * n) < n)
+
+        def block_loss(i):
+            visible = full[(n + i) * tokens, :n * tokens] & (jnp.arange(n * tokens) < i * tokens)
+            attention = DenseAttention(k=clean.k, v=clean.v, mask=visible)
+            y = modules.transformer(noise[r, i, 0], jnp.float32(1000.0), positions[r, i], text_kv,
+                                    controls=cond.controls[r, i], attention=attention)
+            x0 = clean_estimate(y.video, noise[r, i, 0], jnp.float32(1.0), committed[r, i - 1, -1], "delta")
+            return weights[r, i] * jnp.sum(jnp.square(x0 - latents[r, i]) * probe)
+
+        return jnp.sum(jax.vmap(block_loss)(jnp.arange(1, n)))
 
     def dense(p):
         modules = nnx.merge(graphdef, p)
         frozen = nnx.merge(graphdef, jax.lax.stop_gradient(p))
-        total = 0.0
-        for r in range(rows):
-            text_kv = jax.tree.map(lambda a: a[r], cond.text_kv)
-            clean = frozen.transformer.forward_blocks(
-                committed[r], jnp.zeros(n), positions[r], text_kv, controls=cond.controls[r],
-                attention=MaskedAttention(block_causal_mask(SPRITE, positions[r], jnp.ones(n, bool))))
-            tokens = SPRITE.tokens_per_frame
-            # Which clean frames block i's forward sees: the mask's row for a noisy copy of block i.
-            starts = jnp.concatenate([positions[r], positions[r]])
-            full = block_causal_mask(SPRITE, starts, jnp.arange(2 * n) < n)
-            for i in range(1, n):
-                visible = full[(n + i) * tokens, :n * tokens] & (jnp.arange(n * tokens) < i * tokens)
-                attention = DenseAttention(k=clean.k, v=clean.v, mask=visible)
-                y = modules.transformer(noise[r, i, 0], jnp.float32(1000.0), positions[r, i], text_kv,
-                                        controls=cond.controls[r, i], attention=attention)
-                x0 = clean_estimate(y.video, noise[r, i, 0], jnp.float32(1.0), committed[r, i - 1, -1], "delta")
-                total = total + weights[r, i] * jnp.sum(jnp.square(x0 - latents[r, i]) * probe)
-        return total
+        return sum(dense_row(modules, frozen, r) for r in range(rows))
 
     dense_value, dense_grad = jax.jit(jax.value_and_grad(dense))(params)
-    paged_value, paged_grad = jax.jit(jax.value_and_grad(paged))(params)
+    paged_value, paged_grad = sprite_gradient.value, sprite_gradient.grad
     np.testing.assert_allclose(float(dense_value), float(paged_value), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(dense_grad), jax.tree.leaves(paged_grad)):
         # float32 summation order differs (dense softmax vs paged): relative to each leaf's scale.
@@ -262,9 +287,12 @@ def test_gradient_frames_keeps_only_the_last_blocks_gradient(sprite_modules):
                            schedule=ONE_STEP, prediction="delta", truncation=truncation, finish=_snap)
         return _loss(out.generated, latents, block_weights, probe)
 
-    truncated = jax.grad(loss)(params, Truncation(gradient_frames=2), weights)
+    # Jitted (the truncation a static argument): eagerly every scan of the rollout and of its backward pass
+    # was traced and compiled op by op.
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    truncated = grad(params, Truncation(gradient_frames=2), weights)
     # Without remat (and without truncation, the loss restricted to the last two blocks): the same gradient.
-    last_two = jax.grad(loss)(params, Truncation(remat=False), weights * (jnp.arange(6) >= 4))
+    last_two = grad(params, Truncation(remat=False), weights * (jnp.arange(6) >= 4))
     for a, b in zip(jax.tree.leaves(truncated), jax.tree.leaves(last_two)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
 
