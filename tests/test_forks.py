@@ -255,7 +255,7 @@ def test_a_device_rollout_of_a_fork_copies_its_shared_slots_first_and_leaves_the
     np.testing.assert_array_equal(visible(source), before)
     sink, *ring = fork.snapshot().pages[0]
     assert sink == value.pages[0][0] and not set(ring) & set(value.pages[0])  # only the unwritten sink is shared
-    cache.page_pool.check_tables([table for state in (source, fork, *others) for table in state.snapshot().pages])
+    cache.page_pool.check_tables([table for state in (source, fork) for table in state.snapshot().pages])
 
 
 def test_an_offloaded_source_restores_into_its_old_slot_while_its_fork_reads_those_pages(modules, replayed):
