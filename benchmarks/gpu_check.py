@@ -67,8 +67,14 @@ between rounds and (e) between ticks at the deadline, a SIGALRM at the hard dead
 runs, and the JSON is rewritten after every section (with each section's seconds), so an interrupted
 run still leaves what it measured.
 
+(f) **dreamzero**: DreamZero-DROID (``dreamzero-droid``: random bf16 weights, 16.5e9 parameters, 880
+    tokens a latent frame, 2-frame blocks, a 9-frame window, both CFG branches) robot inference calls
+    through ``ARDiffusionEngine`` (``bench_dreamzero.measure_calls``): seconds per call and its breakdown
+    (commit, DiT evaluations, scheduler, host), next to the release's ~3 s on two H100s and 0.6 s on GB200;
+    the goal on one H200 is under 1 s. Run alone with ``--sections dreamzero``.
+
 Run: ``bash benchmarks/gpu_check.sh`` or ``python -m benchmarks.gpu_check [--smoke] [--out PATH]
-[--sections commit,attend,world,matrix_game,wan_batch]``.
+[--sections commit,attend,world,matrix_game,wan_batch,dreamzero]``.
 """
 
 from __future__ import annotations
@@ -207,7 +213,7 @@ SMOKE = Mode("smoke", "tiny", "wan-smoke", commit_reps=(1, 2, 2), attend_reps=(1
              batch_needed_s=1.0)
 
 #: Section keys in run order; ``--sections`` picks a subset (the order stays this one).
-SECTIONS = ("commit", "attend", "world", "matrix_game", "wan_batch")
+SECTIONS = ("commit", "attend", "world", "matrix_game", "wan_batch", "dreamzero")
 
 #: Our goal for the causal Wan2.1-1.3B on one H200: end-to-end (transformer + VAE) video frames/s at 480x832.
 GOAL_VIDEO_FRAMES_PER_S = GOAL_E2E_VIDEO_FRAMES_PER_S
@@ -1006,9 +1012,43 @@ def run(*, smoke: bool = False, out: Path | None = None, budget_s: float | None 
         # (e) (c)'s Wan-1.3B with its VAE, one engine serving 8, 4, 2, 1 sessions per tick: players per device.
         # Last: it is the longest and the guard skips it (with the reason) rather than anything before it.
         section("wan_batch", mode.batch_needed_s, lambda: measure_wan_batch(mode, guard))
+        # (f) DreamZero-DROID (random bf16 weights) robot inference calls next to the release's ~3 s (2 x H100).
+        section("dreamzero", 1.0 if smoke else 150.0, lambda: measure_dreamzero(smoke))
     record["complete"] = not guard.skipped and not errors
     save()
     _print_summary(record, out)
+    return record
+
+
+#: The release's DreamZero-DROID inference time per call (its README): 2 x H100 with CFG split over them, and
+#: GB200; our goal on one H200.
+DREAMZERO_RELEASE_S = {"2 x H100": 3.0, "GB200": 0.6}
+DREAMZERO_GOAL_S = 1.0
+
+
+def measure_dreamzero(smoke: bool) -> dict[str, Any]:
+    """(f) DreamZero robot inference calls through the engine (``bench_dreamzero``): the DROID geometry with
+    random bf16 weights (16.5e9 parameters, 33 GB), one robot episode: seconds per call (an episode start,
+    then continuing calls: 2 observed frames committed on both branches, 16 UniPC steps, 8 x 2 DiT
+    evaluations) and its breakdown, the memory plan's robots per device; ``--smoke``: the tiny parity network."""
+    import jax
+
+    from ardiff_jax import ARDiffusionEngine, EngineConfig
+    from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.dreamzero import DreamZeroPipeline
+    from benchmarks.bench_dreamzero import measure_calls, memory_plan
+
+    preset = "dreamzero-tiny" if smoke else "dreamzero-droid"
+    config = dit_preset(preset)
+    began = time.perf_counter()
+    pipeline = DreamZeroPipeline(config)  # random weights, initialised on the device in one program
+    engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=config.dtype, gpu_memory_fraction=0.9, warmup=False))
+    build_s = time.perf_counter() - began
+    with engine:
+        record = measure_calls(engine, config, calls=4, episodes=1 if smoke else 2)
+    record.update(preset=preset, build_s=build_s, device=str(jax.devices()[0].device_kind),
+                  release_s=DREAMZERO_RELEASE_S, goal_s=DREAMZERO_GOAL_S,
+                  goal_met=bool(record["call_s"] < DREAMZERO_GOAL_S), memory=memory_plan(dtype="bfloat16"))
     return record
 
 
@@ -1088,6 +1128,17 @@ def _print_summary(record: dict[str, Any], out: Path) -> None:
     elif game:
         print(f"Matrix-Game: {game}")
     _print_wan_batch(record.get("wan_batch", {}))
+    robot = record.get("dreamzero", {})
+    if "call_s" in robot:
+        split = robot["breakdown"]
+        release = ", ".join(f"{k}: {v} s" for k, v in robot["release_s"].items())
+        print(f"DreamZero ({robot['preset']}): {robot['call_s']:.3f} s per inference call (episode start "
+              f"{robot['episode_start_s']:.3f} s; goal < {robot['goal_s']:.0f} s: {'met' if robot['goal_met'] else 'not met'}"
+              f"; the release: {release}); commit {split['commit_s']:.3f} s, DiT {split['dit_s']:.3f} s, scheduler "
+              f"{split['scheduler_s']:.4f} s, host {split['host_s']:.4f} s; robots per device "
+              + ", ".join(f"{k}: {v}" for k, v in robot["memory"]["robots_per_device"].items()))
+    elif robot:
+        print(f"DreamZero: {robot}")
     if record["time_guard"]["skipped"]:
         print(f"time guard: {record['time_guard']['skipped']}")
     print(f"wrote {out}")

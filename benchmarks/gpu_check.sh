@@ -7,7 +7,9 @@
 # per H200 at 16 fps); one JSON. A full run's guard usually has no time left for (e): run it alone with
 # `bash benchmarks/gpu_check.sh --sections wan_batch --out benchmarks/results/gpu_check_wan_batch.json`.
 # Usage: bash benchmarks/gpu_check.sh [--smoke] [--out PATH] [--budget-s S] [--world-backend auto|xla|cudnn]
-#        [--sections commit,attend,world,matrix_game,wan_batch]
+#        [--sections commit,attend,world,matrix_game,wan_batch,dreamzero]
+# (f) dreamzero: DreamZero-DROID robot inference calls (random bf16 weights) next to the release's ~3 s on two
+# H100s; run it alone: `bash benchmarks/gpu_check.sh --sections dreamzero --out benchmarks/results/gpu_check_dreamzero.json`.
 # The script's own time guard ends it before the 290 s timeout below; the JSON is rewritten after
 # every section, so even a killed run leaves what it measured.
 set -euo pipefail
