@@ -254,7 +254,8 @@ def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_
                            exits, schedule=schedule, prediction="flow")
         return jnp.sum(jnp.square(out.generated[0] - targets) * probe), (out.committed[0], out.exit_input[0])
 
-    (paged_value, (committed, exit_input)), paged_grad = jax.value_and_grad(paged, has_aux=True)(params)
+    # Jitted: eagerly, the rollout's scans and their backward pass were traced and compiled op by op.
+    (paged_value, (committed, exit_input)), paged_grad = jax.jit(jax.value_and_grad(paged, has_aux=True))(params)
 
     starts = jnp.arange(n, dtype=jnp.int32) * F
     context = jax.tree.map(lambda a: a[0], cond.text_kv)
@@ -276,11 +277,15 @@ def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_
 
     ring = init_action_cache(MG)
     dense_value, dense_grad = 0.0, jax.tree.map(jnp.zeros_like, params)
+    device = jax.devices()[0]
     for i in range(n):
         t = schedule.timesteps[int(exits[i])]
-        value, grad = exit_loss(params, exit_input[i], jnp.float32(t), jnp.float32(t / schedule.num_train_timesteps),
-                                starts[i], full[(n + i) * tokens, :n * tokens], condition[i],
-                                jax.tree.map(lambda a: a[i], block_actions), ring, targets[i])
+        # Committed to the device: the first block's fresh ring (and eager slices) are uncommitted, later rings
+        # committed, and that difference alone compiled exit_loss a second time.
+        args = jax.device_put((exit_input[i], jnp.float32(t), jnp.float32(t / schedule.num_train_timesteps),
+                               starts[i], full[(n + i) * tokens, :n * tokens], condition[i],
+                               jax.tree.map(lambda a: a[i], block_actions), ring, targets[i]), device)
+        value, grad = exit_loss(params, *args)
         dense_value, dense_grad = dense_value + value, jax.tree.map(jnp.add, dense_grad, grad)
         ring = commit_action_cache(MG, ring, _block_kv(clean.action_kv, i), starts[i])
 
