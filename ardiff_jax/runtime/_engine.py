@@ -125,11 +125,25 @@ class ARDiffusionEngine:
         written, the writer gets a fresh page), its cross-attention caches and, through the
         pipeline, its model state; with the same requests it produces what the source would,
         unless ``noise_seed`` gives it a fresh noise stream. Closing, resetting, evicting or
-        offloading either leaves the other intact. Refused (nothing changes) for an unknown
-        source, a taken id, a block in flight, or no free slot. See
-        :meth:`ARDiffusionModelRunner.fork_session`.
+        offloading either leaves the other intact. On a full engine with host offload on, the
+        least recently used sessions other than the source move to the host tier to make room
+        (as for a new session; each continues exactly at its next request); nothing is lost: a
+        fork that would need to drop a session is refused. Refused (nothing changes) for an
+        unknown source, a taken id, a block in flight, or no free slot without host offload.
+        See :meth:`ARDiffusionModelRunner.fork_session`.
         """
         self._runner.fork_session(source_id, new_id, noise_seed=noise_seed)
+
+    def offload_session(self, session_id: str) -> None:
+        """Move resident ``session_id`` to host memory now (you choose what leaves the device).
+
+        Its next request restores it and it continues exactly. Needs host offload
+        (``EngineConfig(host_offload_bytes=...)``); refused, changing nothing, for an unknown
+        or already offloaded id, a session in use (a block or stepwise request in flight), or a
+        host tier that would have to drop a session it holds. See
+        :meth:`ARDiffusionModelRunner.offload_session`.
+        """
+        self._runner.offload_session(session_id)
 
     def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
         """Write a resident or offloaded session to ``path`` (a new directory); it keeps running here.

@@ -494,6 +494,22 @@ class ARDiffusionRouter:
                         self._forget(index, (new_id,))
                 raise
 
+    def offload_session(self, session_id: str) -> None:
+        """Move the session to its replica's host tier (it stays placed there); refused like the replica's.
+
+        A session the router never placed is a ``KeyError``; a replica without
+        ``offload_session`` a ``TypeError``.
+        """
+        check_session_id(session_id)
+        with self._owning(session_id, place=False) as index:
+            if index is None:
+                raise KeyError(f"AR-Diffusion session {session_id!r} is not resident")
+            offload = getattr(self._replicas[index], "offload_session", None)
+            if not callable(offload):
+                raise TypeError(f"replica {index} ({type(self._replicas[index]).__name__}) cannot offload a "
+                                "session: it has no offload_session")
+            offload(session_id)
+
     def save_session(self, session_id: str, path: str | os.PathLike[str]) -> Path:
         """Write the session (resident or offloaded on its replica) to ``path``; it keeps running there."""
         check_session_id(session_id)

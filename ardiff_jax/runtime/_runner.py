@@ -147,7 +147,8 @@ class SessionEvent:
       ``"reset"``, ``"close"``, ``"lru_eviction"``, ``"forward_exception"``,
       ``"warmup_complete"``, ``"pools_lost"``, ``"host_eviction"`` (dropped from the
       host tier), ``"restore_failed"``, ``"save_failed"``;
-    * ``"offloaded"``: evicted to the host tier (``reason`` ``"lru_eviction"``);
+    * ``"offloaded"``: moved to the host tier (``reason`` ``"lru_eviction"``: to make room for a
+      new session, a restore or a fork; ``"requested"``: ``offload_session``);
     * ``"restored"``: resident again, from the host tier (``reason`` ``"offload"``) or
       from a file (``"load"``).
     """
@@ -1197,10 +1198,16 @@ class ARDiffusionModelRunner:
         same noise stream unless ``noise_seed`` gives a fresh one. Host work only: no device
         copy, no compile. An offloaded source is restored first (it needs its own slot).
 
+        A full engine with host offload on makes room as a new session does: the least recently
+        used sessions other than the source (and not in use) move to the host tier, each to
+        continue exactly at its next request. Nothing is lost: when the tier cannot hold them
+        without dropping a session it holds, or one of them has a block in flight, the fork is
+        refused before anything moves (see :meth:`offload_session`).
+
         Refused, changing nothing: an unknown source; ``new_id`` already resident or
         offloaded; a source with a forward context pending (a stepwise block in flight); no
-        free slot for the fork (forks never evict: close or offload a session first); a
-        pipeline without the fork hook; pools on a mesh.
+        free slot for the fork with host offload off (close or :meth:`offload_session` one
+        first); a pipeline without the fork hook; pools on a mesh.
         """
         check_session_id(source_id)
         check_session_id(new_id, "fork session id")
@@ -1222,17 +1229,26 @@ class ARDiffusionModelRunner:
                 raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
             if new_id == source_id or new_id in self._table or new_id in self._host:
                 raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
+            if not offloaded and (self._table.get(source_id)._pending or source_id in self._stepwise_started):
+                raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
             needed = 2 if offloaded else 1
-            if self._kv_cache.num_free_slots < needed:
+            short = needed - self._kv_cache.num_free_slots
+            if short > 0 and not self._host.capacity_bytes:
                 raise RuntimeError(
                     f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed, "
-                    f"{self._kv_cache.num_free_slots} free of {self.session_capacity} (forks never evict a session; "
-                    "close one first)")
+                    f"{self._kv_cache.num_free_slots} free of {self.session_capacity} (without host offload a fork "
+                    "never evicts a session; close one or turn host offload on)")
+            if short > 0:
+                # Every check is made before anything moves: a refused fork changes nothing.
+                victims = [sid for sid in self._table.lru_order if sid != source_id
+                           and not self._table.is_pinned(sid)][:short]
+                if len(victims) < short:
+                    raise RuntimeError(f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed and "
+                                       "every other resident session is in use")
+                self._offload_chosen(victims, reason="lru_eviction", what=f"fork {source_id!r}")
             if offloaded:
                 self._restore(self._host.pop(source_id), reason="offload", hold_on_failure=True)
             source = self._table.get(source_id)
-            if source._pending or source_id in self._stepwise_started:
-                raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
             value = source._value
             state = self._kv_cache.create_state(new_id)
             try:
@@ -1256,6 +1272,58 @@ class ARDiffusionModelRunner:
             self._emit("created", new_id, "fork")
             logger.info("AR-Diffusion session %r forked from %r (slot %s; %d pages shared)", new_id, source_id,
                         state.slot, sum(len(table) for table in value.pages))
+
+    def offload_session(self, session_id: str) -> None:
+        """Move resident ``session_id`` to the host tier now; its next request restores it and it continues exactly.
+
+        The user's choice of what leaves the device (instead of the least recently used one, as
+        a new session or a fork on a full engine would). Refused, changing nothing: host
+        offload off (``EngineConfig(host_offload_bytes=0)``) or a pipeline without the export
+        hooks; an unknown or already offloaded id; a session in use (a block or a stepwise
+        request in flight); a host tier that could hold it only by dropping a session it holds.
+        """
+        check_session_id(session_id)
+        with self._locked():
+            self._check_open()
+            self._check_not_reentrant("offload_session")
+            if not self._host.capacity_bytes:
+                raise RuntimeError(
+                    f"AR-Diffusion cannot offload {session_id!r}: host offload is off (EngineConfig("
+                    "host_offload_bytes=0), or the pipeline does not implement SupportsARDiffusionSessionExport)")
+            if session_id in self._host:
+                raise ValueError(f"AR-Diffusion session {session_id!r} is offloaded already")
+            if session_id not in self._table:
+                raise KeyError(f"AR-Diffusion session {session_id!r} is not resident")
+            self._offload_chosen([session_id], reason="requested", what=f"offload {session_id!r}")
+
+    def _offload_chosen(self, session_ids: list[str], *, reason: str, what: str) -> None:
+        """Move the resident ``session_ids`` to the host tier, losing none: checked first, refused if any cannot go.
+
+        Unlike :meth:`_evict` (a new session's room), nothing is released instead: a session
+        in use, or a tier that would have to drop the sessions it holds, refuses before any
+        copy; a copy that fails leaves its session resident (and those before it offloaded).
+        """
+        for session_id in session_ids:
+            state = self._table.get(session_id)
+            if _committing(state) or session_id in self._stepwise_started or self._table.is_pinned(session_id):
+                raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} has a block in flight")
+        needed = len(session_ids) * self.memory_plan.offload_bytes_per_session
+        free = self._host.capacity_bytes - self._host.bytes_used
+        if needed > free:
+            raise RuntimeError(
+                f"AR-Diffusion cannot {what}: moving {len(session_ids)} session(s) to the host tier needs about "
+                f"{needed} bytes and {free} of its {self._host.capacity_bytes} are free (it would drop sessions it "
+                "holds; close one)")
+        for session_id in session_ids:
+            record = self._offload_record(session_id)
+            if record is None:  # nothing moved: the session stays resident
+                raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} could not be copied to the "
+                                   "host tier (see the log); it stays resident")
+            self._table.remove(session_id)._release()
+            self._emit("offloaded", session_id, reason)
+            logger.info("AR-Diffusion session %r offloaded to host memory (%s; %d bytes)", session_id, reason,
+                        record.nbytes)
+            self._hold_offloaded(record)
 
     def save_session(self, session_id: str, path: Any) -> Any:
         """Write a resident or offloaded session to the new directory ``path`` (orbax arrays + JSON manifest).
