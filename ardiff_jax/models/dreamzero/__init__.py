@@ -20,6 +20,19 @@ from ardiff_jax.models.wan import (
     load_dreamzero,
 )
 
+from ardiff_jax.models.dreamzero._droid import (
+    NEGATIVE_PROMPT,
+    VIEW_KEYS,
+    DroidStatistics,
+    FrameBuffer,
+    actions_to_targets,
+    droid_prompt,
+    normalize_state,
+    prepare_views,
+    resize_views,
+    tile_views,
+)
+from ardiff_jax.models.dreamzero._robot import ROBOT_POLICY_CONFIG, DreamZeroRobotPolicy, build_robot_policy
 from ardiff_jax.models.dreamzero._pipeline import (
     DreamZeroPipeline,
     DreamZeroPipelineConfig,
@@ -35,5 +48,7 @@ from ardiff_jax.models.dreamzero._unipc import (
     unipc_step,
 )
 
-__all__ = ["DreamZeroPipeline", "DreamZeroPipelineConfig", "dreamzero_commit", "dreamzero_evaluate", "DIT_STEP_MASKS",
+__all__ = ["NEGATIVE_PROMPT", "VIEW_KEYS", "DroidStatistics", "FrameBuffer", "actions_to_targets", "droid_prompt",
+           "normalize_state", "prepare_views", "resize_views", "tile_views", "ROBOT_POLICY_CONFIG",
+           "DreamZeroRobotPolicy", "build_robot_policy", "DreamZeroPipeline", "DreamZeroPipelineConfig", "dreamzero_commit", "dreamzero_evaluate", "DIT_STEP_MASKS",
            "UniPCSchedule", "UniPCState", "unipc_init", "unipc_schedule", "unipc_step","CheckpointError", "DIT_PREFIX", "HEAD_TARGETS", "DreamZeroCheckpoint", "dreamzero_checkpoint_config", "load_dreamzero"]

@@ -452,10 +452,9 @@ class DreamZeroPipeline(PipelineBase):
         """``(new episode?, its start inputs)`` for ``parsed`` on ``session_id``; ValueError when neither a
         continuing call nor an episode start is possible."""
         session = self._sessions.get(session_id)
-        state_frames = session.frames if session is not None else 0
         changed_prompt = session is not None and parsed.prompt_digest is not None \
             and parsed.prompt_digest != session.prompt
-        full = session is not None and state_frames + self.config.frames_per_block >= self.config.window_frames
+        full = self.episode_full(session_id)
         if parsed.start is not None:
             start = parsed.start
         elif session is None or changed_prompt or full:
@@ -472,6 +471,12 @@ class DreamZeroPipeline(PipelineBase):
             raise ValueError(f"DreamZeroPipeline session {session_id!r} starts an episode without "
                              "inputs['prompt_embeds'] and inputs['negative_prompt_embeds']")
         return True, start
+
+    def episode_full(self, session_id: str) -> bool:
+        """Whether ``session_id``'s next continuing call finds its attention window full (the release then starts a
+        new episode from the call's last frame: send ``inputs["restart"]``)."""
+        session = self._sessions.get(session_id)
+        return session is not None and session.frames + self.config.frames_per_block >= self.config.window_frames
 
     def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
         self._parse(session_id, request)
