@@ -327,3 +327,14 @@ def test_after_warmup_an_episode_and_its_restart_compile_nothing() -> None:
         restart = {"latents": ref["ys"][0:1, 4:], "condition": ref["ys"], "clip": ref["clip"]}
         engine.generate(request("robot", 4, {**episode_inputs(ref, 1), "restart": restart}))
     assert compiled == [], compiled
+
+
+def test_the_documented_droid_memory_figures_are_the_memory_plans() -> None:
+    """docs/models.md and benchmarks/README.md quote these (KV per robot and robots per device, bf16)."""
+    from benchmarks.bench_dreamzero import memory_plan
+
+    plan = memory_plan(dtype="bfloat16")
+    assert plan["parameters"] == 16_484_292_448
+    assert round(plan["session_bytes"] / 1e9, 2) == 14.24
+    assert round(plan["scratch_bytes_per_device"] / 1e9, 2) == 4.33
+    assert plan["robots_per_device"] == {"80 GB (H100)": 2, "141 GB (H200)": 6}
