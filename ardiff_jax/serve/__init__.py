@@ -1,5 +1,9 @@
 """``ardiff-jax serve``: a realtime video server (Starlette on uvicorn) on top of the control plane.
 
+The robot-policy server (openpi / RoboArena policy protocol, ``WS /`` and ``GET /healthz``) is
+:func:`create_policy_app`, generic over a :class:`RobotPolicy`; its protocol and guarantees are in the
+:mod:`ardiff_jax.serve._policy` module docstring. The rest of this docstring is the video server.
+
 Routes
 ======
 * ``WS /v1/realtime/video``: one WebSocket per generation session (the vLLM-Omni streaming
@@ -10,6 +14,10 @@ Routes
   ``closing`` counts sessions whose engine close failed and is being retried (with a bounded
   backoff, 0.05 s doubling to 2 s; the slot frees once the engine releases the session);
 * ``GET /metrics``: Prometheus text (names prefixed ``ardiff_``);
+* while ``ardiff-jax serve`` still builds the model (:class:`StartingApp`): ``/healthz`` (any HTTP
+  path) answers at once 503 with ``Retry-After`` and ``{"status": "starting", "building",
+  "stage", "elapsed_s"}``, and a WebSocket is told ``error`` ``starting`` (retry) and closed
+  with 1013 (try again later), never left waiting;
 * ``GET /``: the browser client (``static/index.html``, one page, no external resources): plays
   the stream at the session's announced rate behind a small jitter buffer (0.1 s; ``jpeg`` on
   a canvas, ``m4s`` through Media Source Extensions), sends the arrow keys / WASD as actions
@@ -127,6 +135,8 @@ text frame over ``max_message_bytes``, ignored), ``unexpected_binary``, ``not_st
 the socket stays open and the client may retry; a live session is never evicted; the start
 clock restarts; a session the engine still holds, its close having failed, counts),
 ``interaction_rejected``, ``interaction_failed`` (a queued event whose chunk failed),
+``starting`` (the server is still building its model: connect again later; the socket closes,
+1013), ``unavailable`` (its build failed; closes, 1013),
 ``generation_failed`` (generating or encoding a chunk failed; then the socket closes,
 1011), ``internal_error`` (a server bug, logged; closes, 1011), ``start_timeout`` (no session
 started within ``start_timeout_s``; the socket closes, 1008), ``stall`` (a started session
@@ -173,8 +183,22 @@ The server never waits on one client; it keeps serving everyone else whatever on
 
 from ardiff_jax.serve._access import ServerAccess, read_api_key_file
 from ardiff_jax.serve._app import REALTIME_VIDEO_PATH, ServerSettings, create_app
+from ardiff_jax.serve._policy import (
+    PolicyClient,
+    PolicyLimits,
+    PolicyMessageError,
+    PolicyServerConfig,
+    PolicyServerError,
+    RobotPolicy,
+    create_policy_app,
+)
+from ardiff_jax.serve._policy import pack as pack_policy_message
+from ardiff_jax.serve._policy import unpack as unpack_policy_message
 from ardiff_jax.serve._protocol import ProtocolError
+from ardiff_jax.serve._starting import StartingApp
 from ardiff_jax.serve._world import ServedWorld, StartPlan, camera_action
 
-__all__ = ["REALTIME_VIDEO_PATH", "ProtocolError", "ServedWorld", "ServerAccess", "ServerSettings", "StartPlan",
-           "camera_action", "create_app", "read_api_key_file"]
+__all__ = ["REALTIME_VIDEO_PATH", "PolicyClient", "PolicyLimits", "PolicyMessageError", "PolicyServerConfig",
+           "PolicyServerError", "ProtocolError", "RobotPolicy", "ServedWorld", "ServerAccess", "ServerSettings",
+           "StartPlan", "StartingApp", "camera_action", "create_app", "create_policy_app", "pack_policy_message",
+           "read_api_key_file", "unpack_policy_message"]

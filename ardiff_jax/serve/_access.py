@@ -224,12 +224,17 @@ def read_api_key_file(path: str | os.PathLike[str]) -> str:
 # -- decisions (pure) --------------------------------------------------------------------------------
 
 
+#: The ``Authorization`` schemes that carry the key: ``Bearer``, and ``Api-Key`` (openpi's policy client sends it).
+_KEY_SCHEMES = ("bearer", "api-key")
+
+
 def bearer_or_token(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
-    """The key a client presented: ``Authorization: Bearer <key>`` first, else the ``token`` query parameter."""
+    """The key a client presented: ``Authorization: Bearer <key>`` (or ``Api-Key <key>``, openpi's spelling)
+    first, else the ``token`` query parameter."""
     authorization = headers.get("authorization")
     if authorization is not None:
         scheme, _, credentials = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer" and credentials.strip():
+        if scheme.lower() in _KEY_SCHEMES and credentials.strip():
             return credentials.strip()
     token = query.get(KEY_PARAMETER)
     return token if token else None
