@@ -42,7 +42,7 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     record = json.loads(out.read_text())
 
     assert record["benchmark"] == "gpu_check" and record["mode"] == "smoke" and record["complete"] is True
-    assert record["sections"] == ["commit", "attend", "world", "matrix_game", "wan_batch"]
+    assert record["sections"] == ["commit", "attend", "world", "matrix_game", "wan_batch", "dreamzero"]
     assert record["time_guard"]["skipped"] == [] and record["time_guard"]["elapsed_s"] > 0
     assert record["device"]["platform"] == "cpu" and record["machine"]["jax_backend"] == "cpu"
     assert record["hardware_floors"]["bandwidth_bytes_per_s"] == 4.8e12
@@ -53,6 +53,12 @@ def test_gpu_check_smoke_through_the_shell_wrapper(tmp_path):
     assert _positive(game["frames_per_s"]) and game["release_reported_fps"] == 25.0
     assert all(_positive(game["split_ms_median"][k]) for k in ("transformer", "vae_decode", "synced_block"))
     assert game["transformer_calls_per_block"] == 4  # 3 denoise steps + the commit pass
+
+    robot = record["dreamzero"]  # (f): the tiny DreamZero network's robot calls through the engine
+    assert robot["preset"] == "dreamzero-tiny" and robot["release_s"] == {"2 x H100": 3.0, "GB200": 0.6}
+    assert _positive(robot["call_s"]) and _positive(robot["episode_start_s"]) and robot["calls_measured"] == 3
+    assert all(_positive(robot["breakdown"][k]) for k in ("commit_s", "dit_s", "scheduler_s", "host_s"))
+    assert robot["memory"]["robots_per_device"] == {"80 GB (H100)": 2, "141 GB (H200)": 6}
 
     batch = record["wan_batch"]  # (e): one engine (capacity 2, bucket 2) serving 2, then 1 session per tick
     assert batch["preset"] == "wan-smoke" and batch["with_vae"] is True and batch["player_fps"] == 16
@@ -168,11 +174,12 @@ def test_time_guard_skips_sections_and_still_writes(tmp_path):
     record = gpu_check.run(smoke=True, out=out, budget_s=0.0)
     written = json.loads(out.read_text())
     assert written["complete"] is False and record["complete"] is False
-    assert written["sections"] == list(gpu_check.SECTIONS) == ["commit", "attend", "world", "matrix_game", "wan_batch"]
+    assert written["sections"] == list(gpu_check.SECTIONS) == ["commit", "attend", "world", "matrix_game", "wan_batch",
+                                                               "dreamzero"]
     for section in gpu_check.SECTIONS:
         assert written[section]["skipped"].startswith(f"{section}: "), written[section]
         assert "left of 0 s" in written[section]["skipped"]
-    assert len(written["time_guard"]["skipped"]) == 5
+    assert len(written["time_guard"]["skipped"]) == 6
 
 
 def test_sections_runs_only_those_named(tmp_path):
