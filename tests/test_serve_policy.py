@@ -26,7 +26,7 @@ pytest.importorskip("websockets")
 
 import httpx
 import uvicorn
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from ardiff_jax.serve import (
     PolicyClient,
@@ -167,6 +167,8 @@ class LivePolicyServer:
     def __init__(self, policy: FakePolicy, **app_kwargs: Any) -> None:
         self.policy = policy
         app_kwargs.setdefault("limits", LIMITS)
+        # as TRANSPORT_MAX_BYTES is to the default limits: a frame past the message limit is still read and answered
+        self.ws_max_size = 2 * app_kwargs["limits"].max_message_bytes
         self.app = create_policy_app(policy, name="fake", **app_kwargs)
         self.stack = contextlib.ExitStack()
 
@@ -177,7 +179,7 @@ class LivePolicyServer:
         self.origin = f"http://127.0.0.1:{self.port}"
         self.url = f"ws://127.0.0.1:{self.port}"
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_config=None, log_level="warning",
-                                                     proxy_headers=False, ws_max_size=TRANSPORT_MAX_BYTES,
+                                                     proxy_headers=False, ws_max_size=self.ws_max_size,
                                                      timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self.thread.start()
@@ -439,13 +441,14 @@ def test_malformed_messages_get_a_text_error_and_change_nothing(live):
 
 
 def test_a_message_past_the_transport_limit_closes_only_that_connection(live):
-    """Past ``TRANSPORT_MAX_BYTES`` uvicorn refuses the frame itself (1009): that robot's connection ends and
-    its key is closed; another robot keeps being served."""
+    """Past uvicorn's ``ws_max_size`` (``TRANSPORT_MAX_BYTES`` under the default limits) the transport refuses the
+    frame itself (1009): that robot's connection ends and its key is closed; another robot keeps being served."""
+    assert TRANSPORT_MAX_BYTES > PolicyLimits().max_message_bytes
     other = live.client()
     robot = live.client()
     other.infer(observation())
-    with pytest.raises(Exception):
-        robot.send_raw(b"\x00" * (TRANSPORT_MAX_BYTES + 1))
+    with pytest.raises(ConnectionClosed):
+        robot.send_raw(b"\x00" * (live.ws_max_size + 1))
     wait_for(lambda: ("close", "robot-2") in live.policy.events, 20, "robot-2 closed")
     obs = observation(seed=3)
     assert other.infer(obs).tobytes() == expected_action(obs, 0).tobytes()
@@ -589,3 +592,40 @@ def test_connections_per_client_address_are_limited():
         wait_for(lambda: len(live.app.state.robots) == 1, 20, "the closed connection released")
         assert live.client().reset() == RESET_REPLY
         assert first.reset() == RESET_REPLY
+
+
+class FlakyResetPolicy(FakePolicy):
+    """Its first reset raises."""
+
+    def reset(self, session_key: str) -> None:
+        if not any(name == "reset-failed" for name, _ in self.events):
+            self.events.append(("reset-failed", session_key))
+            raise RuntimeError("the engine is busy")
+        super().reset(session_key)
+
+
+def test_a_failed_reset_is_reported_and_the_new_session_id_resets_again_on_retry():
+    with LivePolicyServer(FlakyResetPolicy()) as live:
+        robot = live.client()
+        robot.infer(observation(session_id="episode-1"))
+        new = observation(session_id="episode-2", seed=1)
+        with pytest.raises(PolicyServerError, match="reset failed: RuntimeError: the engine is busy"):
+            robot.infer(new)
+        assert live.policy.calls("robot-1") == ["infer", "reset-failed"]  # no inference without its reset
+        assert robot.infer(new).tobytes() == expected_action(new, 1).tobytes()  # the retry resets, then infers
+        assert live.policy.calls("robot-1") == ["infer", "reset-failed", "reset", "infer"]
+
+
+def test_max_batch_size_caps_the_robots_per_call():
+    with LivePolicyServer(FakePolicy(), max_batch_size=2) as live:
+        gate = gated(live)
+        robots = [live.client() for _ in range(4)]
+        robots[0].connection.send(pack(observation(seed=0)))
+        assert live.policy.entered.wait(30)
+        for robot in robots[1:]:
+            robot.connection.send(pack(observation(seed=1)))
+        wait_for(lambda: live.dispatcher.pending() == 3, 20, "three requests queued")
+        gate.set()
+        for robot in robots:
+            assert isinstance(robot.connection.recv(timeout=30), bytes)
+        assert [len(batch) for batch in live.policy.batches] == [1, 2, 1]

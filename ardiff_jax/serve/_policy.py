@@ -575,9 +575,11 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
     accepted; ``limits`` (default :class:`PolicyLimits`) bounds every message; ``max_batch_size`` caps the
     robots per ``infer_batch`` call (None: every robot pending). ``executor`` runs every policy call but
     ``validate`` (default: a single-thread executor the app owns and shuts down with its lifespan); pass
-    a single-thread one, or the policy's calls may overlap. Under uvicorn pass ``ws_max_size=``
-    :data:`TRANSPORT_MAX_BYTES` (uvicorn's default, 16 MiB, would close a connection on a larger message the
-    limits allow) and ``proxy_headers=False`` (see :func:`~ardiff_jax.serve.create_app`). The policy stays the
+    a single-thread one, or the policy's calls may overlap. Under uvicorn pass ``ws_max_size=2 *
+    limits.max_message_bytes`` (:data:`TRANSPORT_MAX_BYTES` under the default limits: a message past the limit
+    but within twice it gets a text error, a larger one is closed 1009 by the transport before it is buffered;
+    uvicorn's default, 16 MiB, would close a connection on a message the limits allow) and
+    ``proxy_headers=False`` (see :func:`~ardiff_jax.serve.create_app`). The policy stays the
     caller's: the app closes only the sessions of its connections.
     """
     from starlette.applications import Starlette
