@@ -628,12 +628,18 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
             try:
                 obs = unpack(data, limits)
                 endpoint, session_id = _request_fields(obs)
-                if endpoint == "infer":
-                    policy.validate(key, obs)
             except PolicyMessageError as error:
                 if not await _send(websocket, f"invalid message: {error}"):
                     return
                 continue
+            except Exception as error:  # noqa: BLE001 - a codec bug: logged, this message refused, the connection kept
+                logger.exception("reading a message from %s failed", key)
+                if not await _send(websocket, f"invalid message: the server could not read it: {_failure(error)}"):
+                    return
+                continue
+            try:
+                if endpoint == "infer":
+                    policy.validate(key, obs)
             except ValueError as error:
                 if not await _send(websocket, f"invalid observation: {error}"):
                     return
