@@ -1142,6 +1142,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             ServedWorld,
             ServerAccess,
             ServerSettings,
+            StartingApp,
             create_app,
         )
     except ImportError as error:
@@ -1191,9 +1192,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         listener = _listen(args.host, args.port)
     except OSError as error:
         return _refuse("serve", f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
-    with listener:
-        print(f"ardiff-jax serve: building {_serve_subject(args)} and compiling it (seconds to minutes); the "
-              "addresses follow when it is ready", file=sys.stderr, flush=True)
+    try:
+        start_image = None if args.image is None else _read_image(args.image)  # host only: before any build
+    except (TypeError, ValueError, OSError) as error:
+        listener.close()
+        return _refuse("serve", str(error))
+    host, port = listener.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    page = "127.0.0.1" if host in ("0.0.0.0", "::") else shown  # a wildcard address: this machine's page
+    built: dict[str, Any] = {}  # the engine, once built: closed however serve ends
+
+    def build(stage: Any) -> Any:
+        """Runs on StartingApp's thread while the port already answers "starting" (issue 47, item 3)."""
+        stage("building the model")
         if args.pretrained is not None:
             pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
         elif args.model == "wan":
@@ -1202,7 +1213,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             try:
                 pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=args.capacity))
             except (ValueError, OSError, ImportError) as error:
-                return _refuse("serve", str(error))
+                raise _ServeRefused(str(error)) from None
         elif args.model == "matrix-game":
             from ardiff_jax.models.matrix_game import build_matrix_game
 
@@ -1211,47 +1222,93 @@ def _run_serve(args: argparse.Namespace) -> int:
                                              dtype=args.dtype, random_weights=args.random_weights,
                                              session_capacity=args.capacity)
             except (ValueError, OSError, ImportError) as error:
-                return _refuse("serve", str(error))
+                raise _ServeRefused(str(error)) from None
             if args.random_weights:
                 print("random weights: the video is noise-like; this server measures speed", file=sys.stderr)
         else:
             pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
         try:
-            start_image = None if args.image is None else _read_image(args.image)
             world = ServedWorld.for_pipeline(pipeline, fps=args.fps, start_image=start_image)
         except (TypeError, ValueError, OSError) as error:
-            return _refuse("serve", str(error))
+            raise _ServeRefused(str(error)) from None
+        stage("planning memory and compiling the engine's programs")
         config = EngineConfig(dtype=args.dtype if args.model in ("wan", "matrix-game") else "float32",
                               available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
                               host_offload_bytes=args.host_offload_bytes, batch_compile=args.batch_compile)
         try:
-            engine = ARDiffusionEngine(pipeline, config)
+            built["engine"] = engine = ARDiffusionEngine(pipeline, config)
         except ValueError as error:
-            return _refuse("serve", f"the model does not fit --available-bytes {args.available_bytes}: {error}")
+            raise _ServeRefused(f"the model does not fit --available-bytes {args.available_bytes}: {error}") from None
+        settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
+                                  stall_timeout_s=args.stall_timeout, lookahead_chunks=args.lookahead_chunks,
+                                  paced=not args.no_pacing)
+        return create_app(engine, world=world, settings=settings, access=access)
+
+    def ready(app: Any) -> None:
+        engine = built["engine"]
+        print(f"serving {app.state.server.world.name} (capacity {app.state.server.capacity}) on "
+              f"ws://{shown}:{port}/v1/realtime/video", flush=True)
+        token = "?token=<key>" if args.api_key is not None or args.api_key_from_file is not None else ""
+        print(f"open http://{page}:{port}/{token} in a browser for the bundled player", flush=True)
+        later = ("; the batched programs for several players compile in the background"
+                 if engine.runner.compiled_batch_buckets != engine.batch_buckets else "")
+        print(f"ardiff-jax serve: ready {time.perf_counter() - started:.1f} s after start{later}", file=sys.stderr,
+              flush=True)
+
+    subject = _serve_subject(args)
+    starting = StartingApp(build, building=subject, access=access, on_built=ready,
+                           on_failure=lambda error: setattr(server, "should_exit", True))
+    # The transport refuses frames far beyond the app's own limit before reading them whole.
+    # proxy_headers=False: the app reads X-Forwarded-For itself, from --trust-forwarded-for proxies only.
+    server = uvicorn.Server(uvicorn.Config(starting, log_level="info", proxy_headers=False,
+                                           ws_max_size=max(4 * args.max_message_bytes, 2**20)))
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        # uvicorn re-raises the signal that stopped it once it has shut down; with Python's default
+        # handlers that was a KeyboardInterrupt traceback (SIGINT) or a kill that skipped engine.close()
+        # (SIGTERM). This handler takes the re-raised signal (and one before uvicorn's own are in place).
+        stopped_by.append(signum)
+        server.should_exit = True
+
+    with listener:
+        print(f"ardiff-jax serve: building {subject} and compiling it (seconds to minutes); meanwhile "
+              f"http://{page}:{port}/healthz answers 503 \"starting\" and clients are told to retry; the addresses "
+              "follow when it is ready", file=sys.stderr, flush=True)
+        import signal
+        import threading
+
+        # Signal handlers belong to the main thread (a caller running serve on another thread keeps its own).
+        handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+        previous = {signum: signal.signal(signum, stop) for signum in handled}
         try:
-            settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
-                                      stall_timeout_s=args.stall_timeout, lookahead_chunks=args.lookahead_chunks,
-                                      paced=not args.no_pacing)
-            app = create_app(engine, world=world, settings=settings, access=access)
-            host, port = listener.getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"serving {world.name} (capacity {app.state.server.capacity}) on ws://{shown}:{port}"
-                  "/v1/realtime/video", flush=True)
-            page = "127.0.0.1" if host in ("0.0.0.0", "::") else shown  # a wildcard address: this machine's page
-            token = "?token=<key>" if args.api_key is not None or args.api_key_from_file is not None else ""
-            print(f"open http://{page}:{port}/{token} in a browser for the bundled player", flush=True)
-            later = ("; the batched programs for several players compile in the background"
-                     if engine.runner.compiled_batch_buckets != engine.batch_buckets else "")
-            print(f"ardiff-jax serve: ready {time.perf_counter() - started:.1f} s after start{later}", file=sys.stderr,
-                  flush=True)
-            # The transport refuses frames far beyond the app's own limit before reading them whole.
-            # proxy_headers=False: the app reads X-Forwarded-For itself, from --trust-forwarded-for proxies only.
-            server = uvicorn.Server(uvicorn.Config(app, log_level="info", proxy_headers=False,
-                                                   ws_max_size=max(4 * args.max_message_bytes, 2**20)))
+            starting.start()  # the build runs while uvicorn starts; the port answers "starting" meanwhile
             server.run(sockets=[listener])
         finally:
-            engine.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            thread = starting.building_thread
+            if thread is not None and thread.is_alive() and stopped_by:
+                # Stopped mid-build: the build cannot be interrupted (it may be compiling) and the process must not
+                # run interpreter shutdown under it (XLA may abort), so it ends here, at once and without a traceback.
+                print("ardiff-jax serve: stopped while building; nothing was served", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(130)
+            if thread is not None:
+                thread.join()  # the server ended on its own (not a signal): let the build finish, then close it
+            if "engine" in built:
+                built["engine"].close()
+    if starting.error is not None:
+        error = starting.error
+        if isinstance(error, _ServeRefused):
+            return _refuse("serve", str(error))
+        return _refuse("serve", f"building {subject} failed: {type(error).__name__}: {error}")
+    # Stopped by a signal once serving (Ctrl-C, SIGTERM): a clean stop, the engine closed.
     return 0
+
+
+class _ServeRefused(Exception):
+    """A problem with ``serve``'s arguments found while building (a refusal, exit 2; the message is the error)."""
 
 
 def _serve_subject(args: argparse.Namespace) -> str:

@@ -350,7 +350,9 @@ def test_readme_serve_and_demo_lines_reach_their_model(in_a_fresh_folder, capsys
             assert "'sessions': 1" in err and "'num_frames': 16" in err and "'compare_untrained': False" in err, err
         else:
             assert "reached" in err and "building --model" in err, err
-    assert len(served) == 1
+    # The server runs before the build (it answers "starting" meanwhile, issue 47 item 3), so the lines whose
+    # build fails (wan, matrix-game: stopped at their builders) ran it too, and stopped with their refusal.
+    assert len(served) == 3
     assert sorted(reached) == ["matrix-game", "wan"]
 
 
