@@ -227,6 +227,94 @@ def _non_negative_int(text: str) -> int:
     return _int_argument(text, 0, 2**31, "an integer in [0, 2**31)")
 
 
+# -- optional dependencies: which extras a command will import, checked before any work ----------------
+
+#: The optional modules a command may import: module -> (what pip installs, the extra that brings it).
+OPTIONAL_MODULES = {
+    "av": ("PyAV", "serve"),
+    "starlette": ("starlette", "serve"),
+    "uvicorn": ("uvicorn", "serve"),
+    "websockets": ("websockets", "serve"),
+    "prometheus_client": ("prometheus-client", "serve"),
+    "optax": ("optax", "train"),
+    "orbax.checkpoint": ("orbax-checkpoint", "train"),
+    "matplotlib": ("matplotlib", "train"),
+    "torch": ("torch", "torch"),
+}
+#: Files that only torch reads (the loaders pick the reader by suffix; .safetensors needs no torch).
+_TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+_SERVER_MODULES = (("starlette", "serving"), ("uvicorn", "serving"), ("websockets", "serving WebSockets"),
+                   ("prometheus_client", "the server's /metrics"), ("av", "the server's m4s video chunks"))
+
+
+def _reads_torch(path: str | None) -> bool:
+    """Whether loading ``path`` (a checkpoint file or directory) goes through torch."""
+    if not path:
+        return False
+    if not os.path.isdir(path):
+        return path.lower().endswith(_TORCH_SUFFIXES)
+    # A directory: torch only when it holds torch files and no safetensors (two levels: diffusers' layout).
+    names = [name for _, _, files in _walk(path, depth=2) for name in files]
+    return any(n.lower().endswith(_TORCH_SUFFIXES) for n in names) and not any(
+        n.endswith(".safetensors") for n in names)
+
+
+def _walk(path: str, depth: int) -> list[tuple[str, list[str], list[str]]]:
+    found = []
+    for root, dirs, files in os.walk(path):
+        found.append((root, dirs, files))
+        if root[len(path):].count(os.sep) + 1 >= depth:
+            dirs.clear()
+    return found
+
+
+def required_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(module, what it is for)`` of every optional module the parsed command will import.
+
+    The one place that knows it: :func:`missing_dependencies` checks these before any work, so a
+    missing extra is a one-line error at once, not an ImportError after the model built and compiled.
+    """
+    command = args.command
+    needed: list[tuple[str, str]] = []
+    if command == "train":
+        needed += [("optax", "the optimizer"), ("orbax.checkpoint", "checkpoints"), ("matplotlib", "the loss curve")]
+    elif command == "generate":
+        needed.append(("av", "writing the MP4"))
+    elif command == "serve":
+        needed += list(_SERVER_MODULES)
+    files = {"rollout": ("checkpoint",), "generate": ("weights", "vae", "text_encoder", "lora", "clip"),
+             "serve": ("weights", "vae", "text_encoder", "lora", "clip")}.get(command, ())
+    torch_files = [f"--{name.replace('_', '-')}" for name in files if _reads_torch(getattr(args, name, None))]
+    if torch_files:
+        needed.append(("torch", f"reading the .pt/.pth file of {', '.join(torch_files)}"))
+    return needed
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package; a module whose spec is unset
+        return False
+
+
+def missing_dependencies(args: argparse.Namespace) -> str | None:
+    """Why the parsed command cannot run for want of an optional package (naming it and its extra), or None.
+
+    Checked on the host, before any argument file is read or any model built (``find_spec``: nothing
+    is imported)."""
+    missing = [(module, why) for module, why in required_modules(args) if not _installed(module)]
+    if not missing:
+        return None
+    extras = sorted({OPTIONAL_MODULES[module][1] for module, _ in missing})
+    names = ", ".join(f"{OPTIONAL_MODULES[module][0]} (" + ("" if OPTIONAL_MODULES[module][0] == module else
+                                                           f"module {module}, ") + f"for {why})"
+                      for module, why in missing)
+    install = " ".join(f'"ardiff_jax[{extra}]"' for extra in extras)
+    return f"not installed: {names}; install: pip install {install}"
+
+
 # -- presets: which CausalDiT presets (ardiff_jax.models.DIT_PRESETS) each model runs on ----------
 # Written out here so that building the parser imports no model code; tests/test_first_hour.py
 # keeps them equal to what the pipelines accept.
@@ -287,12 +375,12 @@ def _available_bytes(args: argparse.Namespace) -> int | None:
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
-    plan = subparsers.add_parser("plan", help="print the KV memory plan of an example geometry")
+    plan = subparsers.add_parser("plan", **_about("plan"))
     plan.add_argument("--geometry", default="medium", choices=sorted(EXAMPLE_GEOMETRIES),
                       help="shipped example geometry (default: medium)")
     _add_budget_arguments(plan)
     plan.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
-                      help="host memory for evicted sessions (EngineConfig.host_offload_bytes; default 0: off)")
+                      help="host memory for evicted sessions (EngineConfig.host_offload_bytes; 0: off)")
     plan.add_argument("--tp", type=_positive_int, default=1,
                       help="tensor-parallel devices per replica: KV heads split this way (default 1)")
     plan.add_argument("--cfg", type=_positive_int, default=1,
@@ -338,11 +426,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"per device: page {plan.page_bytes_per_device:,} B, cross-attention per session "
               f"{plan.cross_attention_bytes_per_session_per_device:,} B, pool {plan.pool_bytes_per_device:,} B")
     print(f"devices per replica: {devices_per_replica} (tp={args.tp} x cfg={args.cfg}), "
-          f"{plan.session_capacity} sessions each")
+          f"{_plural(plan.session_capacity, 'session')} each")
     if replicas is not None:
         idle = args.devices - replicas * devices_per_replica
-        print(f"on {args.devices} devices: {replicas} replicas x {plan.session_capacity} sessions = "
-              f"{replicas * plan.session_capacity} sessions" + (f" ({idle} devices unused)" if idle else ""))
+        print(f"on {_plural(args.devices, 'device')}: {_plural(replicas, 'replica')} x "
+              f"{_plural(plan.session_capacity, 'session')} = {_plural(replicas * plan.session_capacity, 'session')}"
+              + (f" ({_plural(idle, 'device')} unused)" if idle else ""))
     return 0
 
 
@@ -350,7 +439,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_rollout(subparsers: argparse._SubParsersAction) -> None:
-    rollout = subparsers.add_parser("rollout", help="run a timed multi-session generation with a reference pipeline")
+    rollout = subparsers.add_parser("rollout", **_about("rollout"))
     rollout.add_argument("--pipeline", default="world", choices=("world", "cfg", "wan"),
                          help="world: single-branch WorldPipeline; cfg: DreamZero-style CFGWorldActionPipeline; "
                               "wan: a published causal Wan (CausalWanPipeline; needs --checkpoint or --random-weights)")
@@ -398,6 +487,9 @@ def _run_rollout(args: argparse.Namespace) -> int:
     except ValueError as error:
         return _refuse("rollout", f"--preset {args.preset} does not fit the memory budget (--available-bytes or "
                                   f"--available-gib, --fraction, --dtype, --sessions): {error}")
+    weights = args.checkpoint if args.checkpoint is not None else "random weights"
+    _say("rollout", f"building the {args.pipeline} pipeline (preset {args.preset}, {weights}) and compiling its "
+                    "programs (seconds to a minute on a CPU); the memory plan and the progress follow")
     summary = run_timed_generation(options, stdout=sys.stdout, progress=None if args.no_progress else sys.stderr)
     if args.out is not None:
         with open(args.out, "w", encoding="utf-8") as out:
@@ -410,7 +502,7 @@ def _run_rollout(args: argparse.Namespace) -> int:
 
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
-    train = subparsers.add_parser("train", help="train the SpriteWorld model (optax, orbax checkpoints, resumable)")
+    train = subparsers.add_parser("train", **_about("train"))
     train.add_argument("--out", required=True, type=_output_dir,
                        help="run directory: checkpoints/, losses.json, loss_curve.png")
     train.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: 2000)")
@@ -532,8 +624,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser("demo", help="play the trained SpriteWorld model in several sessions and check it "
-                                              "against the simulator")
+    demo = subparsers.add_parser("demo", **_about("demo"))
     demo.add_argument("--out", required=True, type=_output_dir, help="directory for GIFs, contact sheet, summary.json")
     # The tracking demo's and the agent's own flags default to None, so that a flag the chosen mode does not use
     # is refused instead of ignored; each mode fills in its defaults (_DEMO_DEFAULTS, _AGENT_DEFAULTS).
@@ -621,8 +712,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         problem = _make_output_dir(args.out)
         if problem is not None:
             return _refuse("demo", problem)
-        from ardiff_jax.planning import run_agent_from_args
+        from ardiff_jax.planning import POLICIES, run_agent_from_args
 
+        _say("demo --agent", f"building the trained sprite_world model in an engine for the live session and "
+                             f"{args.candidates} candidates and compiling it (half a minute on a CPU), then "
+                             f"{_plural(args.worlds, 'world')} x {len(POLICIES)} policies; a progress bar follows")
         return run_agent_from_args(args)
     if args.sessions * args.frames > MAX_DEMO_FRAMES:
         return _refuse("demo", f"--sessions x --frames must be at most {MAX_DEMO_FRAMES} generated frames, got "
@@ -640,9 +734,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _refuse("demo", str(error))
     quality, speed = summary["quality"], summary["speed"]
     machine = summary.get("machine", {})
-    print(f"{summary['sessions']} sessions x {quality['generated_frames_per_session']} frames on {summary['device']} "
+    print(f"{_plural(summary['sessions'], 'session')} x {_plural(quality['generated_frames_per_session'], 'frame')} "
+          f"on {summary['device']} "
           f"({machine.get('cpu_model', 'CPU model unknown')}, {machine.get('cpu_count', '?')} cores; capacity "
-          f"{summary['session_capacity']}, {summary['lru_evictions']} LRU evictions)")
+          f"{summary['session_capacity']}, {_plural(summary['lru_evictions'], 'LRU eviction')})")
     print(f"Does the model track the simulator better than repeating the first frame? {verdict(quality)}")
     line = (f"tracking error (mean |pixel| 0-255, second half): model {quality['model_second_half']:.2f}, "
             f"repeat-first-frame {quality['repeat_first_frame_second_half']:.2f}")
@@ -771,9 +866,7 @@ def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    generate = subparsers.add_parser(
-        "generate", help="write an MP4: a causal Wan from prompts (Self-Forcing, LongLive, Krea) or Matrix-Game 2.0 "
-                         "from a picture and keyboard/mouse actions (--model matrix-game)")
+    generate = subparsers.add_parser("generate", **_about("generate"))
     _add_wan_arguments(generate, required=True)
     text = generate.add_mutually_exclusive_group()
     text.add_argument("--text-encoder", type=_existing_path, default=None,
@@ -948,6 +1041,7 @@ def _check_matrix_game_generate(args: argparse.Namespace) -> str | None:
     if problem is not None:
         return problem
     used = first + per_block * ((rows - first) // per_block)
+    args.video_frames = (used, 1 + (rows - first) // per_block)  # said before the build starts
     if used < rows:
         print(f"ardiff-jax generate: note: --actions has {rows} rows; the video has {used} frames ({first} for the "
               f"first block, then {per_block} per block), so the last {rows - used} rows are dropped", file=sys.stderr)
@@ -963,8 +1057,14 @@ def _run_generate(args: argparse.Namespace) -> int:
             print("ardiff-jax generate: note: --random-weights without --preset builds the full "
                   "matrix-game-2-universal (1.6e9 parameters); --preset matrix-game-tiny is a small network for a CPU",
                   file=sys.stderr)
-        from ardiff_jax.models.matrix_game import run_generate_cli
+        from ardiff_jax.models.matrix_game import MATRIX_GAME_FPS, run_generate_cli
 
+        frames, blocks = args.video_frames
+        weights = "random weights" if args.random_weights else args.weights
+        length = f"{frames / MATRIX_GAME_FPS:.2f} s at {MATRIX_GAME_FPS} fps"
+        _say("generate", f"building {args.preset or 'the checkpoint'}'s transformer, VAE and image encoder "
+                         f"({weights}), compiling it, then generating {_plural(frames, 'frame')} ({length}) in "
+                         f"{_plural(blocks, 'block')} (seconds to a minute on a CPU)")
         return run_generate_cli(args, _refuse)
     for flag, value in (("--image", args.image), ("--actions", args.actions), ("--clip", args.clip)):
         if value is not None:
@@ -1012,14 +1112,26 @@ def _generate(args: argparse.Namespace, schedule: Any) -> int:
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 
+    from ardiff_jax.models.wan import VIDEO_FPS
+    from ardiff_jax.models.wan._generate import _blocks_for
+
     recache = len(schedule.prompts) > 1 and not args.no_recache
+    weights = "random weights" if args.random_weights else args.weights
+    _say("generate", f"building {args.preset or 'the checkpoint'}'s transformer, VAE and text encoder ({weights})")
     pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=1, recache_on_prompt_switch=recache))
     encode = None
     if args.prompt_embeds:
         encode = {p: np.load(path) for p, path in zip(schedule.prompts, args.prompt_embeds, strict=True)}
     available = None if args.available_gib is None else int(args.available_gib)
+    _say("generate", "compiling one block's programs (seconds to a minute on a CPU)")
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=args.dtype, available_memory_bytes=available,
                                                       gpu_memory_fraction=0.9))
+    # As generate_video counts them: the first block makes 1 + t(f - 1) video frames, each further one t f.
+    frames = max(1, round(args.seconds * VIDEO_FPS))
+    f, t = pipeline.config.frames_per_block, pipeline.vae.config.temporal_factor
+    blocks = _blocks_for(frames, 1 + t * (f - 1), t * f)
+    _say("generate", f"generating {_plural(frames, 'frame')} ({frames / VIDEO_FPS:.2f} s at {VIDEO_FPS} fps) in "
+                     f"{_plural(blocks, 'block')}")
     try:
         video = generate_video(engine, schedule, args.seconds, encode=encode, out=args.out, seed=args.seed,
                                progress=not args.no_progress)
@@ -1048,7 +1160,7 @@ def _seconds(text: str) -> float:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="serve a world model over WebSocket (WS /v1/realtime/video)")
+    serve = subparsers.add_parser("serve", **_about("serve"))
     model = serve.add_mutually_exclusive_group(required=True)
     model.add_argument("--pretrained", choices=("sprite_world",), default=None,
                        help="shipped weights: the trained SpriteWorld model")
@@ -1072,14 +1184,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="--model matrix-game: the picture a session starts from when its session.start has no "
                             "image_reference")
     serve.add_argument("--dtype", type=_kv_dtype, default="bfloat16",
-                       help="--model wan / matrix-game: weights and KV dtype (default: bf16)")
+                       help="--model wan / matrix-game: weights and KV dtype")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     serve.add_argument("--capacity", type=_positive_int, default=4,
                        help="sessions resident on the device at once (default: 4)")
     serve.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
                        help="host memory for sessions beyond --capacity (EngineConfig.host_offload_bytes; "
-                            "default 0: off)")
+                            "0: off)")
     serve.add_argument("--batch-compile", choices=("eager", "background", "lazy"), default="background",
                        help="when the batched programs (one per batch size) compile (EngineConfig.batch_compile): "
                             "background serves the first player once the one-player programs are built and builds "
@@ -1380,6 +1492,15 @@ def _refuse(command: str, message: str) -> int:
     return 2
 
 
+def _say(command: str, message: str) -> None:
+    """One line on stderr before a long step (build, compile, generate): a silent terminal looks hung."""
+    print(f"ardiff-jax {command}: {message}", file=sys.stderr, flush=True)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where its help already says it or there is none to show."""
 
@@ -1398,18 +1519,44 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
-DESCRIPTION = """\
-ardiff-jax: a JAX runtime for autoregressive video diffusion models.
+DESCRIPTION = "ardiff-jax: a JAX runtime for autoregressive video diffusion models."
+EPILOG = ("Every bad argument, and every missing optional package, is refused before any work, with exit code 2. "
+          "Run 'ardiff-jax COMMAND --help'.")
 
-  demo      play the trained SpriteWorld model next to its simulator (no download)
-  train     train that model on a CPU
-  generate  write an MP4 with a causal Wan (Self-Forcing, LongLive, Krea) or Matrix-Game 2.0;
-            --random-weights with --preset wan-tiny or matrix-game-tiny needs no download
-  serve     stream a model to browsers over WebSocket (the bundled page at http://HOST:PORT/)
-  rollout   time a multi-session rollout of a reference pipeline
-  plan      print the KV memory plan of a geometry
+#: Each command's one line in ``ardiff-jax --help`` (argparse lists them, once) and the description its own
+#: ``--help`` opens with.
+COMMAND_HELP = {
+    "demo": ("play the trained SpriteWorld model next to its simulator (no download)",
+             "Play the trained SpriteWorld model (shipped weights, no download) in several sessions through one "
+             "engine, next to its simulator, and write a GIF per session, a contact sheet, summary.json and the raw "
+             "frames into --out. With --agent: plan inside the world model (forked sessions) and compare four "
+             "policies on reaching the ball."),
+    "train": ("train that model on a CPU",
+              "Train the SpriteWorld model (optax AdamW, orbax checkpoints, resumable), optionally exporting the "
+              'weights. Needs the train extra: pip install "ardiff_jax[train]".'),
+    "generate": ("write an MP4 with a causal Wan (Self-Forcing, LongLive, Krea) or Matrix-Game 2.0; "
+                 "--random-weights with --preset wan-tiny or matrix-game-tiny needs no download",
+                 "Write an MP4: a causal Wan (Self-Forcing, LongLive, Krea) from prompts, or Matrix-Game 2.0 from a "
+                 "start picture and keyboard/mouse actions (--model matrix-game). --random-weights with --preset "
+                 "wan-tiny or matrix-game-tiny runs without any download (a 48 x 32 video, nearly flat grey). "
+                 'Writing the MP4 needs PyAV: pip install "ardiff_jax[serve]".'),
+    "serve": ("stream a model to browsers over WebSocket (the bundled page at http://HOST:PORT/)",
+              "Serve a world model over WebSocket (WS /v1/realtime/video) with a bundled browser player at "
+              "http://HOST:PORT/: the trained SpriteWorld model, a causal Wan, Matrix-Game 2.0 or a random-weights "
+              'WorldPipeline. Needs the serve extra: pip install "ardiff_jax[serve]".'),
+    "rollout": ("time a multi-session rollout of a reference pipeline",
+                "Run a timed multi-session generation with a reference pipeline (random weights, or a causal-Wan "
+                "checkpoint) through the engine, round-robin, one block per request; print the memory plan, "
+                "per-block latency and frames/s, and write a JSON summary with --out."),
+    "plan": ("print the KV memory plan of a geometry",
+             "Print the KV memory plan of a shipped example geometry against this machine's free memory (or an "
+             "explicit budget), without allocating anything; --tp/--cfg plan one device of a mesh."),
+}
 
-Every bad argument is refused before any work, with exit code 2. Run 'ardiff-jax COMMAND --help'."""
+
+def _about(command: str) -> dict[str, str]:
+    summary, description = COMMAND_HELP[command]
+    return {"help": summary, "description": description}
 
 
 def _version() -> str:
@@ -1419,16 +1566,16 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ardiff-jax", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="ardiff-jax", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_plan(subparsers)
-    _add_rollout(subparsers)
-    _add_train(subparsers)
+    # In the order a new user meets them (argparse lists the commands in the order they are added).
     _add_demo(subparsers)
+    _add_train(subparsers)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    _add_rollout(subparsers)
+    _add_plan(subparsers)
     for command in subparsers.choices.values():
         command.formatter_class = _HelpFormatter
     # serve's --preset is declared with its other flags (_add_serve); its values are listed here like every
@@ -1443,6 +1590,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Before any work: a missing extra used to surface as an ImportError after the model was built and compiled.
+    problem = missing_dependencies(args)
+    if problem is not None:
+        return _refuse(args.command, problem)
     return args.run(args)
 
 

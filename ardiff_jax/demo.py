@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -239,7 +240,9 @@ def write_demo_outputs(out_dir: str | Path, tracks: Sequence[SessionTrack], summ
     """Write the GIFs, the contact sheet, ``summary.json`` and the ``.npz`` files; returns their paths.
 
     Each GIF frame is the generated frame beside the simulator's, above a caption strip naming
-    the two sides, the frame and the colours (:data:`GIF_LEGEND`)."""
+    the two sides, the frame and the colours (:data:`GIF_LEGEND`). Session files of an earlier run
+    into the same folder (``session_<i>.gif``/``.npz`` beyond this run's sessions) are removed once
+    this run's are written, so the folder shows one run; no other file is touched."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -255,7 +258,15 @@ def write_demo_outputs(out_dir: str | Path, tracks: Sequence[SessionTrack], summ
     contact_sheet(tracks, columns=sheet_columns).save(sheet)
     summary_path = out / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    for stale in _session_files(out) - set(written):
+        stale.unlink(missing_ok=True)
     return [*written, sheet, summary_path]
+
+
+def _session_files(out: Path) -> set[Path]:
+    """The files :func:`write_demo_outputs` writes per session, as they stand in ``out`` (exactly its names)."""
+    return {path for path in out.glob("session_*.*")
+            if path.is_file() and re.fullmatch(r"session_\d+\.(gif|npz)", path.name)}
 
 
 def contact_sheet(tracks: Sequence[SessionTrack], *, columns: int = 16, scale: int = 2) -> Any:
@@ -318,6 +329,9 @@ def _progress(bar: Any, frames_per_block: int) -> Callable[[int, float], None]:
             return
         first = False
         done = bar.n + frames_per_block
+        # reset() redraws the bar at n = 0 with the old start count (the previous phase's), whose rate
+        # (n - initial) / elapsed came out negative: the count starts from 0 for that redraw.
+        bar.initial = 0
         bar.reset()  # restarts the clock and the smoothed rate; keeps the total
         bar.n = bar.last_print_n = bar.initial = done  # rates count from here: (n - initial) / elapsed
         bar.refresh()

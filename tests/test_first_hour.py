@@ -32,9 +32,14 @@ def _section(title: str) -> str:
     return re.split(r"\n#{2,3} ", body, maxsplit=1)[0]
 
 
-def _readme_lines() -> list[str]:
+def _readme_block() -> list[str]:
     block = _section("### Try every model without a download").split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip()]
+
+
+def _readme_lines() -> list[str]:
+    """The block's commands (its comment lines say which install each needs and what it writes)."""
+    return [line for line in _readme_block() if not line.startswith("#")]
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -278,6 +283,66 @@ def _run_line(line: str, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def _readme_installs() -> dict[str, str | None]:
+    """Each command of the block -> the extra its group's comment says it needs (None: the plain ``pip install .``)."""
+    installs, extra = {}, "unstated"
+    for line in _readme_block():
+        said = re.fullmatch(r'# needs (?:only )?`pip install (?:\.|"\.\[(\w+)\]")`', line.strip())
+        if said:
+            extra = said.group(1)
+        elif not line.startswith("#"):
+            installs[line] = extra
+    return installs
+
+
+def _readme_says(output: str) -> str:
+    """The block's comment about what a line writes (``# <output>: ...``)."""
+    said = [line for line in _readme_block() if line.startswith(f"# {output}:")]
+    assert len(said) == 1, (output, said)
+    return said[0]
+
+
+def _plain_install() -> set[str]:
+    """The distributions a plain ``pip install .`` brings: ardiff_jax's requirements without extras, transitively
+    (flax alone brings optax and orbax-checkpoint, so those are never missing)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def key(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    found, todo = set(), ["ardiff_jax"]
+    while todo:
+        name = todo.pop()
+        if key(name) in found:
+            continue
+        found.add(key(name))
+        try:
+            requirements = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requirements:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return found
+
+
+def _block_extras(monkeypatch, keep: str | None = None) -> None:
+    """Every optional module (cli.OPTIONAL_MODULES) that a plain ``pip install .`` does not bring, and that the extra
+    ``keep`` does not either, made absent: a None entry in sys.modules makes ``find_spec`` find nothing and
+    ``import`` raise ImportError (the packages are installed here and cannot be uninstalled)."""
+    import sys
+    from importlib import metadata
+
+    plain, distributions = _plain_install(), metadata.packages_distributions()
+    for module, (_, extra) in cli.OPTIONAL_MODULES.items():
+        names = distributions.get(module.split(".")[0], [module])
+        if extra != keep and not any(re.sub(r"[-_.]+", "-", name).lower() in plain for name in names):
+            monkeypatch.setitem(sys.modules, module, None)
+
+
 @pytest.fixture
 def in_a_fresh_folder(tmp_path, monkeypatch):
     """The README's lines run from a checkout: its docs/ picture, nothing else."""
@@ -290,19 +355,42 @@ def in_a_fresh_folder(tmp_path, monkeypatch):
 def test_readme_generate_and_rollout_lines_run(in_a_fresh_folder, capsys):
     """The lines that write a video or time a rollout run for real, verbatim, on their tiny presets."""
     av = pytest.importorskip("av")
+    import numpy as np
+
+    installs = _readme_installs()
     ran = []
     for line in _readme_lines():
         if " serve " in f" {line} " or " demo " in f" {line} ":
             continue
-        code, out, err = _run_line(line, capsys)
+        with pytest.MonkeyPatch.context() as absent:  # only what the README says this line needs is installed
+            _block_extras(absent, keep=installs[line])
+            code, out, err = _run_line(line, capsys)
         assert code == 0, (line, err[-2000:])
         ran.append(line)
+        if " rollout " in line:  # says what it builds before the half minute of building and compiling
+            assert err.startswith("ardiff-jax rollout: building the cfg pipeline (preset tiny, random weights)"), err
         if " generate " in line:
             video = shlex.split(line)[shlex.split(line).index("--out") + 1]
             with av.open(str(in_a_fresh_folder / video)) as container:
-                frames = sum(1 for _ in container.decode(video=0))
+                stream = container.streams.video[0]
+                size, fps = (stream.codec_context.width, stream.codec_context.height), int(stream.average_rate)
+                pixels = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+            frames = len(pixels)
             assert f"{frames} frames" in out, out
             assert "noise-like" in err  # random weights say what the video is
+            # What the README's comment says the file looks like: size, length, frame rate, nearly flat grey.
+            said = _readme_says(video)
+            assert f"{video}: {size[0]} x {size[1]} pixels, {frames / fps:g} s ({frames} frames at {fps} fps), " \
+                   "nearly flat grey" in said, (said, size, frames, fps)
+            assert pixels.std() < 8 and 96 < pixels.mean() < 160, (pixels.mean(), pixels.std())
+            # Each long step said before it starts (it was silent for 20 s after its first line).
+            if "--model matrix-game" in line:
+                assert ("ardiff-jax generate: building matrix-game-tiny's transformer, VAE and image encoder (random "
+                        f"weights), compiling it, then generating {frames} frames") in err, err
+            else:
+                said_at = [err.find(f"ardiff-jax generate: {step}") for step in ("building", "compiling", "generating")]
+                assert -1 not in said_at and said_at == sorted(said_at), err
+                assert f"ardiff-jax generate: generating {frames} frames" in err, err
     assert len(ran) == 4
 
 
@@ -476,3 +564,78 @@ def test_status_table_figures_come_from_the_docs():
         doc, text = source
         assert _flat(text) in _flat((ROOT / doc).read_text(encoding="utf-8")), (figure, doc, text)
     assert f"{round(1.419e9 * 2 / 1e9, 1)} GB" == "2.8 GB"
+
+
+# -- the first hour, second pass (issue 47, items 1, 5 and 6) --------------------------------------------------
+
+
+def test_readme_says_which_install_each_line_needs_and_the_cli_agrees(in_a_fresh_folder, capsys, nothing_built,
+                                                                      monkeypatch):
+    """Each command of the no-download block sits under a comment naming its install. With every optional
+    extra absent (simulated), a line the README runs on the plain install passes the CLI's dependency check,
+    and a line that needs an extra is refused at once, naming that extra, before anything is built; with
+    that extra present it passes. (The generate and rollout lines also run for real with only their named
+    extra present: test_readme_generate_and_rollout_lines_run.)"""
+    installs = _readme_installs()
+    assert "unstated" not in installs.values(), installs
+    assert set(installs) == set(_readme_lines())
+    for line, extra in installs.items():
+        argv = shlex.split(line)
+        if argv[:2] == ["python", "-c"]:
+            exec(compile(argv[2], "README.md", "exec"), {})  # writes actions.json for the matrix-game lines
+            continue
+        args = cli.build_parser().parse_args(argv[1:])
+        with pytest.MonkeyPatch.context() as absent:
+            _block_extras(absent)
+            problem = cli.missing_dependencies(args)
+            if extra is None:
+                assert problem is None, (line, problem)
+                continue
+            assert problem is not None and f'pip install "ardiff_jax[{extra}]"' in problem, (line, problem)
+            assert _exit_code(argv[1:] + (["--port", "0"] if argv[1] == "serve" else [])) == 2, line
+        err = capsys.readouterr().err
+        assert err.strip() == f"ardiff-jax {argv[1]}: error: {problem}", err
+        with pytest.MonkeyPatch.context() as absent:
+            _block_extras(absent, keep=extra)
+            assert cli.missing_dependencies(args) is None, line
+    assert not list(in_a_fresh_folder.glob("*.mp4"))  # nothing was generated
+
+
+def test_readme_agent_table_says_how_many_worlds_it_played():
+    """The table beside demo --agent comes from 64 worlds; the command's default is 32: the README says both."""
+    agent = _load("agent/agent_summary.json")
+    default = cli._AGENT_DEFAULTS["worlds"]
+    text = _flat(_section("### Fork a session and plan inside the world model"))
+    assert f"On {agent['worlds']} worlds" in text
+    if agent["worlds"] != default:
+        assert f"(`--worlds {agent['worlds']}`; the command's default is {default}" in text, text
+
+
+def test_readme_actions_line_fits_matrix_game_tiny_and_the_prose_says_so(in_a_fresh_folder, capsys):
+    """The no-download actions.json has matrix-game-tiny's keyboard width, and the prose beside [W, S, A, D] says so."""
+    from ardiff_jax.models import dit_preset
+
+    keys = dit_preset("matrix-game-tiny").action.keyboard_dim
+    _run_line(next(line for line in _readme_lines() if line.startswith("python -c")), capsys)
+    script = json.loads((in_a_fresh_folder / "actions.json").read_text())
+    assert {len(row) for row in script["keyboard"]} == {keys}
+    assert f"matrix-game-tiny's {keys} keyboard columns" in _readme_says("actions.json")
+    prose = _flat(_section("### Play Matrix-Game 2.0 in the browser"))
+    assert f"and {keys} columns for the random-weights `matrix-game-tiny`" in prose, prose
+
+
+def test_gitignore_covers_what_the_readme_commands_write():
+    """Running the README's commands from the checkout leaves nothing for git to show."""
+    import fnmatch
+
+    patterns = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    written = set(re.findall(r"--out ([\w./-]+)", README))  # the code blocks' commands and the prose's
+    written |= set(re.findall(r"open\('([\w./-]+)', 'w'\)", README))
+    assert {"demo_out", "agent_out", "wan_tiny.mp4", "actions.json", "rollout.json"} <= written, written
+
+    def ignored(path: str) -> bool:
+        return any(fnmatch.fnmatch(path, pattern.rstrip("/")) or fnmatch.fnmatch(path.rsplit("/", 1)[-1], pattern)
+                   for pattern in patterns)
+
+    assert sorted(path for path in written if not ignored(path)) == []

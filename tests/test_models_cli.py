@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import pathlib
+import re
 
 import pytest
 
@@ -251,3 +254,290 @@ def test_train_config_bounds_the_step_for_library_callers_too():
         with pytest.raises(ValueError, match="TrainConfig batch_size"):
             TrainConfig(**fields)
     assert TrainConfig(batch_size=1024, sequence_frames=4).batch_size == 1024
+
+
+# -- the first hour, second pass (issue 47, items 1, 2 and 6): extras, what is being built, --help ---------------
+
+
+def _block_extras(monkeypatch, keep: tuple[str, ...] = ()) -> None:
+    """Make every optional module of the extras not in ``keep`` absent, as after a plain ``pip install .``: a None
+    entry in sys.modules makes ``find_spec`` find nothing and ``import`` raise ImportError (the packages are
+    installed here and cannot be uninstalled)."""
+    import sys
+
+    from ardiff_jax import cli
+
+    for module, (_, extra) in cli.OPTIONAL_MODULES.items():
+        if extra not in keep:
+            monkeypatch.setitem(sys.modules, module, None)
+
+
+EXTRAS_NEEDED = [
+    (["plan"], set()),
+    (["rollout", "--pipeline", "cfg"], set()),
+    (["rollout", "--pipeline", "wan", "--checkpoint", "{tmp}/w.safetensors"], set()),
+    (["rollout", "--pipeline", "wan", "--checkpoint", "{tmp}/w.pt"], {"torch"}),
+    (["demo", "--out", "{tmp}/demo"], set()),
+    (["demo", "--agent", "--out", "{tmp}/demo"], set()),
+    (["train", "--out", "{tmp}/run"], {"train"}),
+    (["generate", "--random-weights", "--preset", "wan-tiny", "--prompt", "a", "--seconds", "1", "--out",
+      "{tmp}/x.mp4"], {"serve"}),
+    (["generate", "--weights", "{tmp}/w.pt", "--vae", "{tmp}/vae.pth", "--prompt", "a", "--seconds", "1", "--out",
+      "{tmp}/x.mp4"], {"serve", "torch"}),
+    (["generate", "--weights", "{tmp}/w.safetensors", "--vae", "{tmp}/w.safetensors", "--prompt", "a", "--seconds",
+      "1", "--out", "{tmp}/x.mp4"], {"serve"}),
+    (["serve", "--pretrained", "sprite_world"], {"serve"}),
+    (["serve", "--model", "wan", "--weights", "{tmp}/diffusers", "--vae", "{tmp}/vae.pth"], {"serve", "torch"}),
+]
+
+
+@pytest.mark.parametrize("argv, extras", EXTRAS_NEEDED, ids=[" ".join(argv)[:70] for argv, _ in EXTRAS_NEEDED])
+def test_each_command_knows_the_extras_it_will_import(argv, extras, tmp_path, monkeypatch):
+    """One place (cli.required_modules) says which optional modules a command and its options import; with every
+    extra absent the check names exactly the extras the command needs, and with them present it passes."""
+    from ardiff_jax import cli
+
+    for name in ("w.pt", "vae.pth", "w.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "diffusers" / "transformer").mkdir(parents=True)
+    (tmp_path / "diffusers" / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"")
+    args = cli.build_parser().parse_args([arg.replace("{tmp}", str(tmp_path)) for arg in argv])
+    assert {cli.OPTIONAL_MODULES[module][1] for module, _ in cli.required_modules(args)} == extras
+    _block_extras(monkeypatch)
+    problem = cli.missing_dependencies(args)
+    if not extras:
+        assert problem is None
+        return
+    for extra in extras:
+        assert f'"ardiff_jax[{extra}]"' in problem, problem
+    monkeypatch.undo()
+    assert cli.missing_dependencies(args) is None  # everything is installed here
+
+
+def test_a_missing_extra_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch, no_weights):
+    """generate without PyAV, serve without uvicorn, train without matplotlib: exit 2 at once, one line naming the
+    package and the install, nothing built and nothing written (it used to build, compile and generate for
+    half a minute, then fail writing the MP4)."""
+    import ardiff_jax.models.matrix_game as matrix_game
+    from ardiff_jax import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the dependencies were checked")
+
+    monkeypatch.setattr(cli, "_build_wan", refuse)
+    monkeypatch.setattr(matrix_game, "run_generate_cli", refuse)
+    monkeypatch.setattr(cli, "_listen", refuse)
+    actions = tmp_path / "actions.json"
+    actions.write_text(json.dumps({"keyboard": [[1, 0, 0]] * 21, "mouse": [[0.0, 0.1]] * 21}))
+    image = str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "demo_contact_sheet.png")
+    (tmp_path / "out").mkdir()
+    out = str(tmp_path / "out" / "x.mp4")
+    cases = [
+        (["generate", "--random-weights", "--preset", "wan-tiny", "--prompt", "a cat", "--seconds", "2", "--out",
+          out], "av", 'not installed: PyAV (module av, for writing the MP4); install: pip install "ardiff_jax[serve]"'),
+        (["generate", "--model", "matrix-game", "--random-weights", "--preset", "matrix-game-tiny", "--image", image,
+          "--actions", str(actions), "--out", out], "av", "PyAV (module av, for writing the MP4)"),
+        (["serve", "--pretrained", "sprite_world", "--port", "0"], "uvicorn",
+         'uvicorn (for serving); install: pip install "ardiff_jax[serve]"'),
+        (["train", "--out", str(tmp_path / "out" / "run")], "matplotlib",
+         'matplotlib (for the loss curve); install: pip install "ardiff_jax[train]"'),
+    ]
+    import sys
+
+    for argv, module, message in cases:
+        with monkeypatch.context() as absent:
+            absent.setitem(sys.modules, module, None)
+            assert _exit_code(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"ardiff-jax {argv[0]}: error: {err.split(': error: ', 1)[1].strip()}"]
+        assert message in err, err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_rollout_and_the_agent_demo_say_what_they_build_before_building_it(tmp_path, capsys, monkeypatch):
+    """rollout and demo --agent were silent for half a minute while they built and compiled: each now says
+    what it builds, on stderr, before the work starts."""
+    import ardiff_jax._timed_generation as timed
+    import ardiff_jax.planning as planning
+
+    said = []  # stderr as it stood when the work was reached
+
+    monkeypatch.setattr(timed, "run_timed_generation", lambda options, **kwargs: said.append(capsys.readouterr().err)
+                        or {})
+    monkeypatch.setattr(planning, "run_agent_from_args", lambda args: said.append(capsys.readouterr().err) or 0)
+    assert main(["rollout", "--pipeline", "cfg", "--preset", "tiny"]) == 0
+    assert main(["demo", "--agent", "--out", str(tmp_path / "agent")]) == 0
+    rollout, agent = said
+    assert "ardiff-jax rollout: building the cfg pipeline (preset tiny, random weights) and compiling" in rollout
+    assert ("ardiff-jax demo --agent: building the trained sprite_world model in an engine for the live session and "
+            "8 candidates and compiling it") in agent
+    assert "then 32 worlds x 4 policies" in agent
+
+
+def test_generate_says_what_it_builds_compiles_and_generates(tmp_path, capsys, monkeypatch):
+    """generate said nothing for 20 s after its first line: each long step is announced before it starts."""
+    from ardiff_jax import cli
+    import ardiff_jax.models.matrix_game as matrix_game
+    import ardiff_jax.models.wan as wan
+    import ardiff_jax.runtime as runtime
+
+    events = []
+
+    class Engine:
+        def __init__(self, pipeline, config):
+            events.append(("engine", capsys.readouterr().err))
+
+        def close(self):
+            pass
+
+    class Pipeline:
+        config = wan.CausalWanPipelineConfig  # replaced below
+        vae = None
+
+    def build(args, pipeline_config):
+        from ardiff_jax.models import dit_preset
+
+        events.append(("build", capsys.readouterr().err))
+        pipeline = Pipeline()
+        pipeline.config = dit_preset("wan-tiny")
+        pipeline.vae = type("VAE", (), {"config": wan.WanVAEConfig.tiny(base_dim=8, z_dim=4, latents_mean=(0.0,) * 4,
+                                                                        latents_std=(1.0,) * 4)})()
+        return pipeline
+
+    def generate_video(engine, schedule, seconds, **kwargs):
+        events.append(("generate", capsys.readouterr().err))
+        raise ValueError("stopped")
+
+    monkeypatch.setattr(cli, "_build_wan", build)
+    monkeypatch.setattr(runtime, "ARDiffusionEngine", Engine)
+    monkeypatch.setattr(wan, "generate_video", generate_video)
+    argv = ["generate", "--random-weights", "--preset", "wan-tiny", "--dtype", "float32", "--prompt", "a cat",
+            "--seconds", "2", "--out", str(tmp_path / "x.mp4")]
+    assert main(argv) == 2
+    assert [name for name, _ in events] == ["build", "engine", "generate"]
+    assert "ardiff-jax generate: building wan-tiny's transformer, VAE and text encoder (random weights)" in events[0][1]
+    assert "ardiff-jax generate: compiling one block's programs" in events[1][1]
+    assert "ardiff-jax generate: generating 32 frames (2.00 s at 16 fps) in 3 blocks" in events[2][1]
+
+    def play(args, refuse):
+        events.append(("matrix-game", capsys.readouterr().err))
+        return 0
+
+    monkeypatch.setattr(matrix_game, "run_generate_cli", play)
+    actions = tmp_path / "actions.json"
+    actions.write_text(json.dumps({"keyboard": [[1, 0, 0]] * 21, "mouse": [[0.0, 0.1]] * 21}))
+    image = str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "demo_contact_sheet.png")
+    assert main(["generate", "--model", "matrix-game", "--random-weights", "--preset", "matrix-game-tiny", "--image",
+                 image, "--actions", str(actions), "--out", str(tmp_path / "x.mp4")]) == 0
+    assert ("ardiff-jax generate: building matrix-game-tiny's transformer, VAE and image encoder (random weights), "
+            "compiling it, then generating 21 frames (0.84 s at 25 fps) in 2 blocks") in events[-1][1]
+
+
+def _help(command: list[str], capsys) -> str:
+    assert _exit_code([*command, "--help"]) == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_lists_each_command_once_and_each_command_has_a_description(capsys):
+    from ardiff_jax import cli
+
+    text = _help([], capsys)
+    for command in cli.COMMAND_HELP:
+        assert len(re.findall(rf"^\s+{command}\s", text, flags=re.MULTILINE)) == 1, (command, text)
+        own = _help([command], capsys)
+        description = " ".join(own.split("\n\n")[1].split())  # usage, description, options
+        assert description == " ".join(cli.COMMAND_HELP[command][1].split()), (command, own[:600])
+
+
+def _entries(text: str) -> dict[str, str]:
+    body = text.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n  (?=-)", "\n" + body)
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries if entry.strip()}
+
+
+def test_help_says_each_default_once_and_the_dtype_in_one_spelling(capsys):
+    """serve --host-offload-bytes said its default twice ('default 0: off' and '(default: 0)'); serve --dtype said
+    'bf16', a spelling --dtype refuses."""
+    from ardiff_jax import cli
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    dtypes = 0
+    for command, sub in commands.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if action.help is None or action.help == argparse.SUPPRESS:
+                continue
+            if formatter._get_help_string(action) != action.help:  # the formatter appends "(default: X)"
+                assert not re.search(r"\bdefault\b", action.help), (command, action.option_strings, action.help)
+        entries = _entries(_help([command], capsys))
+        if "--dtype" in entries:
+            dtypes += 1
+            assert "(default: bfloat16)" in entries["--dtype"], (command, entries["--dtype"])
+            assert not re.search(r"\bbf16\b", entries["--dtype"]), (command, entries["--dtype"])
+    assert dtypes == 4  # plan, rollout, generate, serve
+
+
+def test_demo_progress_rate_is_never_negative():
+    """The bar's second phase (the untrained model) restarted its clock with the first phase's start count, so
+    one redraw showed (0 - initial) / elapsed: a negative frames/s."""
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from ardiff_jax.demo import _progress
+
+    text = io.StringIO()
+    bar = tqdm(total=8, unit="frame", file=text, mininterval=0, miniters=1)
+    for _ in range(2):  # two phases, as the demo with its untrained baseline
+        on_block = _progress(bar, 1)
+        for _ in range(4):
+            time.sleep(0.002)
+            on_block(0, 1.0)
+    bar.close()
+    rates = re.findall(r"(-?[\d.]+)frame/s", text.getvalue())
+    assert rates and all(float(rate) >= 0 for rate in rates), rates
+    assert "8/8" in text.getvalue()
+
+
+def test_demo_removes_its_older_session_files_and_nothing_else(tmp_path):
+    """A run into a folder that held a run with more sessions left session_2.gif and friends beside the new ones."""
+    import numpy as np
+
+    from ardiff_jax.demo import SessionTrack, write_demo_outputs
+
+    def tracks(n):
+        frames = np.zeros((3, 16, 16, 3), np.uint8)
+        return [SessionTrack(seed=i, frames=frames, truth=frames, actions=np.zeros(3, np.int32), latencies_ms=[1.0])
+                for i in range(n)]
+
+    write_demo_outputs(tmp_path, tracks(3), {"run": 1})
+    for name in ("notes.txt", "session_9.txt", "session_x.gif"):  # not the demo's: kept
+        (tmp_path / name).write_text("mine")
+    write_demo_outputs(tmp_path, tracks(1), {"run": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "contact_sheet.png", "notes.txt", "session_0.gif", "session_0.npz", "session_9.txt", "session_x.gif",
+        "summary.json"]
+
+
+def test_counts_of_one_are_singular(capsys, monkeypatch, tmp_path):
+    """'1 sessions x 16 frames': the demo's summary line (and plan's mesh lines) count in words that agree."""
+    import ardiff_jax.demo as demo
+
+    summary = {"sessions": 1, "device": "cpu:0", "machine": {"cpu_model": "CPU", "cpu_count": 2},
+               "session_capacity": 1, "lru_evictions": 1, "wall_seconds": 1.0,
+               "quality": {"generated_frames_per_session": 16, "model_second_half": 1.0,
+                           "repeat_first_frame_second_half": 2.0, "ratio_to_repeat_first_frame": 0.5,
+                           "drift_second_over_first_half": 1.0, "exact_frames_per_session": [1]},
+               "one_step_accuracy": {"transitions": 1, "agent": 1.0, "ball": 1.0, "frame": 1.0},
+               "speed": {"frames_per_second_one_session": 1.0, "frames_per_second_interleaved": 1.0,
+                         "interleaved_sessions": 1, "frames_per_second_batched": 1.0, "batched_sessions": 1,
+                         "latency_ms": {"p50": 1.0, "p99": 1.0}}}
+    monkeypatch.setattr(demo, "run_demo", lambda out, **kwargs: summary)
+    assert main(["demo", "--out", str(tmp_path), "--sessions", "1", "--frames", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1 session x 16 frames on cpu:0") and "1 LRU eviction)" in out, out
+    assert main(["plan", "--geometry", "medium", "--available-gib", "1000", "--tp", "2", "--devices", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 device unused)" in out and "on 3 devices: 1 replica x" in out, out
