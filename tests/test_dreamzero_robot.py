@@ -126,3 +126,58 @@ def test_a_bad_observation_fails_its_robot_only_and_changes_nothing(policy) -> N
         assert policy.pipeline._sessions["bad"] is before[1]  # the bad robot's episode is untouched
     for key in ("good", "bad"):
         policy.reset(key)
+
+
+def test_robots_drive_the_policy_over_the_openpi_protocol(policy) -> None:
+    """Two RoboArena-style clients on the policy server (``serve --model dreamzero``'s app): the config on connect,
+    ``(24, 8)`` float32 joint targets per inference, a malformed message answered with an error while the robot's
+    episode goes on, a reset, and concurrent robots served in batched ticks."""
+    import socket
+    import threading
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from ardiff_jax.serve import PolicyClient, PolicyServerConfig, ServerAccess, create_policy_app
+    from ardiff_jax.serve._policy import TRANSPORT_MAX_BYTES
+
+    app = create_policy_app(policy, config=PolicyServerConfig(), access=ServerAccess(), name="dreamzero-test")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", proxy_headers=False,
+                                          ws_max_size=TRANSPORT_MAX_BYTES))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results: dict[str, list] = {}
+
+        def robot(name: str, seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            with PolicyClient(f"ws://127.0.0.1:{port}", timeout_s=300) as client:
+                assert client.server_config["image_resolution"] == [180, 320]
+                assert client.server_config["n_external_cameras"] == 2
+                replies = []
+                for call in range(3):
+                    obs = {**_observation(rng, 1 if call == 0 else 4), "session_id": f"{name}-episode"}
+                    replies.append(client.infer(obs))
+                    if call == 1:  # a malformed message: an error for this robot, its episode goes on
+                        with pytest.raises(RuntimeError, match="observation/joint_position"):
+                            client.infer({**obs, "observation/joint_position": np.full(7, np.nan)})
+                assert client.reset() == "reset successful"
+                results[name] = replies
+
+        threads = [threading.Thread(target=robot, args=(name, seed)) for seed, name in enumerate(("a", "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert sorted(results) == ["a", "b"]
+        for replies in results.values():
+            assert all(isinstance(r, np.ndarray) and r.shape == (24, 8) and r.dtype == np.float32 for r in replies)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
