@@ -26,7 +26,10 @@ device, with a progress bar on stderr, and writes a JSON summary (per-block late
 frames/s, compile time, memory plan).
 
 Arguments are checked before any work: a bad value ends the command with exit code 2 and
-a message on stderr that names the argument (no traceback). ``rollout`` also plans the KV
+a message on stderr that names the argument (no traceback). So are the optional packages the
+command will import (``required_modules``: PyAV to write an MP4, the ``serve`` extra to serve,
+torch for ``.pt`` files ...): a missing one is named with the extra that installs it. Each long
+step (building, compiling, generating) is announced on stderr before it starts. ``rollout`` also plans the KV
 memory of the preset from its spec before building any weights; ``generate`` also reads its
 input files (start picture, action script), checks them against the model and makes sure
 ``--out`` can be written, before building the model. Every ``--preset`` lists the values it
