@@ -200,7 +200,7 @@ def test_cli_devices_counts_replicas_and_sessions(devices, replicas, unused, cap
                     "replicas": replicas, "total_sessions": replicas * 8}
     assert cli_main(["plan", *common, "--devices", str(devices)]) == 0
     out = capsys.readouterr().out
-    line = f"on {devices} devices: {replicas} replicas x 8 sessions = {replicas * 8} sessions"
+    line = f"on {devices} devices: {replicas} replica{'s' if replicas != 1 else ''} x 8 sessions = {replicas * 8} sessions"
     assert line + (f" ({unused} devices unused)" if unused else "") + "\n" in out
 
 
