@@ -39,6 +39,7 @@ takes in ``--help`` and in its error.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -285,6 +286,8 @@ def required_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
         needed.append(("av", "writing the MP4"))
     elif command == "serve":
         needed += list(_SERVER_MODULES)
+        if getattr(args, "model", None) == "dreamzero":
+            needed.append(("msgpack", "the robot-policy protocol"))
     files = {"rollout": ("checkpoint",), "generate": ("weights", "vae", "text_encoder", "lora", "clip"),
              "serve": ("weights", "vae", "text_encoder", "lora", "clip")}.get(command, ())
     torch_files = [f"--{name.replace('_', '-')}" for name in files if _reads_torch(getattr(args, name, None))]
@@ -356,8 +359,10 @@ def _wrong_preset(flag: str, preset: str, names: Sequence[str]) -> str:
 
 _GENERATE_PRESETS = {"--model wan": WAN_PRESETS, "--model matrix-game": MATRIX_GAME_PRESETS}
 _ROLLOUT_PRESETS = {"--pipeline world": WORLD_PRESETS, "--pipeline cfg": CFG_PRESETS, "--pipeline wan": WAN_PRESETS}
+#: DreamZero's presets (``serve --model dreamzero --random-weights``; the tiny one runs on a CPU).
+DREAMZERO_PRESETS = ("dreamzero-tiny", "dreamzero-droid", "dreamzero-wan22-5b")
 _SERVE_PRESETS = {"--pipeline world": WORLD_PRESETS, "--model wan": WAN_PRESETS,
-                  "--model matrix-game": MATRIX_GAME_PRESETS}
+                  "--model matrix-game": MATRIX_GAME_PRESETS, "--model dreamzero": DREAMZERO_PRESETS}
 
 
 def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1116,7 +1121,6 @@ def _generate(args: argparse.Namespace, schedule: Any) -> int:
     from ardiff_jax.types import EngineConfig
 
     from ardiff_jax.models.wan import VIDEO_FPS
-    from ardiff_jax.models.wan._generate import _blocks_for
 
     recache = len(schedule.prompts) > 1 and not args.no_recache
     weights = "random weights" if args.random_weights else args.weights
@@ -1132,7 +1136,8 @@ def _generate(args: argparse.Namespace, schedule: Any) -> int:
     # As generate_video counts them: the first block makes 1 + t(f - 1) video frames, each further one t f.
     frames = max(1, round(args.seconds * VIDEO_FPS))
     f, t = pipeline.config.frames_per_block, pipeline.vae.config.temporal_factor
-    blocks = _blocks_for(frames, 1 + t * (f - 1), t * f)
+    first = 1 + t * (f - 1)
+    blocks = 1 if frames <= first else 1 + math.ceil((frames - first) / (t * f))
     _say("generate", f"generating {_plural(frames, 'frame')} ({frames / VIDEO_FPS:.2f} s at {VIDEO_FPS} fps) in "
                      f"{_plural(blocks, 'block')}")
     try:
@@ -1169,10 +1174,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="shipped weights: the trained SpriteWorld model")
     model.add_argument("--pipeline", choices=("world",), default=None,
                        help="a random-weights WorldPipeline (with --preset)")
-    model.add_argument("--model", choices=("wan", "matrix-game"), default=None,
+    model.add_argument("--model", choices=("wan", "matrix-game", "dreamzero"), default=None,
                        help="wan: text-to-video with a causal Wan (--weights, --vae, --text-encoder, --tokenizer); "
                             "matrix-game: Matrix-Game 2.0, played with keys and the mouse from a start picture "
-                            "(--weights, --vae, --clip, --variant); either with --random-weights instead")
+                            "(--weights, --vae, --clip, --variant); dreamzero: DreamZero robot policies over the "
+                            "openpi / RoboArena protocol (--checkpoint, --vae, --clip, --text-encoder, --tokenizer); "
+                            "each with --random-weights instead")
     serve.add_argument("--preset", default=None,
                        help="CausalDiT preset of --pipeline world (default: tiny) or --model wan (default: read from "
                             "the checkpoint)")
@@ -1183,6 +1190,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                        help="--model matrix-game: which release (default universal; the keys and mouse it takes)")
     serve.add_argument("--clip", type=_existing_path, default=None,
                        help="--model matrix-game: the CLIP vision weights (open-clip .pth or a CLIPVisionModel)")
+    serve.add_argument("--checkpoint", type=_existing_path, default=None,
+                       help="--model dreamzero: the release's checkpoint directory (config.json, model.safetensors*)")
+    serve.add_argument("--metadata", type=_existing_path, default=None,
+                       help="--model dreamzero: the q01/q99 statistics (default: the checkpoint's "
+                            "experiment_cfg/metadata.json)")
     serve.add_argument("--image", type=_existing_path, default=None,
                        help="--model matrix-game: the picture a session starts from when its session.start has no "
                             "image_reference")
@@ -1280,6 +1292,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.model is None and (args.weights or args.random_weights or args.vae or args.text_encoder):
         return _refuse("serve", "--weights, --random-weights, --vae and --text-encoder are for --model wan or "
                                 "matrix-game")
+    if args.model != "dreamzero" and (args.checkpoint or args.metadata):
+        return _refuse("serve", "--checkpoint and --metadata are for --model dreamzero")
+    if args.model == "dreamzero":
+        problem = _check_dreamzero_serve(args)
+        return _refuse("serve", problem) if problem is not None else _run_serve_dreamzero(args, access, started)
     if args.model != "matrix-game" and (args.variant or args.clip or args.image):
         return _refuse("serve", "--variant, --clip and --image are for --model matrix-game")
     if args.model == "matrix-game" and args.text_encoder:
@@ -1434,6 +1451,68 @@ def _serve_subject(args: argparse.Namespace) -> str:
         return f"a random-weights WorldPipeline ({args.preset})"
     weights = "random weights" if args.random_weights else args.weights
     return f"--model {args.model} {args.preset or '(preset read from the checkpoint)'} ({weights})"
+
+
+def _check_dreamzero_serve(args: argparse.Namespace) -> str | None:
+    """The first problem with ``serve --model dreamzero``'s arguments, or None (host only, nothing built)."""
+    if args.variant or args.image or args.weights or args.lora or args.policy:
+        return "--model dreamzero takes --checkpoint (not --weights) and no --variant, --image, --lora or --policy"
+    if args.preset is not None and args.preset not in DREAMZERO_PRESETS:
+        return _wrong_preset("--model dreamzero", args.preset, DREAMZERO_PRESETS)
+    if args.random_weights:
+        if args.checkpoint or args.vae or args.clip or args.text_encoder or args.tokenizer or args.metadata:
+            return "--random-weights builds every part itself: drop --checkpoint, --vae, --clip, --text-encoder, " \
+                   "--tokenizer and --metadata"
+        args.preset = args.preset or "dreamzero-tiny"
+        return None
+    if args.checkpoint is None:
+        return "give --checkpoint (the release's DreamZero directory) or --random-weights --preset dreamzero-tiny"
+    missing = [flag for flag, value in (("--vae", args.vae), ("--clip", args.clip),
+                                        ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer))
+               if value is None]
+    if missing:
+        return (f"a DreamZero checkpoint is served with the Wan2.1 encoders it froze: give {', '.join(missing)} "
+                "(Wan2.1_VAE.pth, the open-clip ViT-H/14 .pth, models_t5_umt5-xxl-enc-bf16.pth, umT5's tokenizer)")
+    return None
+
+
+def _run_serve_dreamzero(args: argparse.Namespace, access: Any, started: float) -> int:
+    """``serve --model dreamzero``: the robot-policy server (openpi / RoboArena) over DreamZero."""
+    import uvicorn
+
+    from ardiff_jax.serve import POLICY_TRANSPORT_MAX_BYTES as TRANSPORT_MAX_BYTES
+    from ardiff_jax.serve import DreamZeroServeOptions, build_dreamzero_app
+
+    options = DreamZeroServeOptions(
+        checkpoint=args.checkpoint, preset=args.preset or "dreamzero-droid", vae=args.vae, clip=args.clip,
+        umt5=args.text_encoder, tokenizer=args.tokenizer, metadata=args.metadata, capacity=args.capacity,
+        dtype="float32" if args.random_weights and args.preset == "dreamzero-tiny" else args.dtype,
+        available_bytes=args.available_bytes)
+    try:
+        listener = _listen(args.host, args.port)
+    except OSError as error:
+        return _refuse("serve", f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
+    say = functools.partial(print, "ardiff-jax serve:", file=sys.stderr, flush=True)
+    try:
+        app, policy = build_dreamzero_app(options, access=access, say=say)
+    except (ValueError, OSError, ImportError) as error:
+        listener.close()
+        return _refuse("serve", str(error))
+    host, port = listener.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", proxy_headers=False,
+                                           ws_max_size=TRANSPORT_MAX_BYTES))
+    print(f"serving DreamZero robot policies ({options.preset}, capacity {options.capacity}) on ws://{shown}:{port} "
+          "(openpi / RoboArena policy protocol)", flush=True)
+    say(f"ready {time.perf_counter() - started:.1f} s after start")
+    with listener:
+        try:
+            server.run(sockets=[listener])
+        except KeyboardInterrupt:  # Ctrl-C: a clean stop
+            pass
+        finally:
+            policy.engine.close()
+    return 0
 
 
 def _check_matrix_game_serve(args: argparse.Namespace) -> str | None:

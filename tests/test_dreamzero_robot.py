@@ -181,3 +181,47 @@ def test_robots_drive_the_policy_over_the_openpi_protocol(policy) -> None:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "dreamzero"], "give --checkpoint"),
+    (["--model", "dreamzero", "--random-weights", "--preset", "wan-tiny"], "dreamzero-tiny"),
+    (["--model", "dreamzero", "--random-weights", "--variant", "universal"], "takes --checkpoint"),
+    (["--model", "wan", "--random-weights", "--checkpoint", "."], "are for --model dreamzero"),
+])
+def test_serve_dreamzero_checks_its_arguments_before_any_work(argv, message, capsys, monkeypatch) -> None:
+    from ardiff_jax import cli
+    from ardiff_jax import serve
+
+    monkeypatch.setattr(serve, "build_dreamzero_app", lambda *a, **k: pytest.fail("built before refusing"))
+    assert cli.main(["serve", *argv, "--port", "0"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_dreamzero_serves_a_robot_from_the_command_line(tmp_path) -> None:
+    """``ardiff-jax serve --model dreamzero --random-weights`` (the tiny preset): a robot connects, gets its config
+    and a (24, 8) reply; Ctrl-C ends it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from ardiff_jax.serve import PolicyClient
+
+    process = subprocess.Popen([sys.executable, "-m", "ardiff_jax.cli", "serve", "--model", "dreamzero",
+                                "--random-weights", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving DreamZero robot policies (dreamzero-tiny"), line
+        url = line.split(" on ")[1].split()[0]
+        with PolicyClient(url, timeout_s=300) as client:
+            assert client.server_config["action_space"] == "joint_position"
+            reply = client.infer({**_observation(np.random.default_rng(0), 1), "session_id": "one"})
+        assert reply.shape == (24, 8) and reply.dtype == np.float32
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()

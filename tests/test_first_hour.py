@@ -142,7 +142,9 @@ def test_preset_lists_are_what_the_pipelines_take():
     assert set(cli.WAN_PRESETS) <= accepted("wan")
     assert accepted("wan") - set(cli.WAN_PRESETS) <= {"wan_1_3b", *cli.MATRIX_GAME_PRESETS}
     assert set(cli.MATRIX_GAME_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action is not None}
-    listed = set(cli.WORLD_PRESETS) | set(cli.CFG_PRESETS) | set(cli.WAN_PRESETS) | set(cli.MATRIX_GAME_PRESETS)
+    assert set(cli.DREAMZERO_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action_register is not None}
+    listed = set(cli.WORLD_PRESETS) | set(cli.CFG_PRESETS) | set(cli.WAN_PRESETS) | set(cli.MATRIX_GAME_PRESETS) \
+        | set(cli.DREAMZERO_PRESETS)
     training_only = {n for n in DIT_PRESETS if n.startswith("sprite")}  # pretrained("sprite_world"), train
     assert set(DIT_PRESETS) - listed == training_only
 
@@ -424,8 +426,11 @@ def test_readme_serve_and_demo_lines_reach_their_model(in_a_fresh_folder, capsys
     monkeypatch.setattr(cli, "_build_wan", reach("wan"))
     monkeypatch.setattr(matrix_game, "build_matrix_game", reach("matrix-game"))  # serve imports it from here
     monkeypatch.setattr(demo, "run_demo", demo_reached)
+    from ardiff_jax import serve
+
+    monkeypatch.setattr(serve, "build_dreamzero_app", reach("dreamzero"))  # the CLI imports it from here
     lines = [line for line in _readme_lines() if " serve " in f" {line} " or " demo " in f" {line} "]
-    assert len(lines) == 4
+    assert len(lines) == 5
     for line in lines:
         # Port 0: the README's port 8000 may be taken on the machine running the tests.
         code, out, err = _run_line(line + " --port 0" if " serve " in line else line, capsys)
@@ -436,12 +441,14 @@ def test_readme_serve_and_demo_lines_reach_their_model(in_a_fresh_folder, capsys
             assert re.search(r"^open http://127\.0\.0\.1:\d+/ in a browser", out, re.M), out
         elif " demo " in line:
             assert "'sessions': 1" in err and "'num_frames': 16" in err and "'compare_untrained': False" in err, err
+        elif "--model dreamzero" in line:  # its own server (the robot-policy protocol): built before it listens
+            assert "reached dreamzero" in err, err
         else:
             assert "reached" in err and "building --model" in err, err
     # The server runs before the build (it answers "starting" meanwhile, issue 47 item 3), so the lines whose
     # build fails (wan, matrix-game: stopped at their builders) ran it too, and stopped with their refusal.
     assert len(served) == 3
-    assert sorted(reached) == ["matrix-game", "wan"]
+    assert sorted(reached) == ["dreamzero", "matrix-game", "wan"]
 
 
 # -- every figure the README quotes, against the file it comes from ------------------------------------
@@ -545,6 +552,15 @@ STATUS_FIGURES = {
     "5.1e-6": ("docs/models.md", "5.1e-6 max abs against transformers"),
     "2.2e-6": ("docs/models.md", "max |diff| 2.2e-6"),
     "1.6e-5": ("docs/models.md", "max |diff| 1.6e-5"),
+    # DreamZero: tests/test_dreamzero_pipeline.py keeps the memory figures equal to the runtime's plan.
+    "16.5e9": ("docs/models.md", "16,484,292,448"),
+    "33 GB": ("docs/models.md", "33.0 GB / 65.9 GB"),
+    "1.4e-5": ("docs/models.md", "worst measured: 1.4e-5"),
+    "1e-4": ("docs/models.md", "float32, atol 1e-4"),
+    "14.2 GB": ("docs/models.md", "**14.2 GB per robot**"),
+    "2": ("docs/models.md", "an 80 GB device holds 2 robots"),
+    "80 GB": ("docs/models.md", "an 80 GB device holds 2 robots"),
+    "141 GB": ("docs/models.md", "141 GB device 6"),
 }
 
 

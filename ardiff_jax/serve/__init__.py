@@ -189,16 +189,19 @@ from ardiff_jax.serve._policy import (
     PolicyMessageError,
     PolicyServerConfig,
     PolicyServerError,
+    TRANSPORT_MAX_BYTES as POLICY_TRANSPORT_MAX_BYTES,
     RobotPolicy,
     create_policy_app,
 )
+from ardiff_jax.serve._robots import DreamZeroServeOptions, build_dreamzero_app
 from ardiff_jax.serve._policy import pack as pack_policy_message
 from ardiff_jax.serve._policy import unpack as unpack_policy_message
 from ardiff_jax.serve._protocol import ProtocolError
 from ardiff_jax.serve._starting import StartingApp
 from ardiff_jax.serve._world import ServedWorld, StartPlan, camera_action
 
-__all__ = ["REALTIME_VIDEO_PATH", "PolicyClient", "PolicyLimits", "PolicyMessageError", "PolicyServerConfig",
+__all__ = ["REALTIME_VIDEO_PATH", "POLICY_TRANSPORT_MAX_BYTES", "DreamZeroServeOptions", "build_dreamzero_app",
+           "PolicyClient", "PolicyLimits", "PolicyMessageError", "PolicyServerConfig",
            "PolicyServerError", "ProtocolError", "RobotPolicy", "ServedWorld", "ServerAccess", "ServerSettings",
            "StartPlan", "StartingApp", "camera_action", "create_app", "create_policy_app", "pack_policy_message",
            "read_api_key_file", "unpack_policy_message"]
