@@ -225,3 +225,48 @@ def test_serve_dreamzero_serves_a_robot_from_the_command_line(tmp_path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_openpis_own_client_drives_dreamzero_and_gets_what_the_engine_gives_directly(policy) -> None:
+    """openpi's ``WebsocketClientPolicy`` (the client robot teams use, ``openpi-client``) against the DreamZero
+    policy server: an episode of several calls whose actions equal the same policy called directly (a second,
+    identically built one), a session-id change that starts a new episode, and its API key header."""
+    import socket
+    import threading
+    import time
+
+    uvicorn = pytest.importorskip("uvicorn")
+    websocket_client_policy = pytest.importorskip("openpi_client.websocket_client_policy")
+    from ardiff_jax.serve import POLICY_TRANSPORT_MAX_BYTES, PolicyServerConfig, ServerAccess, create_policy_app
+
+    app = create_policy_app(policy, config=PolicyServerConfig(), access=ServerAccess(api_key="k" * 24),
+                            name="dreamzero-openpi")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", proxy_headers=False,
+                                          ws_max_size=POLICY_TRANSPORT_MAX_BYTES))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    direct = build_robot_policy(engine_config=EngineConfig(dtype="float32", available_memory_bytes=10**10,
+                                                           gpu_memory_fraction=1.0, warmup=False))
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port, api_key="k" * 24)
+        assert client.get_server_metadata()["needs_session_id"] is True
+        rng = np.random.default_rng(7)
+        calls = [(_observation(rng, 1 if call in (0, 3) else 4), "first" if call < 3 else "second")
+                 for call in range(5)]
+        for call, (obs, episode) in enumerate(calls):
+            served = client.infer({**obs, "session_id": episode})
+            if call == 3:  # a new session_id: the server resets the robot, so the direct one starts over too
+                direct.reset("robot")
+            expected = direct.infer_batch([("robot", obs)])[0]
+            assert isinstance(served, np.ndarray) and served.shape == (24, 8)
+            np.testing.assert_array_equal(served, expected)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        direct.engine.close()
