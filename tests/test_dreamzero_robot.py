@@ -8,6 +8,8 @@ with random small encoders (``build_robot_policy``: the path, not the model's qu
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -128,31 +130,42 @@ def test_a_bad_observation_fails_its_robot_only_and_changes_nothing(policy) -> N
         policy.reset(key)
 
 
+@contextlib.contextmanager
+def serving(policy, access):
+    """``create_policy_app(policy)`` on uvicorn in a thread on a free loopback port; yields the port."""
+    import socket
+    import threading
+    import time
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from ardiff_jax.serve import POLICY_TRANSPORT_MAX_BYTES, PolicyServerConfig, create_policy_app
+
+    app = create_policy_app(policy, config=PolicyServerConfig(), access=access, name="dreamzero-test")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", proxy_headers=False,
+                                          ws_max_size=POLICY_TRANSPORT_MAX_BYTES))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def test_robots_drive_the_policy_over_the_openpi_protocol(policy) -> None:
     """Two RoboArena-style clients on the policy server (``serve --model dreamzero``'s app): the config on connect,
     ``(24, 8)`` float32 joint targets per inference, a malformed message answered with an error while the robot's
     episode goes on, a reset, and concurrent robots served in batched ticks."""
-    import socket
     import threading
 
-    uvicorn = pytest.importorskip("uvicorn")
-    from ardiff_jax.serve import PolicyClient, PolicyServerConfig, ServerAccess, create_policy_app
-    from ardiff_jax.serve._policy import TRANSPORT_MAX_BYTES
+    from ardiff_jax.serve import PolicyClient, ServerAccess
 
-    app = create_policy_app(policy, config=PolicyServerConfig(), access=ServerAccess(), name="dreamzero-test")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", proxy_headers=False,
-                                          ws_max_size=TRANSPORT_MAX_BYTES))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        import time
-
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with serving(policy, ServerAccess()) as port:
         results: dict[str, list] = {}
 
         def robot(name: str, seed: int) -> None:
@@ -178,9 +191,6 @@ def test_robots_drive_the_policy_over_the_openpi_protocol(policy) -> None:
         assert sorted(results) == ["a", "b"]
         for replies in results.values():
             assert all(isinstance(r, np.ndarray) and r.shape == (24, 8) and r.dtype == np.float32 for r in replies)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -231,29 +241,12 @@ def test_openpis_own_client_drives_dreamzero_and_gets_what_the_engine_gives_dire
     """openpi's ``WebsocketClientPolicy`` (the client robot teams use, ``openpi-client``) against the DreamZero
     policy server: an episode of several calls whose actions equal the same policy called directly (a second,
     identically built one), a session-id change that starts a new episode, and its API key header."""
-    import socket
-    import threading
-    import time
-
-    uvicorn = pytest.importorskip("uvicorn")
     websocket_client_policy = pytest.importorskip("openpi_client.websocket_client_policy")
-    from ardiff_jax.serve import POLICY_TRANSPORT_MAX_BYTES, PolicyServerConfig, ServerAccess, create_policy_app
+    from ardiff_jax.serve import ServerAccess
 
-    app = create_policy_app(policy, config=PolicyServerConfig(), access=ServerAccess(api_key="k" * 24),
-                            name="dreamzero-openpi")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", proxy_headers=False,
-                                          ws_max_size=POLICY_TRANSPORT_MAX_BYTES))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     direct = build_robot_policy(engine_config=EngineConfig(dtype="float32", available_memory_bytes=10**10,
                                                            gpu_memory_fraction=1.0, warmup=False))
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with serving(policy, ServerAccess(api_key="k" * 24)) as port, contextlib.closing(direct.engine):
         client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port, api_key="k" * 24)
         assert client.get_server_metadata()["needs_session_id"] is True
         rng = np.random.default_rng(7)
@@ -266,7 +259,3 @@ def test_openpis_own_client_drives_dreamzero_and_gets_what_the_engine_gives_dire
             expected = direct.infer_batch([("robot", obs)])[0]
             assert isinstance(served, np.ndarray) and served.shape == (24, 8)
             np.testing.assert_array_equal(served, expected)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        direct.engine.close()

@@ -596,13 +596,7 @@ class DreamZeroPipeline(PipelineBase):
         rows = []
         for request, state in zip(requests, batch.states, strict=True):
             session_id = state.session_id
-            parsed = self._parse(session_id, request)
-            new_episode, start = self._plan(session_id, parsed)
-            session = self._sessions.get(session_id)
-            if new_episode:
-                session = self._start_episode(state, session_id, parsed, start, session)
-            else:
-                self._commit(state, session, self._to_device(parsed.latents))
+            parsed, session, new_episode, start = self._begin_call(state, request)
             frame = state.adapter(POSITIVE).committed_frames
             staged[session_id] = dataclasses.replace(
                 session, block_index=0 if new_episode else session.block_index + 1, frames=frame)
@@ -699,9 +693,10 @@ class DreamZeroPipeline(PipelineBase):
                 return False, count
         return True, 0
 
-    def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
-        """One robot step: commit the observation on both branches, then denoise the next video and action chunk."""
-        state = self._bound_state()
+    def _begin_call(self, state: Any, request: DiffusionRequest) -> tuple[_Parsed, _DreamZeroSession, bool,
+                                                                          _Start | None]:
+        """A call's first half, on one session's state: the checks, then a new episode (its cross caches and
+        conditioning frame) or the commit of the observed frames. ``(parsed, session, new episode?, start)``."""
         session_id = state.session_id
         parsed = self._parse(session_id, request)
         new_episode, start = self._plan(session_id, parsed)
@@ -710,6 +705,13 @@ class DreamZeroPipeline(PipelineBase):
             session = self._start_episode(state, session_id, parsed, start, session)
         else:
             self._commit(state, session, self._to_device(parsed.latents))
+        return parsed, session, new_episode, start
+
+    def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
+        """One robot step: commit the observation on both branches, then denoise the next video and action chunk."""
+        state = self._bound_state()
+        session_id = state.session_id
+        parsed, session, new_episode, start = self._begin_call(state, request)
         video, actions = self._denoise(state, session, parsed)
         if new_episode:  # the release returns the conditioning frame before the first chunk
             video = jnp.concatenate([self._to_device(start.latents), video])
