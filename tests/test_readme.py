@@ -39,7 +39,7 @@ def test_quickstart_has_two_commands_and_ci_runs_the_test_one_verbatim():
 
 
 @pytest.mark.parametrize("doc", ["architecture.md", "api.md", "guarantees.md", "migration.md", "models.md",
-                                 "reference_behaviour.md", "scaling.md", "replicas.md"])
+                                 "reference_behaviour.md", "scaling.md", "replicas.md", "serving_robots.md"])
 def test_linked_docs_exist(doc):
     assert (ROOT / "docs" / doc).is_file()
     assert f"`docs/{doc}`" in README  # listed under Documentation

@@ -614,7 +614,9 @@ def test_uvicorn_on_a_free_port_serves_the_websockets_client(sprite_engine):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     app = create_app(sprite_engine, world=world_of(sprite_engine))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # log_config=None: uvicorn's default dictConfig would stop its loggers propagating for the rest of this
+    # worker's tests (tests/test_serve_access.py reads uvicorn's request lines through caplog).
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

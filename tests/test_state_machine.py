@@ -401,11 +401,11 @@ class EngineMachine(RuleBasedStateMachine):
         elif new_id in self.resident:
             with pytest.raises(ValueError, match="taken"):
                 self.engine.fork_session(source, new_id)
-        elif len(self.resident) >= CAPACITY:
-            with pytest.raises(RuntimeError, match="free slot"):
-                self.engine.fork_session(source, new_id)
-        elif source in STEP_IDS:  # a stepwise chunk in flight
+        elif source in STEP_IDS:  # a stepwise chunk in flight (checked before the room a fork needs)
             with pytest.raises(RuntimeError, match="in flight"):
+                self.engine.fork_session(source, new_id)
+        elif len(self.resident) >= CAPACITY:  # no host offload here: a fork never evicts
+            with pytest.raises(RuntimeError, match="free slot"):
                 self.engine.fork_session(source, new_id)
         else:
             self.engine.fork_session(source, new_id)
@@ -879,14 +879,24 @@ class HostTierMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError, match="taken"):
                 self.engine.fork_session(source, new_id)
             return
-        if CAPACITY - len(self.resident) < (2 if source in self.offloaded else 1):  # forks never evict
-            with pytest.raises(RuntimeError, match="free slot"):
+        short = (2 if source in self.offloaded else 1) - (CAPACITY - len(self.resident))
+        if short > 0:
+            # Host offload is on: a fork makes room as a new session does, moving the least recently used
+            # sessions (never the source) to the host tier, or is refused, moving nothing, when the tier could
+            # take them only by dropping a session it holds (issue 47, item 4).
+            victims = [sid for sid in self.resident if sid != source][:short]
+            try:
                 self.engine.fork_session(source, new_id)
-            return
+            except RuntimeError as error:
+                assert "host tier" in str(error), error  # the bookkeeping invariant checks nothing moved
+                return
+            for victim in victims:
+                self.offloaded[victim] = self.resident.pop(victim)
         self.hit = {source, new_id}
         if source in self.offloaded:  # restored first, into a free slot
             self.resident[source] = self.offloaded.pop(source)
-        self.engine.fork_session(source, new_id)
+        if short <= 0:
+            self.engine.fork_session(source, new_id)
         self.resident[new_id] = list(self.resident[source])
         self.resident.move_to_end(source)
 
