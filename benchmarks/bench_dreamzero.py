@@ -176,6 +176,40 @@ def memory_plan(preset: str = "dreamzero-droid", dtype: str = "bfloat16") -> dic
                     "and the compiled programs' workspace are not subtracted"}
 
 
+def measure_robot_queries(*, calls: int = 4, episodes: int = 2) -> dict[str, Any]:
+    """End-to-end robot queries on the tiny random policy (``build_robot_policy``), as the server runs them
+    (``infer_batch``), split by the policy's own clock (``DreamZeroRobotPolicy.timings``): ``image_s`` (crop, resize,
+    tile, buffer), ``encoders_s`` (the VAE of the observed frames; CLIP and text too at an episode start),
+    ``loop_s`` (the engine call: commits and 16 steps), ``reply_s`` (the joint targets), plus ``pack_s`` (the
+    reply on the wire). Continuing calls of the episodes after the first (which compiles), medians."""
+    from ardiff_jax import EngineConfig
+    from ardiff_jax.models.dreamzero import build_robot_policy
+    from ardiff_jax.serve import pack_policy_message
+
+    policy = build_robot_policy(engine_config=EngineConfig(dtype="float32", available_memory_bytes=10**10,
+                                                           gpu_memory_fraction=1.0, warmup=False))
+    rng = np.random.default_rng(0)
+    views = ("observation/exterior_image_0_left", "observation/exterior_image_1_left", "observation/wrist_image_left")
+    rows: list[dict[str, float]] = []
+    with contextlib.closing(policy.engine):
+        for episode in range(episodes + 1):
+            key = f"robot{episode}"
+            for call in range(calls):
+                obs = {view: rng.integers(0, 256, (1 if call == 0 else 4, 180, 320, 3), dtype=np.uint8)
+                       for view in views}
+                obs.update({"observation/joint_position": rng.uniform(-1, 1, 7),
+                            "observation/gripper_position": rng.uniform(0, 1, 1), "prompt": "pick up the cup"})
+                began = time.perf_counter()
+                reply = policy.infer_batch([(key, obs)])[0]
+                packed = time.perf_counter()
+                pack_policy_message(reply)
+                done = time.perf_counter()
+                if episode and call:
+                    rows.append({**policy.timings[key], "pack_s": done - packed, "total_s": done - began})
+            policy.reset(key)
+    return {name: statistics.median(row[name] for row in rows) for name in rows[0]} | {"queries": len(rows)}
+
+
 def run(*, quick: bool = False, geometries: tuple[str, ...] = tuple(GEOMETRIES),
         out: Path | None = RESULTS / "dreamzero.json") -> dict[str, Any]:
     from ardiff_jax import ARDiffusionEngine, EngineConfig
@@ -197,9 +231,14 @@ def run(*, quick: bool = False, geometries: tuple[str, ...] = tuple(GEOMETRIES),
         rows.append([name, f"{record['call_s']:.3f}", f"{record['episode_start_s']:.3f}", f"{split['commit_s']:.3f}",
                      f"{split['dit_s']:.3f}", f"{split['scheduler_s']:.4f}", f"{split['host_s']:.4f}"])
     result["droid_memory"] = {dtype: memory_plan(dtype=dtype) for dtype in ("bfloat16", "float32")}
+    query = result["robot_query_tiny"] = measure_robot_queries(episodes=1 if quick else 2)
     print(machine_line(result["machine"]))
     print(format_table(["geometry", "call s", "episode start s", "commit s", "DiT s (8 x 2)", "scheduler s", "host s"],
                        rows))
+    print(format_table(["robot query (tiny, random)", "total s", "image s", "encoders s", "loop s", "reply s"],
+                       [["continuing call", f"{query['total_s']:.3f}", f"{query['image_s']:.4f}",
+                         f"{query['encoders_s']:.4f}", f"{query['loop_s']:.3f}",
+                         f"{query['reply_s'] + query['pack_s']:.5f}"]]))
     for dtype, plan in result["droid_memory"].items():
         print(f"DROID {dtype}: {plan['parameters'] / 1e9:.2f}e9 parameters = {plan['weights_bytes'] / 1e9:.1f} GB; "
               f"{plan['session_bytes'] / 1e9:.2f} GB of KV per robot session (+ {plan['scratch_bytes_per_device'] / 1e9:.2f}"

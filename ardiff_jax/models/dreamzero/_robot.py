@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,6 +80,9 @@ class DreamZeroRobotPolicy:
         cfg = self.config
         self.view_hw = view_hw or (cfg.latent_height * 4, cfg.latent_width * 4)
         self._robots: dict[str, _Robot] = {}
+        #: Seconds of the last round's phases per robot: ``image_s`` (crop, resize, tile, buffer), ``encoders_s``
+        #: (VAE, CLIP, text), ``loop_s`` (the engine call, shared by the round's robots), ``reply_s`` (the targets).
+        self.timings: dict[str, dict[str, float]] = {}
         self._prompts: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._encode_video = jax.jit(lambda video: self.vae.encode(video))
@@ -171,19 +175,27 @@ class DreamZeroRobotPolicy:
                 except Exception as error:  # noqa: BLE001 - this robot's failure is its own
                     results[index] = error
             if requests:
+                began = time.perf_counter()
                 try:
                     outputs = self.engine.generate_batch(requests) if len(requests) > 1 \
                         else [self.engine.generate(requests[0])]
+                    outputs = [o if isinstance(o, Exception) else {**o, "actions": np.asarray(o["actions"])}
+                               for o in outputs]
                 except Exception as error:  # noqa: BLE001
                     outputs = [error] * len(requests)
+                loop_s = time.perf_counter() - began
                 for (index, joint), output in zip(contexts, outputs, strict=True):
+                    began = time.perf_counter()
                     if isinstance(output, Exception):
                         results[index] = output
                     else:
-                        results[index] = actions_to_targets(self.statistics, np.asarray(output["actions"]), joint)
+                        results[index] = actions_to_targets(self.statistics, output["actions"], joint)
+                    timing = self.timings.setdefault(items[index][0], {})
+                    timing.update(loop_s=loop_s, reply_s=time.perf_counter() - began)
             return results
 
     def _request(self, key: str, obs: Mapping[str, Any]) -> DiffusionRequest:
+        began = time.perf_counter()
         robot = self._robots.get(key)
         instruction = obs["prompt"]
         if robot is None or robot.instruction != instruction:  # a new robot or a new task: a new episode
@@ -193,6 +205,7 @@ class DreamZeroRobotPolicy:
         state = normalize_state(self.statistics, np.asarray(obs["observation/joint_position"], np.float32).reshape(-1),
                                 np.asarray(obs["observation/gripper_position"], np.float32).reshape(-1))[:8]
         frames = robot.buffer.take()
+        imaged = time.perf_counter()
         inputs: dict[str, Any] = {"state": state}
         if frames.shape[0] == 1:
             inputs.update(self._episode_start(frames[0]))
@@ -202,6 +215,8 @@ class DreamZeroRobotPolicy:
             inputs["latents"] = self._observed_latents(frames)
             if self.pipeline.episode_full(key):  # the release restarts from the call's last frame
                 inputs["restart"] = self._episode_start(frames[-1])
+        jax.block_until_ready([v for v in inputs.values() if isinstance(v, jax.Array)])
+        self.timings[key] = {"image_s": imaged - began, "encoders_s": time.perf_counter() - imaged}
         return DiffusionRequest(f"{key}-{robot.buffer.calls}", extra_args={"session_id": key}, inputs=inputs)
 
     def reset(self, session_key: str) -> None:
