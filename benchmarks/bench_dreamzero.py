@@ -150,7 +150,7 @@ def memory_plan(preset: str = "dreamzero-droid", dtype: str = "bfloat16") -> dic
 
     from ardiff_jax.models import CausalDiT, dit_preset
     from ardiff_jax.models.dreamzero import DreamZeroPipeline, DreamZeroPipelineConfig
-    from ardiff_jax.runtime._memory import plan_memory
+    from ardiff_jax.runtime import plan_memory
 
     config = dit_preset(preset)
     spec = DreamZeroPipeline.kv_spec_for(config, DreamZeroPipelineConfig(session_capacity=1024))

@@ -214,7 +214,6 @@ dreamzero_commit = jax.jit(_commit, static_argnums=0)
 dreamzero_evaluate = jax.jit(_evaluate, static_argnums=0)
 _solver_step_jit = jax.jit(_solver_step)
 _solver_step_batch = jax.jit(jax.vmap(_solver_step, in_axes=(0, 0, 0, 0, 0, 0, None, None, None)))
-_cosine_jit = jax.jit(_cosine)
 _cosine_batch = jax.jit(jax.vmap(_cosine))
 
 
@@ -302,9 +301,10 @@ class DreamZeroPipeline(PipelineBase):
         self.action_schedule: UniPCSchedule = unipc_schedule(pc.num_steps, pc.shift)
         register = self.config.action_register
         video_key, action_key = jax.random.split(jax.random.key(pc.noise_seed))
-        self._noise = (jax.random.normal(video_key, self.config.block_shape, jnp.float32),
-                       jax.random.normal(action_key, (register.actions_per_block, register.action_dim), jnp.float32))
-        self._noise = jax.device_put(self._noise, self.device)
+        self._noise = jax.device_put(
+            (jax.random.normal(video_key, self.config.block_shape, jnp.float32),
+             jax.random.normal(action_key, (register.actions_per_block, register.action_dim), jnp.float32)),
+            self.device)
         self._text_cache: dict[str, Any] = {}
         #: Per-step samples of the last single-session call (``record_steps=True``): tests compare them.
         self.record_steps = False
@@ -553,15 +553,17 @@ class DreamZeroPipeline(PipelineBase):
         seq_len = cfg.frames_per_block * cfg.tokens_per_frame
         video_state, action_state = unipc_init(x), unipc_init(a)
         scale = np.float32(pc.guidance_scale)
-        flows: list[tuple[jax.Array, jax.Array]] = []
-        skip = 0
+        # The last two evaluated guided video flows and the last action flow; evaluations and the dynamic
+        # schedule's countdown as one-row arrays: the batched tick's own decision rule (_rows_to_run) decides here.
+        last_video = previous_video = last_action = None
+        evaluations, countdown = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self.last_steps = [(x, a)] if self.record_steps else []
         self.last_ran = []
         for step in range(pc.num_steps):
-            run = self._should_run(step, flows, skip)
-            if isinstance(run, tuple):
-                run, skip = run
-            self.last_ran.append(bool(run))
+            run = bool(self._rows_to_run(step, evaluations, countdown,
+                                         None if last_video is None else last_video[None],
+                                         None if previous_video is None else previous_video[None])[0])
+            self.last_ran.append(run)
             if run:
                 pos = state.get_kv_caches(POSITIVE, seq_len=seq_len, commit_current=False)
                 neg = state.get_kv_caches(NEGATIVE, seq_len=seq_len, commit_current=False)
@@ -571,9 +573,11 @@ class DreamZeroPipeline(PipelineBase):
                                           np.int32(start), y, pos_cross, neg_cross, scale)
                 state.commit_paged_context(POSITIVE)  # denoising reads the caches and writes nothing
                 state.commit_paged_context(NEGATIVE)
-                flows = (flows + [(outs[0], outs[1])])[-2:]
+                previous_video = outs[0] if last_video is None else last_video
+                last_video, last_action = outs[0], outs[1]
+                evaluations += 1
             video_row, action_row, first = self._schedule_rows(step)
-            x, a, video_state, action_state = _solver_step_jit(x, a, flows[-1][0], flows[-1][1], video_state,
+            x, a, video_state, action_state = _solver_step_jit(x, a, last_video, last_action, video_state,
                                                                action_state, video_row, action_row, first)
             if self.record_steps:
                 self.last_steps.append((x, a))
@@ -675,23 +679,6 @@ class DreamZeroPipeline(PipelineBase):
                         countdown[row], run[row] = count, False
                         break
         return run
-
-    def _should_run(self, step: int, flows: list[Any], skip: int) -> bool | tuple[bool, int]:
-        """Whether the transformer runs at ``step``: the mask, or the release's similarity countdown."""
-        pc = self.pipeline_config
-        if not pc.dynamic_schedule:
-            return pc.dit_step_mask[step]
-        if len(flows) < 2:
-            return True, skip
-        if skip > 1:
-            return False, skip - 1
-        if skip == 1:
-            return True, 0
-        similarity = float(_cosine_jit(flows[-1][0], flows[-2][0]))  # a host sync: the decision is data-dependent
-        for threshold, count in DYNAMIC_SKIPS:
-            if similarity > threshold:
-                return False, count
-        return True, 0
 
     def _begin_call(self, state: Any, request: DiffusionRequest) -> tuple[_Parsed, _DreamZeroSession, bool,
                                                                           _Start | None]:
