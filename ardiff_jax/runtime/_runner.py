@@ -62,6 +62,7 @@ from ardiff_jax.runtime._batch import (
     batch_buckets,
     bucket_for,
 )
+from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
@@ -95,9 +96,6 @@ from ardiff_jax.types import (
 __all__ = ["ARDiffusionModelRunner", "SessionEvent", "WARMUP_SESSION_ID"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
-
-#: Session id under which warmup requests run; released after warmup.
-WARMUP_SESSION_ID = "__ardiffusion_warmup__"
 
 _PIPELINE_METHODS = (
     "ar_diffusion_kv_cache_spec",
@@ -134,28 +132,6 @@ def _stop_bucket_compilers() -> None:
 
 
 atexit.register(_stop_bucket_compilers)
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionEvent:
-    """A session lifecycle event, delivered to listeners added with ``add_session_listener``.
-
-    ``kind`` is one of:
-
-    * ``"created"``: a new session became resident;
-    * ``"released"`` (KV or host copy dropped, before the pipeline hook), ``reason`` one of
-      ``"reset"``, ``"close"``, ``"lru_eviction"``, ``"forward_exception"``,
-      ``"warmup_complete"``, ``"pools_lost"``, ``"host_eviction"`` (dropped from the
-      host tier), ``"restore_failed"``, ``"save_failed"``;
-    * ``"offloaded"``: moved to the host tier (``reason`` ``"lru_eviction"``: to make room for a
-      new session, a restore or a fork; ``"requested"``: ``offload_session``);
-    * ``"restored"``: resident again, from the host tier (``reason`` ``"offload"``) or
-      from a file (``"load"``).
-    """
-
-    kind: str
-    session_id: str
-    reason: str | None = None
 
 
 class ARDiffusionModelRunner:
@@ -213,15 +189,9 @@ class ARDiffusionModelRunner:
         self._request_validator = (pipeline.validate_ar_diffusion_request
                                    if isinstance(pipeline, SupportsARDiffusionRequestValidation) else None)
         self._lock = threading.RLock()
-        self._lock_depth = 0
-        self._runner_lock = _RunnerLock(self)  # stateless beyond the runner: one instance serves every call
-        self._queued_events: list[SessionEvent] = []
-        # Events leave the lock in lock order and are delivered by one thread at a time.
-        self._delivery: collections.deque[SessionEvent] = collections.deque()
-        self._delivery_lock = threading.Lock()
-        self._delivering = False
+        self._events = EventLog()
+        self._runner_lock = _RunnerLock(self._lock, self._events)  # one instance serves every call
         self._executing: Any = None  # the pipeline call now running (its str() names it), or None
-        self._listeners: list[Callable[[SessionEvent], None]] = []
         self._perf_e2e_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._stepwise_started: dict[str, float] = {}
         self._closed = False
@@ -353,47 +323,12 @@ class ARDiffusionModelRunner:
         the runner produced the events (whichever thread happens to deliver them); one that
         raises is logged and does not affect the runtime or the other listeners.
         """
-        if not callable(listener):
-            raise TypeError(f"session listeners must be callable, got {type(listener).__name__}")
-        self._listeners.append(listener)
+        self._events.add_listener(listener)
 
     # -- locking and events ----------------------------------------------------------------------
     def _locked(self) -> _RunnerLock:
         """The runner lock; events queued inside are delivered once the outermost holder let go."""
         return self._runner_lock
-
-    def _emit(self, kind: str, session_id: str, reason: str | None = None) -> None:
-        # Warmup sessions are the runner's own (a background compile runs them beside listeners): no events.
-        if self._listeners and not session_id.startswith(WARMUP_SESSION_ID):
-            self._queued_events.append(SessionEvent(kind, session_id, reason))
-
-    def _deliver_queued(self) -> None:
-        """Deliver queued events in order; only one thread (and frame) delivers at a time.
-
-        A listener that calls the engine, or another thread finishing a call meanwhile, only
-        appends to the queue: the active deliverer drains it, so every listener sees every
-        event exactly once and in the order the runner produced them.
-        """
-        with self._delivery_lock:
-            if self._delivering:
-                return
-            self._delivering = True
-        try:
-            while True:
-                with self._delivery_lock:
-                    if not self._delivery:
-                        self._delivering = False
-                        return
-                    event = self._delivery.popleft()
-                for listener in list(self._listeners):
-                    try:
-                        listener(event)
-                    except Exception:  # a metrics hook must never break the runtime
-                        logger.exception("AR-Diffusion session listener failed on %s", event)
-        except BaseException:
-            with self._delivery_lock:
-                self._delivering = False
-            raise
 
     def _check_not_reentrant(self, entry_point: str) -> None:
         if self._executing is not None:
@@ -1007,7 +942,7 @@ class ARDiffusionModelRunner:
         self._table.add(session_id, state)
         logger.info("AR-Diffusion session %r created (slot %s; %d resident)", session_id, state.slot,
                     len(self._table))
-        self._emit("created", session_id)
+        self._events.emit("created", session_id)
         return state
 
     def _make_room(self, held: list[OffloadedSession] | None = None) -> None:
@@ -1078,7 +1013,7 @@ class ARDiffusionModelRunner:
             return
         state = self._table.remove(session_id)
         state._release()
-        self._emit("offloaded", session_id, "lru_eviction")
+        self._events.emit("offloaded", session_id, "lru_eviction")
         logger.info("AR-Diffusion session %r offloaded to host memory (%d bytes)", session_id, record.nbytes)
         if held is None:
             self._hold_offloaded(record)
@@ -1162,7 +1097,7 @@ class ARDiffusionModelRunner:
             raise
         state._runner_managed = True
         self._table.add(session_id, state)
-        self._emit("restored", session_id, reason)
+        self._events.emit("restored", session_id, reason)
         logger.info("AR-Diffusion session %r restored (%s; slot %s)", session_id, reason, state.slot)
         try:
             with self._running_pipeline_code(_ImportCall(session_id)):
@@ -1269,7 +1204,7 @@ class ARDiffusionModelRunner:
             state._runner_managed = True
             self._table.add(new_id, state)
             self._table.touch(source_id)
-            self._emit("created", new_id, "fork")
+            self._events.emit("created", new_id, "fork")
             logger.info("AR-Diffusion session %r forked from %r (slot %s; %d pages shared)", new_id, source_id,
                         state.slot, sum(len(table) for table in value.pages))
 
@@ -1320,7 +1255,7 @@ class ARDiffusionModelRunner:
                 raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} could not be copied to the "
                                    "host tier (see the log); it stays resident")
             self._table.remove(session_id)._release()
-            self._emit("offloaded", session_id, reason)
+            self._events.emit("offloaded", session_id, reason)
             logger.info("AR-Diffusion session %r offloaded to host memory (%s; %d bytes)", session_id, reason,
                         record.nbytes)
             self._hold_offloaded(record)
@@ -1421,9 +1356,9 @@ class ARDiffusionModelRunner:
                 state._release()
             except Exception as error:  # pragma: no cover - release only touches host bookkeeping
                 errors.append(error)
-            self._emit("released", session_id, reason)
+            self._events.emit("released", session_id, reason)
         elif self._host.pop(session_id) is not None:  # offloaded: its host copy goes, the hook runs now
-            self._emit("released", session_id, reason)
+            self._events.emit("released", session_id, reason)
         hook = self._pipeline.reset_ar_diffusion_session if reset_model else self._pipeline.close_ar_diffusion_session
         previous, self._executing = self._executing, _HookCall(reset_model, session_id)
         try:
@@ -1649,30 +1584,30 @@ class _ValidationCall(NamedTuple):
 
 
 class _RunnerLock:
-    """``with runner._locked():`` (a class, not a generator: it is entered on every tick)."""
+    """``with runner._locked():``: the runner lock; queued events are delivered once the outermost holder let go.
 
-    __slots__ = ("_runner",)
+    A class, not a generator: it is entered on every tick.
+    """
 
-    def __init__(self, runner: ARDiffusionModelRunner) -> None:
-        self._runner = runner
+    __slots__ = ("_depth", "_events", "_lock")
+
+    def __init__(self, lock: threading.RLock, events: EventLog) -> None:
+        self._lock = lock
+        self._events = events
+        self._depth = 0  # changed under the lock only
 
     def __enter__(self) -> None:
-        runner = self._runner
-        runner._lock.acquire()
-        runner._lock_depth += 1
+        self._lock.acquire()
+        self._depth += 1
 
     def __exit__(self, *exc: Any) -> None:
-        runner = self._runner
-        runner._lock_depth -= 1
-        pending = False
-        if runner._lock_depth == 0 and runner._queued_events:
-            with runner._delivery_lock:  # still under the runner lock: the delivery queue keeps lock order
-                runner._delivery.extend(runner._queued_events)
-            runner._queued_events = []
-            pending = True
-        runner._lock.release()
+        self._depth -= 1
+        pending = self._depth == 0 and bool(self._events.queued)
         if pending:
-            runner._deliver_queued()
+            self._events.hand_over()  # still under the runner lock: the delivery queue keeps lock order
+        self._lock.release()
+        if pending:
+            self._events.deliver()
 
 
 def _committing(state: ARDiffusionKVState) -> bool:
