@@ -358,6 +358,8 @@ def test_config_on_connect_then_an_inference_round_trips_bit_exact(live):
     assert live.policy.calls("robot-1") == ["infer"]  # the first session_id starts the first episode: no reset
     health = httpx.get(f"http://127.0.0.1:{live.port}/healthz", timeout=10).json()
     assert health == {"status": "ok", "model": "fake", "robots": 1, "batches": 1, "largest_batch": 1,
+                      "connected_robots": [{"robot": "robot-1", "session_id": "episode-1", "inferences": 1,
+                                            "viewers": 0}],
                       "config": PolicyServerConfig().as_wire()}
 
 

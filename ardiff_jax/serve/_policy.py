@@ -565,10 +565,17 @@ async def _send(websocket: Any, payload: bytes | str) -> bool:
 def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None = None,
                       access: ServerAccess | None = None, limits: PolicyLimits | None = None,
                       max_batch_size: int | None = None, name: str = "policy",
-                      executor: concurrent.futures.Executor | None = None) -> Any:
+                      executor: concurrent.futures.Executor | None = None, max_viewers: int | None = None) -> Any:
     """The Starlette app serving ``policy`` over openpi's policy protocol: ``WS /`` (openpi clients connect to
     ``ws://host:port`` with no path) and ``GET /healthz`` (JSON: ``status``, ``model`` (``name``), ``robots``
-    connected, ``batches`` served, ``largest_batch``, ``config``).
+    connected, ``connected_robots`` (per robot: ``robot`` (its key), ``session_id``, ``inferences``, ``viewers``),
+    ``batches`` served, ``largest_batch``, ``config``, and for a policy that predicts video ``viewers`` and
+    ``chunks_decoded``).
+
+    A policy that predicts video (:class:`~ardiff_jax.serve._watch.WatchablePolicy`: ``take_video`` and
+    ``video_decoder``, as DreamZero's) may also be watched on ``WS /v1/realtime/video`` (see
+    :mod:`ardiff_jax.serve._watch`), by at most ``max_viewers`` viewers at once (default
+    :data:`~ardiff_jax.serve._watch.DEFAULT_MAX_VIEWERS`), under the same access rules and connection count.
 
     ``config`` (default :class:`PolicyServerConfig`) is sent on connect; ``access`` (default ``ServerAccess()``:
     no key, same-origin pages only, 8 connections per client address) is checked before the WebSocket is
@@ -588,6 +595,9 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
     from starlette.routing import Route, WebSocketRoute
     from starlette.websockets import WebSocket
 
+    from ardiff_jax.serve._app import REALTIME_VIDEO_PATH
+    from ardiff_jax.serve._watch import DEFAULT_MAX_VIEWERS, RobotRecord, VideoHub, WatchablePolicy
+
     for method in ("validate", "infer_batch", "reset", "close"):
         if not callable(getattr(policy, method, None)):
             raise TypeError(f"policy must have a callable {method}() (see RobotPolicy), "
@@ -603,6 +613,12 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
         raise TypeError(f"limits must be a PolicyLimits, got {type(limits).__name__}")
     if max_batch_size is not None:
         max_batch_size = check_positive_int("max_batch_size", max_batch_size)
+    watchable = callable(getattr(policy, "take_video", None)) and callable(getattr(policy, "video_decoder", None))
+    if max_viewers is not None:
+        max_viewers = check_positive_int("max_viewers", max_viewers)
+        if not watchable:
+            raise ValueError(f"max_viewers is for a policy that predicts video (take_video and video_decoder, see "
+                             f"WatchablePolicy); {type(policy).__name__} has none")
     own_executor = executor is None
     if own_executor:
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy")
@@ -610,7 +626,9 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
     greeting = pack(config.as_wire())
     open_by_address = ConnectionCounter()
     keys = itertools.count(1)
-    robots: set[str] = set()
+    robots: dict[str, RobotRecord] = {}
+    activity = itertools.count(1)  # orders inferences: the most recently active robot is the default one to watch
+    hub = VideoHub(policy, robots, max_viewers=max_viewers or DEFAULT_MAX_VIEWERS) if watchable else None
 
     async def serve_robot(websocket: WebSocket, key: str) -> None:
         last_session_id: str | None = None
@@ -660,6 +678,7 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
                     continue  # the last session_id stays: a retry of the same message resets again
             if session_id is not None:
                 last_session_id = session_id
+                robots[key].session_id = session_id
             if endpoint == "reset":
                 if not await _send(websocket, RESET_REPLY):
                     return
@@ -674,6 +693,11 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
                     reply = f"inference failed: the policy's result cannot be sent: {_failure(error)}"
             if not await _send(websocket, reply):
                 return
+            record = robots[key]
+            record.inferences += 1
+            record.active = next(activity)
+            if hub is not None:  # after the reply: a viewer's decode never delays it
+                hub.inferred(key)
 
     async def policy_websocket(websocket: WebSocket) -> None:
         # Decided from the handshake alone, before accept and before a session key exists.
@@ -685,8 +709,9 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
             await deny_websocket(websocket, refusal)
             return
         open_by_address.acquire(address)  # no await since the check: the count cannot have moved
-        key = f"robot-{next(keys)}"
-        robots.add(key)
+        number = next(keys)
+        key = f"robot-{number}"
+        robots[key] = RobotRecord(key, number)
         try:
             await websocket.accept()
             if await _send(websocket, greeting):
@@ -696,13 +721,39 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
             with contextlib.suppress(Exception):
                 await websocket.close(1011, "internal error")
         finally:
-            robots.discard(key)
+            robots.pop(key, None)
+            if hub is not None:
+                hub.robot_gone(key)
             open_by_address.release(address)
             dispatcher.control_later(policy.close, key)
 
+    async def watch_websocket(websocket: WebSocket) -> None:
+        # The robot socket's rules, decided from the handshake alone; a viewer counts as a connection of its address.
+        address = client_address(access, client=websocket.client, headers=websocket.headers)
+        refusal = websocket_refusal(access, headers=websocket.headers, query=websocket.query_params,
+                                    scheme=websocket.url.scheme, server=websocket.scope.get("server"),
+                                    open_connections=open_by_address.open_connections(address))
+        if refusal is not None:
+            await deny_websocket(websocket, refusal)
+            return
+        open_by_address.acquire(address)  # no await since the check: the count cannot have moved
+        try:
+            await hub.serve(websocket)
+        except Exception:  # noqa: BLE001 - a server bug: logged, this viewer ends, robots and other viewers go on
+            logger.exception("a viewer connection failed")
+            with contextlib.suppress(Exception):
+                await websocket.close(1011, "internal error")
+        finally:
+            open_by_address.release(address)
+
     async def healthz(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": name, "robots": len(robots), "batches": dispatcher.batches,
-                             "largest_batch": dispatcher.largest_batch, "config": config.as_wire()})
+        listed = [{"robot": r.key, "session_id": r.session_id, "inferences": r.inferences,
+                   "viewers": 0 if hub is None else hub.watching(r.key)} for r in robots.values()]
+        body = {"status": "ok", "model": name, "robots": len(robots), "connected_robots": listed,
+                "batches": dispatcher.batches, "largest_batch": dispatcher.largest_batch, "config": config.as_wire()}
+        if hub is not None:
+            body.update(viewers=hub.total_viewers(), chunks_decoded=hub.chunks_decoded)
+        return JSONResponse(body)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
@@ -715,10 +766,16 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
                 await dispatcher.stop(timeout_s=10.0)
                 if own_executor:
                     executor.shutdown(wait=False)
+                if hub is not None:
+                    hub.stop()
 
-    app = Starlette(routes=[WebSocketRoute("/", policy_websocket), Route("/healthz", healthz)], lifespan=lifespan)
+    routes = [WebSocketRoute("/", policy_websocket), Route("/healthz", healthz)]
+    if hub is not None:
+        routes.append(WebSocketRoute(REALTIME_VIDEO_PATH, watch_websocket))
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.dispatcher = dispatcher
     app.state.robots = robots
+    app.state.video_hub = hub
     return app
 
 

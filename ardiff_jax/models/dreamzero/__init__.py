@@ -33,6 +33,7 @@ from ardiff_jax.models.dreamzero._droid import (
     tile_views,
 )
 from ardiff_jax.models.dreamzero._robot import ROBOT_POLICY_CONFIG, DreamZeroRobotPolicy, build_robot_policy
+from ardiff_jax.models.dreamzero._watch import PREDICTED_VIDEO_FPS, PredictedVideo, PredictedVideoDecoder
 from ardiff_jax.models.dreamzero._pipeline import (
     DreamZeroPipeline,
     DreamZeroPipelineConfig,
@@ -50,5 +51,6 @@ from ardiff_jax.models.dreamzero._unipc import (
 
 __all__ = ["NEGATIVE_PROMPT", "VIEW_KEYS", "DroidStatistics", "FrameBuffer", "actions_to_targets", "droid_prompt",
            "normalize_state", "prepare_views", "resize_views", "tile_views", "ROBOT_POLICY_CONFIG",
-           "DreamZeroRobotPolicy", "build_robot_policy", "DreamZeroPipeline", "DreamZeroPipelineConfig", "dreamzero_commit", "dreamzero_evaluate", "DIT_STEP_MASKS",
+           "DreamZeroRobotPolicy", "build_robot_policy", "PREDICTED_VIDEO_FPS", "PredictedVideo",
+           "PredictedVideoDecoder", "DreamZeroPipeline", "DreamZeroPipelineConfig", "dreamzero_commit", "dreamzero_evaluate", "DIT_STEP_MASKS",
            "UniPCSchedule", "UniPCState", "unipc_init", "unipc_schedule", "unipc_step","CheckpointError", "DIT_PREFIX", "HEAD_TARGETS", "DreamZeroCheckpoint", "dreamzero_checkpoint_config", "load_dreamzero"]

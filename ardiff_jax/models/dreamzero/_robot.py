@@ -41,6 +41,7 @@ from ardiff_jax.models.dreamzero._droid import (
     resize_views,
     tile_views,
 )
+from ardiff_jax.models.dreamzero._watch import PredictedVideo, PredictedVideoDecoder
 from ardiff_jax.types import DiffusionRequest
 
 __all__ = ["DreamZeroRobotPolicy", "ROBOT_POLICY_CONFIG"]
@@ -84,6 +85,10 @@ class DreamZeroRobotPolicy:
         #: (VAE, CLIP, text), ``loop_s`` (the engine call, shared by the round's robots), ``reply_s`` (the targets).
         self.timings: dict[str, dict[str, float]] = {}
         self._prompts: dict[str, np.ndarray] = {}
+        # Each robot's last predicted video and its inference count (see take_video): a reference to the engine's
+        # array, replaced by the next call, decoded only by a viewer's decoder.
+        self._videos: dict[str, PredictedVideo] = {}
+        self._inferences: dict[str, int] = {}
         self._lock = threading.Lock()
         self._encode_video = jax.jit(lambda video: self.vae.encode(video))
         self._encode_image = jax.jit(lambda image: self.clip.encode_image(image))
@@ -186,13 +191,31 @@ class DreamZeroRobotPolicy:
                 loop_s = time.perf_counter() - began
                 for (index, joint), output in zip(contexts, outputs, strict=True):
                     began = time.perf_counter()
+                    key = items[index][0]
+                    count = self._inferences[key] = self._inferences.get(key, 0) + 1
                     if isinstance(output, Exception):
                         results[index] = output
+                        self._videos.pop(key, None)
                     else:
                         results[index] = actions_to_targets(self.statistics, output["actions"], joint)
+                        video = output["video"]
+                        # An episode's first call returns the conditioning frame before the chunk (1 + f latents).
+                        self._videos[key] = PredictedVideo(video, count, video.shape[0] != self.config.frames_per_block)
                     timing = self.timings.setdefault(items[index][0], {})
                     timing.update(loop_s=loop_s, reply_s=time.perf_counter() - began)
             return results
+
+    def take_video(self, session_key: str) -> PredictedVideo | None:
+        """The key's last inference's :class:`PredictedVideo`, handed over once (None: none since, or it failed).
+
+        Called by the policy server on its event loop after the robot's reply, while an ``infer_batch`` may run:
+        a dict pop, atomic, never waits for the policy's lock (a running batch writes other keys only, as a
+        robot's next call is read after this one's reply)."""
+        return self._videos.pop(session_key, None)
+
+    def video_decoder(self) -> PredictedVideoDecoder:
+        """A fresh streaming decoder of predicted videos (one per viewer; see :mod:`._watch`)."""
+        return PredictedVideoDecoder(self.vae, (self.config.latent_height, self.config.latent_width))
 
     def _request(self, key: str, obs: Mapping[str, Any]) -> DiffusionRequest:
         began = time.perf_counter()
@@ -222,6 +245,8 @@ class DreamZeroRobotPolicy:
         """A new episode: the robot's frames and the engine session go (its next call starts from one frame)."""
         with self._lock:
             self._robots.pop(session_key, None)
+            self._videos.pop(session_key, None)
+            self._inferences.pop(session_key, None)
             if session_key in self.engine.sessions or session_key in self.engine.offloaded_sessions:
                 self.engine.close_session(session_key)
 
