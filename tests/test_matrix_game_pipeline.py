@@ -179,11 +179,11 @@ class _FaultyMatrixGame(MatrixGamePipeline):
 
     bad: frozenset[str] = frozenset()
 
-    def _denoise_batch(self, batch, sessions):
-        x0 = super()._denoise_batch(batch, sessions)  # every row encoded, denoised and committed already
+    def _advance_batch(self, batch, sessions):
+        blocks = super()._advance_batch(batch, sessions)  # every row encoded, denoised, committed and decoded already
         if self.bad & set(batch.session_ids):
             raise RuntimeError("injected fault in the batch")
-        return x0
+        return blocks
 
     def _advance(self, state, session):
         block = super()._advance(state, session)

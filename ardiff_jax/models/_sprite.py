@@ -41,6 +41,7 @@ from ardiff_jax._checks import is_integer
 from ardiff_jax.envs import ACTION_NAMES, SpriteWorld
 from ardiff_jax.models._common import FewStepSchedule, check_seed
 from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._loop import Lane, commit_pass
 from ardiff_jax.models._pixels import (
     action_registers,
     frames_to_latents,
@@ -254,15 +255,18 @@ class SpriteWorldPipeline(WorldPipeline):
         seq_len = f * cfg.tokens_per_frame
         zero = np.float32(0.0)
         for start in range(0, latents.shape[0], f):
-            caches = state.get_kv_caches(MAIN, seq_len=seq_len, commit_current=True)
             block = self._to_device(latents[start:start + f])
-            _, _, k, v = world_step(
-                self._graphdef, self._params, caches, block, zero, zero, zero,
-                session.key, np.int32(session.block_index), np.int32(self.schedule.num_steps),
-                np.int32(state.adapter(MAIN).committed_frames), state.get_cross_attention_kv(MAIN, "text"),
-                None, self._to_device(controls[start:start + f]), self._previous_frame(session),
-                prediction=self.prediction)
-            state.commit_paged_context(MAIN, kv=(k, v))
+
+            def forward(view: Any, block: jax.Array = block, start: int = start) -> tuple[Any, None]:
+                _, _, k, v = world_step(
+                    self._graphdef, self._params, view, block, zero, zero, zero,
+                    session.key, np.int32(session.block_index), np.int32(self.schedule.num_steps),
+                    np.int32(state.adapter(MAIN).committed_frames), state.get_cross_attention_kv(MAIN, "text"),
+                    None, self._to_device(controls[start:start + f]), self._previous_frame(session),
+                    prediction=self.prediction)
+                return (k, v), None
+
+            commit_pass(Lane.single(state), MAIN, seq_len, forward)
             session.last_block = block  # a "delta" prediction continues from the newest observed frame
 
     def _start_block(self, state: Any, session: _WorldSession, parsed: Any, *, staged: bool = False) -> Any:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -70,12 +70,11 @@ from ardiff_jax.models._common import (
     dit_kv_spec,
     nbytes,
     renoise,
-    stack_rows,
-    unstack_rows,
     step_noise_key,
     with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._loop import Denoiser, Lane, commit_pass, denoise
 from ardiff_jax.types import ARDiffusionChunkMetadata, DiffusionRequest, StepResult
 
 __all__ = ["WorldPipeline", "WorldPipelineConfig", "WorldBlock", "world_step", "world_step_batch", "clean_estimate",
@@ -238,6 +237,22 @@ def _world_step_batch(
 world_step_batch = jax.jit(_world_step_batch, static_argnums=0, static_argnames="prediction")
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockProgram:
+    """The in-flight blocks of a lane's sessions as the shared loop runs them (:meth:`WorldPipeline._block_program`).
+
+    Attributes:
+      x: the noisy blocks, ``f32[f, C, H, W]`` on a one-session lane, ``f32[bucket, f, C, H, W]`` on a batch.
+      forward: ``(view, x, step) -> (x_next, x0, k, v, *extra)``: the step program on the stacked rows;
+        the commit forward is ``step = num_steps`` (``t = sigma = 0``).
+      after_commit: what the commit forward's ``extra`` outputs update (Matrix-Game's action rings).
+    """
+
+    x: jax.Array
+    forward: Callable[[Any, jax.Array, int], tuple[jax.Array, ...]]
+    after_commit: Callable[[tuple[jax.Array, ...]], None] = lambda extra: None
+
+
 @dataclasses.dataclass
 class _InFlightBlock:
     x_t: jax.Array  # f32[f, C, H, W]
@@ -282,9 +297,10 @@ class WorldPipeline(PipelineBase):
     supports_step_execution = True
     #: Whether :meth:`forward_batch` computes what :meth:`forward` computes. A subclass that
     #: changes a block's computation (``forward``, ``_advance``, ``_new_session``) without a
-    #: batched counterpart of its own (``forward_batch``, ``_advance_batch`` or
-    #: ``_denoise_batch``) is not batchable: ``forward_batch`` is removed from it
-    #: (``__init_subclass__``), so the engine runs its batches one request at a time.
+    #: batched counterpart of its own (``forward_batch`` or ``_advance_batch``) is not
+    #: batchable: ``forward_batch`` is removed from it (``__init_subclass__``), so the engine
+    #: runs its batches one request at a time. ``_block_program`` (rows and step program)
+    #: serves both paths through the shared loop, so changing it keeps a subclass batchable.
     supports_batched_forward = True
     #: What the transformer's video output is: ``"flow"`` (``v``, Wan's convention) or ``"x0"``.
     prediction = "flow"
@@ -300,7 +316,7 @@ class WorldPipeline(PipelineBase):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         changed = [name for name in ("forward", "_advance", "_new_session") if name in vars(cls)]
-        if changed and not {"forward_batch", "_advance_batch", "_denoise_batch"} & set(vars(cls)):
+        if changed and not {"forward_batch", "_advance_batch"} & set(vars(cls)):
             # A protocol method set to None is not implemented: isinstance(pipeline,
             # SupportsARDiffusionBatch) is False, and the engine runs its batches one by one.
             cls.supports_batched_forward = False
@@ -395,17 +411,54 @@ class WorldPipeline(PipelineBase):
         session.inflight = inflight
         return inflight
 
-    def _forward(self, state: Any, session: _WorldSession, inflight: _InFlightBlock, x: jax.Array, step: int,
-                 commit: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        caches = state.get_kv_caches(MAIN, seq_len=self.config.frames_per_block * self.config.tokens_per_frame,
-                                     commit_current=commit)
-        t, sigma, sigma_next = self.schedule.step_args(step)
-        return world_step(
-            self._graphdef, self._params, caches, x, t, sigma, sigma_next, session.key,
-            np.int32(inflight.block_index), np.int32(step), np.int32(inflight.frame_start),
-            state.get_cross_attention_kv(MAIN, TEXT), inflight.registers, inflight.controls,
-            self._previous_frame(session), prediction=self.prediction,
-        )
+    def _block_program(self, lane: Lane, sessions: Sequence[_WorldSession]) -> BlockProgram:
+        """The sessions' in-flight blocks stacked for ``lane`` and :data:`world_step` (or
+        :data:`world_step_batch`) over them: the world pipeline's rows and step program."""
+        rows = lane.stack([(session.inflight.x_t, session.key, np.int32(session.inflight.block_index),
+                            np.int32(session.inflight.frame_start), state.get_cross_attention_kv(MAIN, TEXT),
+                            session.inflight.registers, session.inflight.controls, self._previous_frame(session))
+                           for state, session in zip(lane.states, sessions, strict=True)])
+        x, keys, block_index, frame_start, text_kv, registers, controls, previous = rows
+        program = lane.pick(world_step, world_step_batch)  # looked up per call: a benchmark may wrap them
+
+        def forward(view: Any, x: jax.Array, step: int) -> tuple[jax.Array, ...]:
+            t, sigma, sigma_next = self.schedule.step_args(step)
+            return program(self._graphdef, self._params, view, x, t, sigma, sigma_next, keys, block_index,
+                           np.int32(step), frame_start, text_kv, registers, controls, previous,
+                           prediction=self.prediction)
+
+        return BlockProgram(x, forward)
+
+    def _denoise(self, lane: Lane, sessions: Sequence[_WorldSession], steps: range) -> jax.Array | None:
+        """Run ``steps`` of the sessions' in-flight blocks through the shared loop (:func:`~ardiff_jax.models._loop.denoise`).
+
+        Each step is one forward that writes nothing, then ``x0 = clean_estimate`` re-noised to
+        the next sigma inside the program. When ``steps`` reach the schedule's end, the clean
+        block (:meth:`_finish_block`) gets one forward at ``t = 0`` whose K/V are committed, and
+        it is returned (``f32[f, C, H, W]``, ``f32[bucket, f, C, H, W]`` on a batch lane);
+        otherwise each session's ``inflight.x_t`` advances and the result is ``None``.
+        """
+        cfg, num_steps = self.config, self.schedule.num_steps
+        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
+        block = self._block_program(lane, sessions)
+        denoiser = Denoiser(branches=(MAIN,), seq_len=seq_len,
+                            evaluate=lambda views, carry, step: block.forward(views[0], carry[0], step),
+                            advance=lambda step, carry, outs, run: (outs[0], outs[1]))
+        x, x0 = denoise(lane, denoiser, (block.x, None), steps)
+        for session in sessions:
+            session.inflight.step = steps.stop
+        if steps.stop < num_steps:
+            for session, x_t in zip(sessions, lane.unstack(x), strict=True):
+                session.inflight.x_t = x_t
+            return None
+        x0 = self._finish_block(x0)
+
+        def commit(view: Any) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+            _, _, k, v, *extra = block.forward(view, x0, num_steps)
+            return (k, v), tuple(extra)
+
+        block.after_commit(commit_pass(lane, MAIN, seq_len, commit))
+        return x0
 
     def _previous_frame(self, session: _WorldSession) -> jax.Array | None:
         """The last committed frame ``f32[C, H, W]`` a ``"delta"`` prediction adds to (``None`` otherwise)."""
@@ -419,23 +472,26 @@ class WorldPipeline(PipelineBase):
         """The clean block as it is committed and returned (a subclass may project it, e.g. quantise)."""
         return x0
 
+    def _advance_lane(self, lane: Lane, sessions: Sequence[_WorldSession], steps: range) -> list[WorldBlock] | None:
+        """``steps`` of the sessions' in-flight blocks; after the last one, each session's block, committed."""
+        x0 = self._denoise(lane, sessions, steps)
+        if x0 is None:
+            return None
+        blocks = []
+        for session, latents in zip(sessions, lane.unstack(x0), strict=True):
+            inflight = session.inflight
+            session.inflight = None
+            session.last_block = latents
+            session.block_index += 1
+            blocks.append(WorldBlock(latents=latents, first_frame=inflight.frame_start,
+                                     block_index=inflight.block_index))
+        return blocks
+
     def _advance(self, state: Any, session: _WorldSession) -> WorldBlock | None:
         """Run the in-flight block's next denoise step; after the last one, commit and return the block."""
-        inflight = session.inflight
-        assert inflight is not None
-        x_next, x0, _, _ = self._forward(state, session, inflight, inflight.x_t, inflight.step, commit=False)
-        inflight.step += 1
-        if inflight.step < self.schedule.num_steps:
-            inflight.x_t = x_next
-            return None
-        # The block is clean: one forward at t = 0 computes the K/V the runtime commits.
-        x0 = self._finish_block(x0)
-        _, _, k, v = self._forward(state, session, inflight, x0, self.schedule.num_steps, commit=True)
-        state.commit_paged_context(MAIN, kv=(k, v))
-        session.inflight = None
-        session.last_block = x0
-        session.block_index += 1
-        return WorldBlock(latents=x0, first_frame=inflight.frame_start, block_index=inflight.block_index)
+        step = session.inflight.step
+        blocks = self._advance_lane(Lane.single(state), [session], range(step, step + 1))
+        return None if blocks is None else blocks[0]
 
     # -- entry points ---------------------------------------------------------------------------
     def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
@@ -499,46 +555,9 @@ class WorldPipeline(PipelineBase):
         return [with_tick_metadata(block, request) for block, request in zip(blocks, requests, strict=True)]
 
     def _advance_batch(self, batch: Any, sessions: list[_WorldSession]) -> list[WorldBlock]:
-        """Every denoise step and the clean commit of the sessions' in-flight blocks, batched."""
-        x0 = self._denoise_batch(batch, sessions)
-        blocks = []
-        for session, latents in zip(sessions, unstack_rows(x0, batch.size), strict=True):
-            inflight = session.inflight
-            session.inflight = None
-            session.last_block = latents
-            session.block_index += 1
-            blocks.append(WorldBlock(latents=latents, first_frame=inflight.frame_start,
-                                     block_index=inflight.block_index))
-        return blocks
-
-    def _denoise_batch(self, batch: Any, sessions: list[_WorldSession]) -> jax.Array:
-        """The clean in-flight blocks ``f32[bucket, f, C, H, W]``, committed to every session's pages.
-
-        Each denoise step and the commit forward is one :data:`world_step_batch` call over
-        the batch; the blocks' K/V go to the pools in one donated write.
-        """
-        cfg = self.config
-        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
-        rows = [(session.key, session.inflight.x_t, np.int32(session.inflight.block_index),
-                 np.int32(session.inflight.frame_start), tuple(state.get_cross_attention_kv(MAIN, TEXT)),
-                 session.inflight.registers, session.inflight.controls, self._previous_frame(session))
-                for state, session in zip(batch.states, sessions, strict=True)]
-        keys, x, block_index, frame_start, text_kv, registers, controls, previous = stack_rows(rows, batch.bucket_size)
-
-        def forward(x: jax.Array, step: int, commit: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-            caches = batch.get_kv_caches(MAIN, seq_len=seq_len, commit_current=commit)
-            t, sigma, sigma_next = self.schedule.step_args(step)
-            return world_step_batch(self._graphdef, self._params, caches, x, t, sigma, sigma_next, keys, block_index,
-                                    np.int32(step), frame_start, text_kv, registers, controls, previous,
-                                    prediction=self.prediction)
-
-        for step in range(self.schedule.num_steps):
-            x_next, x0, _, _ = forward(x, step, commit=False)
-            x = x_next
-        x0 = self._finish_block(x0)
-        _, _, k, v = forward(x0, self.schedule.num_steps, commit=True)
-        batch.commit_paged_context(MAIN, kv=(k, v))
-        return x0
+        """Every denoise step and the clean commit of the sessions' in-flight blocks: the shared loop on the
+        batch (one batched program per step, the blocks' K/V in one donated write)."""
+        return self._advance_lane(Lane.batch(batch), sessions, range(self.schedule.num_steps))
 
     def step(self, request: DiffusionRequest) -> StepResult:
         """One denoise step of the streaming request (session id = request id)."""

@@ -54,7 +54,7 @@ import hashlib
 import math
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,11 +74,10 @@ from ardiff_jax.models._common import (
     dit_kv_spec,
     nbytes,
     new_session_key,
-    stack_rows,
-    unstack_rows,
     with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
+from ardiff_jax.models._loop import Denoiser, Lane, commit_pass, denoise
 from ardiff_jax.models._dit import ActionStateInputs
 from ardiff_jax.models.wan import WanModules, load_dreamzero
 from ardiff_jax.models.dreamzero._unipc import DIT_STEP_MASKS, UniPCSchedule, unipc_init, unipc_schedule, unipc_step
@@ -229,6 +228,18 @@ def _evaluate_batch(graphdef: Any, params: Any, pos_attention: Any, neg_attentio
 
 
 dreamzero_evaluate_batch = jax.jit(_evaluate_batch, static_argnums=0)
+
+
+class _Sample(NamedTuple):
+    """The denoising loop's carry: both samples, both solvers' states and the flows the solvers reuse."""
+
+    x: jax.Array  # f32[(B,) f, C, h, w]: the video sample
+    a: jax.Array  # f32[(B,) A, action_dim]: the action sample
+    video_state: Any
+    action_state: Any
+    last_video: jax.Array | None  # the last guided video flow (None before the first evaluation)
+    previous_video: jax.Array | None  # the one before it (the dynamic schedule's similarity)
+    last_action: jax.Array | None  # the last positive action flow
 
 
 # -- the request ------------------------------------------------------------------------------------------
@@ -526,11 +537,14 @@ class DreamZeroPipeline(PipelineBase):
         start = state.adapter(POSITIVE).committed_frames
         y = self._condition_slice(session, start, frames) if self._concat_condition else None
         for branch in (POSITIVE, NEGATIVE):
-            view = state.get_kv_caches(branch, seq_len=frames * cfg.tokens_per_frame, commit_current=True)
             text, image = state.get_cross_attention_kv(branch, TEXT), state.get_cross_attention_kv(branch, IMAGE)
-            _, k, v = dreamzero_commit(self._graphdef, self._params, view, latents, np.int32(start), (text.k, text.v),
-                                       (image.k, image.v), y)
-            state.commit_paged_context(branch, kv=(k, v))
+
+            def forward(view: Any, text: Any = text, image: Any = image) -> tuple[tuple[jax.Array, jax.Array], None]:
+                _, k, v = dreamzero_commit(self._graphdef, self._params, view, latents, np.int32(start),
+                                           (text.k, text.v), (image.k, image.v), y)
+                return (k, v), None
+
+            commit_pass(Lane.single(state), branch, frames * cfg.tokens_per_frame, forward)
 
     def _branch_cross(self, state: Any, branch: str) -> tuple[Any, Any]:
         text, image = state.get_cross_attention_kv(branch, TEXT), state.get_cross_attention_kv(branch, IMAGE)
@@ -542,114 +556,113 @@ class DreamZeroPipeline(PipelineBase):
         action_row = (acs.sigmas[step], acs.predictor[step], acs.corrector[step])
         return video_row, action_row, np.bool_(step == 0)
 
-    def _denoise(self, state: Any, session: _DreamZeroSession, parsed: _Parsed) -> tuple[jax.Array, jax.Array]:
+    def _denoise(self, lane: Lane, rows: Sequence[tuple[Any, ...]]) -> tuple[jax.Array, jax.Array]:
+        """The next video and action chunks of the lane's sessions: DreamZero's rows, step and schedule in the
+        shared loop (:func:`~ardiff_jax.models._loop.denoise`).
+
+        ``rows``: per session ``(noise video, noise actions, robot state, start frame, condition or None,
+        positive cross K/V, negative cross K/V)``. A step reads both branches without writing and evaluates
+        every row and both branches in one program when any row runs the transformer (:meth:`_rows_to_run`:
+        the mask, or each row's own countdown; the others keep their last flows); both solvers step every
+        step. Returns ``(video, actions)``: ``f32[f, C, h, w], f32[A, action_dim]``, with a leading bucket
+        axis on a batch lane.
+        """
         cfg, pc = self.config, self.pipeline_config
-        start = state.adapter(POSITIVE).committed_frames
-        x, a = parsed.noise if parsed.noise is not None else self._noise
-        x, a = self._to_device(x), self._to_device(a)
-        y = self._condition_slice(session, start, cfg.frames_per_block) if self._concat_condition else None
-        robot_state = self._to_device(parsed.state)
-        pos_cross, neg_cross = self._branch_cross(state, POSITIVE), self._branch_cross(state, NEGATIVE)
-        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
-        video_state, action_state = unipc_init(x), unipc_init(a)
+        x, a, robot_state, start, y, pos_cross, neg_cross = lane.stack(rows)
+        evaluate = lane.pick(dreamzero_evaluate, dreamzero_evaluate_batch)  # looked up per call: tests wrap them
+        solver = lane.pick(_solver_step_jit, _solver_step_batch)
+        init = lane.pick(unipc_init, jax.vmap(unipc_init))
         scale = np.float32(pc.guidance_scale)
-        # The last two evaluated guided video flows and the last action flow; evaluations and the dynamic
-        # schedule's countdown as one-row arrays: the batched tick's own decision rule (_rows_to_run) decides here.
-        last_video = previous_video = last_action = None
-        evaluations, countdown = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        self.last_steps = [(x, a)] if self.record_steps else []
-        self.last_ran = []
-        for step in range(pc.num_steps):
-            run = bool(self._rows_to_run(step, evaluations, countdown,
-                                         None if last_video is None else last_video[None],
-                                         None if previous_video is None else previous_video[None])[0])
-            self.last_ran.append(run)
-            if run:
-                pos = state.get_kv_caches(POSITIVE, seq_len=seq_len, commit_current=False)
-                neg = state.get_kv_caches(NEGATIVE, seq_len=seq_len, commit_current=False)
-                outs = dreamzero_evaluate(self._graphdef, self._params, pos, neg, x,
-                                          np.float32(self.video_schedule.timesteps[step]), a,
-                                          np.float32(self.action_schedule.timesteps[step]), robot_state,
-                                          np.int32(start), y, pos_cross, neg_cross, scale)
-                state.commit_paged_context(POSITIVE)  # denoising reads the caches and writes nothing
-                state.commit_paged_context(NEGATIVE)
-                previous_video = outs[0] if last_video is None else last_video
-                last_video, last_action = outs[0], outs[1]
-                evaluations += 1
+        size = lane.handle.bucket_size if lane.batched else 1
+        # Per row: evaluations so far and the dynamic schedule's countdown (_rows_to_run updates it).
+        evaluations, countdown = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        record = self.record_steps and not lane.batched
+        if not lane.batched:
+            self.last_steps = [(x, a)] if record else []
+            self.last_ran = []
+
+        def as_rows(flow: jax.Array | None) -> jax.Array | None:
+            return flow if flow is None or lane.batched else flow[None]
+
+        def runs(step: int, sample: _Sample) -> np.ndarray:
+            run = self._rows_to_run(step, evaluations, countdown, as_rows(sample.last_video),
+                                    as_rows(sample.previous_video))
+            if not lane.batched:
+                self.last_ran.append(bool(run[0]))
+            return run
+
+        def step_program(views: tuple[Any, ...], sample: _Sample, step: int) -> tuple[jax.Array, ...]:
+            pos, neg = views
+            return evaluate(self._graphdef, self._params, pos, neg, sample.x,
+                            np.float32(self.video_schedule.timesteps[step]), sample.a,
+                            np.float32(self.action_schedule.timesteps[step]), robot_state, start, y, pos_cross,
+                            neg_cross, scale)
+
+        def advance(step: int, sample: _Sample, outs: tuple[jax.Array, ...] | None, run: np.ndarray) -> _Sample:
+            last, previous, last_action = sample.last_video, sample.previous_video, sample.last_action
+            if outs is not None:
+                evaluations[:] += run
+                if run.all():  # every row evaluated (a lone session always): the flows move on
+                    previous = outs[0] if last is None else last
+                    last, last_action = outs[0], outs[1]
+                else:  # the rows that skipped keep their last flows
+                    mask, select = jnp.asarray(run), jax.vmap(jnp.where)
+                    previous = select(mask, last, previous)
+                    last = select(mask, outs[0], last)
+                    last_action = select(mask, outs[1], last_action)
             video_row, action_row, first = self._schedule_rows(step)
-            x, a, video_state, action_state = _solver_step_jit(x, a, last_video, last_action, video_state,
-                                                               action_state, video_row, action_row, first)
-            if self.record_steps:
+            x, a, video_state, action_state = solver(sample.x, sample.a, last, last_action, sample.video_state,
+                                                     sample.action_state, video_row, action_row, first)
+            if record:
                 self.last_steps.append((x, a))
-        return x, a
+            return _Sample(x, a, video_state, action_state, last, previous, last_action)
+
+        denoiser = Denoiser(branches=(POSITIVE, NEGATIVE), seq_len=cfg.frames_per_block * cfg.tokens_per_frame,
+                            evaluate=step_program, advance=advance, runs=runs)
+        sample = denoise(lane, denoiser, _Sample(x, a, init(x), init(a), None, None, None), range(pc.num_steps))
+        return sample.x, sample.a
+
+    def _calls(self, lane: Lane, requests: Sequence[DiffusionRequest]
+               ) -> tuple[list[dict[str, jax.Array]], dict[str, _DreamZeroSession]]:
+        """One robot step per request on the lane's sessions: ``(outputs, each session's new model state)``.
+
+        Per session: the checks, then a new episode (its cross caches and conditioning frame) or the
+        commit of the observed frames on both branches (:meth:`_begin_call`); then the lane's denoising.
+        The caller installs the model state (:meth:`forward`) or stages it (:meth:`forward_batch`).
+        """
+        cfg = self.config
+        sessions: dict[str, _DreamZeroSession] = {}
+        starts, rows = [], []
+        for request, state in zip(requests, lane.states, strict=True):
+            parsed, session, new_episode, start = self._begin_call(state, request)
+            frame = state.adapter(POSITIVE).committed_frames
+            sessions[state.session_id] = dataclasses.replace(
+                session, block_index=0 if new_episode else session.block_index + 1, frames=frame)
+            starts.append(start if new_episode else None)
+            x, a = parsed.noise if parsed.noise is not None else self._noise
+            y = self._condition_slice(session, frame, cfg.frames_per_block) if self._concat_condition else None
+            rows.append((self._to_device(x), self._to_device(a), self._to_device(parsed.state), np.int32(frame), y,
+                         self._branch_cross(state, POSITIVE), self._branch_cross(state, NEGATIVE)))
+        outputs = []
+        for request, start, (video, actions) in zip(requests, starts, lane.unstack(self._denoise(lane, rows)),
+                                                    strict=True):
+            if start is not None:  # the release returns the conditioning frame before the first chunk
+                video = jnp.concatenate([self._to_device(start.latents), video])
+            outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
+        return outputs, sessions
 
     def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[dict[str, jax.Array]]:
         """:meth:`forward` for several robot sessions with one program per denoising step (``SupportsARDiffusionBatch``).
 
-        Per session, as :meth:`forward`: the episode logic, the cross caches and the commit of the observed
-        frames on both branches. Then each denoising step evaluates every session and both branches in one
-        program (:data:`dreamzero_evaluate_batch`) and steps every session's two solvers in another; each row
-        equals the session run alone. With the dynamic schedule each row keeps its own countdown and flows
-        (a step evaluates when any row runs; the others keep their last flows). Model state is staged and
-        installed by the runner once it has awaited the batch's device work (``batch.defer_publish``).
+        The same code as :meth:`forward` on a batch lane: per session the episode logic, the cross caches
+        and the commit of the observed frames; then each denoising step evaluates every session and both
+        branches in one program (:data:`dreamzero_evaluate_batch`) and steps every session's two solvers
+        in another; each row equals the session run alone. With the dynamic schedule each row keeps its
+        own countdown and flows. Model state is staged and installed by the runner once it has awaited
+        the batch's device work (``batch.defer_publish``).
         """
         batch = self._bound_batch()
-        cfg, pc = self.config, self.pipeline_config
-        staged: dict[str, _DreamZeroSession] = {}
-        episodes: dict[str, tuple[bool, _Start | None]] = {}
-        rows = []
-        for request, state in zip(requests, batch.states, strict=True):
-            session_id = state.session_id
-            parsed, session, new_episode, start = self._begin_call(state, request)
-            frame = state.adapter(POSITIVE).committed_frames
-            staged[session_id] = dataclasses.replace(
-                session, block_index=0 if new_episode else session.block_index + 1, frames=frame)
-            episodes[session_id] = (new_episode, start)
-            x, a = parsed.noise if parsed.noise is not None else self._noise
-            y = self._condition_slice(session, frame, cfg.frames_per_block) if self._concat_condition \
-                else jnp.zeros((cfg.frames_per_block, 0, cfg.latent_height, cfg.latent_width), jnp.float32)
-            rows.append((self._to_device(x), self._to_device(a), self._to_device(parsed.state), np.int32(frame), y,
-                         self._branch_cross(state, POSITIVE), self._branch_cross(state, NEGATIVE)))
-        x, a, robot_state, frame, y, pos_cross, neg_cross = stack_rows(rows, batch.bucket_size)
-        if not self._concat_condition:
-            y = None
-        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
-        video_state, action_state = jax.vmap(unipc_init)(x), jax.vmap(unipc_init)(a)
-        scale = np.float32(pc.guidance_scale)
-        size = batch.bucket_size
-        last_video = previous_video = last_action = None
-        evaluations = np.zeros(size, np.int64)
-        countdown = np.zeros(size, np.int64)
-        for step in range(pc.num_steps):
-            run = self._rows_to_run(step, evaluations, countdown, last_video, previous_video)
-            if run.any():
-                pos = batch.get_kv_caches(POSITIVE, seq_len=seq_len, commit_current=False)
-                neg = batch.get_kv_caches(NEGATIVE, seq_len=seq_len, commit_current=False)
-                outs = dreamzero_evaluate_batch(self._graphdef, self._params, pos, neg, x,
-                                                np.float32(self.video_schedule.timesteps[step]), a,
-                                                np.float32(self.action_schedule.timesteps[step]), robot_state, frame,
-                                                y, pos_cross, neg_cross, scale)
-                batch.commit_paged_context(POSITIVE)  # denoising reads the caches and writes nothing
-                batch.commit_paged_context(NEGATIVE)
-                if last_video is None:
-                    last_video, previous_video, last_action = outs[0], outs[0], outs[1]
-                else:
-                    mask = jnp.asarray(run)
-                    select = jax.vmap(jnp.where)
-                    previous_video = select(mask, last_video, previous_video)
-                    last_video = select(mask, outs[0], last_video)
-                    last_action = select(mask, outs[1], last_action)
-                evaluations += run
-            video_row, action_row, first = self._schedule_rows(step)
-            x, a, video_state, action_state = _solver_step_batch(x, a, last_video, last_action, video_state,
-                                                                 action_state, video_row, action_row, first)
-        outputs = []
-        for request, state, (video, actions) in zip(requests, batch.states, unstack_rows((x, a), batch.size),
-                                                    strict=True):
-            new_episode, start = episodes[state.session_id]
-            if new_episode:
-                video = jnp.concatenate([self._to_device(start.latents), video])
-            outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
+        outputs, staged = self._calls(Lane.batch(batch), requests)
         batch.defer_publish(functools.partial(self._publish_staged, staged),
                             [session.device_arrays() for session in staged.values()])
         return outputs
@@ -696,16 +709,9 @@ class DreamZeroPipeline(PipelineBase):
 
     def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
         """One robot step: commit the observation on both branches, then denoise the next video and action chunk."""
-        state = self._bound_state()
-        session_id = state.session_id
-        parsed, session, new_episode, start = self._begin_call(state, request)
-        video, actions = self._denoise(state, session, parsed)
-        if new_episode:  # the release returns the conditioning frame before the first chunk
-            video = jnp.concatenate([self._to_device(start.latents), video])
-        self._sessions[session_id] = dataclasses.replace(
-            session, block_index=0 if new_episode else session.block_index + 1,
-            frames=state.adapter(POSITIVE).committed_frames)
-        return with_tick_metadata({"actions": actions, "video": video}, request)
+        outputs, sessions = self._calls(Lane.single(self._bound_state()), [request])
+        self._sessions.update(sessions)
+        return outputs[0]
 
 
 def _text_kv_impl(graphdef: Any, params: Any, context: jax.Array) -> tuple[jax.Array, jax.Array]:

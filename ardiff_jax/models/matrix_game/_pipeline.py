@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -45,9 +45,7 @@ from ardiff_jax.models._common import (
     check_seed,
     renoise,
     resolve_config,
-    stack_rows,
     step_noise_key,
-    unstack_rows,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import (
@@ -57,13 +55,13 @@ from ardiff_jax.models._dit import (
     commit_action_cache,
     init_action_cache,
 )
-from ardiff_jax.models._world import MAIN, TEXT, _BlockInputs
+from ardiff_jax.models._loop import Lane
+from ardiff_jax.models._world import MAIN, TEXT, BlockProgram, _BlockInputs
 from ardiff_jax.models.matrix_game._actions import action_windows, check_action_rows
 from ardiff_jax.models.wan import (
     CausalWanPipeline,
     CausalWanPipelineConfig,
     VAEEncodeCache,
-    WanBlock,
     WanVAE,
     encode_step,
     init_encode_cache,
@@ -232,7 +230,6 @@ class MatrixGamePipeline(CausalWanPipeline):
         super().__init__(config, pipeline_config, modules=modules, vae=vae, device=device)
         self.image_encoder = image_encoder
         self._encode_image = None if image_encoder is None else _jitted_encode_image(image_encoder)
-        self._pending_action_kv: ActionKV | None = None
 
     @classmethod
     def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, vae: Any = None,
@@ -461,61 +458,33 @@ class MatrixGamePipeline(CausalWanPipeline):
             session.action_cache = jax.device_put(init_action_cache(cfg), self.device)
         return inflight
 
-    def _forward(self, state: Any, session: _MatrixGameSession, inflight: Any, x: jax.Array, step: int,
-                 commit: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def _block_program(self, lane: Lane, sessions: Sequence[_MatrixGameSession]) -> BlockProgram:
+        """Matrix-Game's rows (the condition, the action windows, the action ring) and :data:`matrix_game_step`
+        (or :data:`matrix_game_step_batch`) over them; after the commit the pass's action keys/values join each
+        session's ring, as its K/V joined the pages (the world pipeline's loop runs the rest)."""
         cfg = self.config
-        caches = state.get_kv_caches(MAIN, seq_len=cfg.frames_per_block * cfg.tokens_per_frame, commit_current=commit)
-        t, sigma, sigma_next = self.schedule.step_args(step)
-        x_next, x0, k, v, action_kv = matrix_game_step(
-            self._graphdef, self._params, caches, x, t, sigma, sigma_next, session.key,
-            np.int32(inflight.block_index), np.int32(step), np.int32(inflight.frame_start),
-            state.get_cross_attention_kv(MAIN, TEXT), session.block_condition,
-            ActionInputs(session.block_keyboard, session.block_mouse), session.action_cache)
-        if commit:
-            self._pending_action_kv = action_kv
-        return x_next, x0, k, v
+        rows = lane.stack([(session.inflight.x_t, session.key, np.int32(session.inflight.block_index),
+                            np.int32(session.inflight.frame_start), state.get_cross_attention_kv(MAIN, TEXT),
+                            session.block_condition, ActionInputs(session.block_keyboard, session.block_mouse),
+                            session.action_cache)
+                           for state, session in zip(lane.states, sessions, strict=True)])
+        x, keys, block_index, frame_start, context_kv, condition, actions, rings = rows
+        program = lane.pick(matrix_game_step, matrix_game_step_batch)
 
-    def _advance(self, state: Any, session: _MatrixGameSession) -> WanBlock | None:
-        start = session.inflight.frame_start
-        block = super()._advance(state, session)
-        if block is None:
-            return None
-        # The commit pass's action keys/values join the ring, as its K/V joined the pages.
-        pending, self._pending_action_kv = self._pending_action_kv, None
-        session.action_cache = _commit_ring(self.config, session.action_cache, pending, np.int32(start))
-        session.block_condition = session.block_keyboard = session.block_mouse = None
-        return block
-
-    def _denoise_batch(self, batch: Any, sessions: list[_MatrixGameSession]) -> jax.Array:
-        """As the base with Matrix-Game's conditioning: one :data:`matrix_game_step_batch` per denoise step
-        and for the commit, the blocks' K/V in one write, the action rings updated in one call."""
-        cfg = self.config
-        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
-        rows = [(session.key, session.inflight.x_t, np.int32(session.inflight.block_index),
-                 np.int32(session.inflight.frame_start), tuple(state.get_cross_attention_kv(MAIN, TEXT)),
-                 session.block_condition, ActionInputs(session.block_keyboard, session.block_mouse),
-                 session.action_cache)
-                for state, session in zip(batch.states, sessions, strict=True)]
-        keys, x, block_index, frame_start, context_kv, condition, actions, rings = stack_rows(rows, batch.bucket_size)
-
-        def forward(x: jax.Array, step: int, commit: bool) -> tuple[Any, ...]:
-            caches = batch.get_kv_caches(MAIN, seq_len=seq_len, commit_current=commit)
+        def forward(view: Any, x: jax.Array, step: int) -> tuple[jax.Array, ...]:
             t, sigma, sigma_next = self.schedule.step_args(step)
-            return matrix_game_step_batch(self._graphdef, self._params, caches, x, t, sigma, sigma_next, keys,
-                                          block_index, np.int32(step), frame_start, context_kv, condition, actions,
-                                          rings)
+            return program(self._graphdef, self._params, view, x, t, sigma, sigma_next, keys, block_index,
+                           np.int32(step), frame_start, context_kv, condition, actions, rings)
 
-        for step in range(self.schedule.num_steps):
-            x, x0, *_ = forward(x, step, commit=False)
-        x0 = self._finish_block(x0)
-        _, _, k, v, action_kv = forward(x0, self.schedule.num_steps, commit=True)
-        batch.commit_paged_context(MAIN, kv=(k, v))
-        # The commit pass's action keys/values join each ring, as its K/V joined the pages.
-        rings = _commit_rings_jit(cfg, rings, action_kv, frame_start)
-        for session, ring in zip(sessions, unstack_rows(rings, batch.size), strict=True):
-            session.action_cache = ring
-            session.block_condition = session.block_keyboard = session.block_mouse = None
-        return x0
+        def after_commit(extra: tuple[jax.Array, ...]) -> None:
+            (action_kv,) = extra
+            # A batch's stacked rings are a copy (donated here); a session's own ring is donated and replaced.
+            committed = lane.pick(_commit_ring, _commit_rings_jit)(cfg, rings, action_kv, frame_start)
+            for session, ring in zip(sessions, lane.unstack(committed), strict=True):
+                session.action_cache = ring
+                session.block_condition = session.block_keyboard = session.block_mouse = None
+
+        return BlockProgram(x, forward, after_commit)
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Iterator[DiffusionRequest]:
         """Two blocks (a session's first block and a later one are different programs for the VAE)."""
