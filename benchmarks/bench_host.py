@@ -262,11 +262,11 @@ def components(bench: HostBench, calls: int) -> dict[str, float]:
     branch, seq_len = pipeline._branch, pipeline._seq_len  # noqa: SLF001
 
     def bind_unbind() -> None:
-        with runner._bound(session_id, state):  # noqa: SLF001
+        with runner._gate._bound(session_id, state, stepwise=False):  # noqa: SLF001
             pass
 
     def get_kv_caches() -> None:
-        with runner._bound(session_id, state):  # noqa: SLF001
+        with runner._gate._bound(session_id, state, stepwise=False):  # noqa: SLF001
             state.get_kv_caches(branch, seq_len=seq_len, commit_current=False)
 
     out = {
@@ -282,7 +282,7 @@ def components(bench: HostBench, calls: int) -> dict[str, float]:
         "_bound enter+exit (bind hook, vars() scan, check_pools)": _per_call_us(bind_unbind, calls),
         "state.get_kv_caches inside _bound, minus _bound": 0.0,  # filled below
         "_synchronize(None) (kv_cache.block_until_ready + output leaves)": _per_call_us(
-            lambda: runner._synchronize(None), calls),  # noqa: SLF001
+            lambda: runner._gate.synchronize(None), calls),  # noqa: SLF001
         "jax.block_until_ready(pools) alone": _per_call_us(lambda: jax.block_until_ready(kv_cache.pools), calls),
         "kv_cache.check_pools (2x Array.is_deleted)": _per_call_us(kv_cache.check_pools, calls),
         "2x time.perf_counter + deque.append": _per_call_us(

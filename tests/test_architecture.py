@@ -261,6 +261,48 @@ def test_dependencies_point_down():
         assert "ardiff_jax.realtime" not in deps(f"ardiff_jax.{lower}"), lower
 
 
+# -- one denoise-and-commit loop ----------------------------------------------------------------------
+
+#: The pipelines whose loop is the shared one (models/_loop.py): the world pipeline and those built on it
+#: (causal Wan, Matrix-Game, the sprite world), and DreamZero.
+LOOP_USERS = ("models/_world.py", "models/wan/_pipeline.py", "models/matrix_game/_pipeline.py",
+              "models/_sprite.py", "models/dreamzero/_pipeline.py")
+#: What a copy of the loop calls: the paged views, the commits, the rows in and out of a batched program.
+LOOP_CALLS = frozenset({"get_kv_caches", "commit_paged_context", "stack_rows", "unstack_rows"})
+
+
+def _loop_calls(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in LOOP_CALLS:
+                found.append(name)
+    return found
+
+
+def _methods(source: str) -> dict[str, set[str]]:
+    return {cls.name: {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}
+            for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)}
+
+
+def test_the_world_matrix_game_and_dreamzero_pipelines_run_one_denoise_and_commit_loop():
+    """Only ``_loop.py`` reads and commits paged context and stacks rows among these pipelines: a copy of the
+    loop (a ``_denoise_batch`` of its own, DreamZero's lone-session loop beside its batched one) fails here."""
+    assert _loop_calls("caches = batch.get_kv_caches(MAIN, seq_len=n)\nbatch.commit_paged_context(MAIN, kv=kv)\n"
+                       "x = stack_rows(rows, 4)") == ["get_kv_caches", "commit_paged_context", "stack_rows"]
+    assert set(_loop_calls((PACKAGE / "models" / "_loop.py").read_text(encoding="utf-8"))) == LOOP_CALLS
+    sources = {path: (PACKAGE / path).read_text(encoding="utf-8") for path in LOOP_USERS}
+    assert {path: calls for path, source in sources.items() for calls in [_loop_calls(source)] if calls} == {}
+    assert all("ardiff_jax.models._loop import" in source for source in sources.values())
+    methods = {name: found for source in sources.values() for name, found in _methods(source).items()}
+    assert not [name for name, found in methods.items() if "_denoise_batch" in found]
+    # Matrix-Game supplies rows, a step program and its ring update; the world pipeline's loop runs them.
+    assert "_block_program" in methods["MatrixGamePipeline"]
+    assert not {"_advance", "_advance_batch", "_denoise", "_forward"} & methods["MatrixGamePipeline"]
+
+
 # -- policy apart from execution --------------------------------------------------------------------
 
 
@@ -343,3 +385,51 @@ def test_device_rollout_uses_the_caches_attention_backend():
         assert calls and state.adapter("main").committed_frames == 4
     finally:
         unregister_attention_backend("recording_rollout")
+
+
+# -- the runner as a shell: one gate to pipeline code ------------------------------------------------
+
+RUNTIME = PACKAGE / "runtime"
+
+#: Every method of the capability protocols (what "pipeline code" is), read from capability.py itself.
+CAPABILITY_METHODS = frozenset(
+    node.name
+    for cls in ast.parse((PACKAGE / "capability.py").read_text(encoding="utf-8")).body
+    if isinstance(cls, ast.ClassDef) and cls.name.startswith("Supports")
+    for node in cls.body if isinstance(node, ast.FunctionDef))
+
+#: Capability names other runtime objects share (an engine's ``step``): flagged only on a pipeline-ish receiver.
+GENERIC_NAMES = frozenset({"step", "forward"})
+
+
+def _pipeline_calls(source: str) -> list[str]:
+    """Each ``receiver.method`` of ``source`` that reaches a capability method (called or kept as a bound method)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in CAPABILITY_METHODS:
+            receiver = ast.unparse(node.value)
+            if node.attr in GENERIC_NAMES and not any(word in receiver.lower() for word in
+                                                      ("pipeline", "batcher", "exporter", "twin")):
+                continue
+            found.append(f"{receiver}.{node.attr}")
+    return found
+
+
+def test_the_capability_method_list_is_complete_and_the_checker_bites():
+    assert {"forward", "forward_batch", "step", "bind_ar_diffusion_state", "bind_ar_diffusion_batch",
+            "reset_ar_diffusion_session", "close_ar_diffusion_session", "export_ar_diffusion_session",
+            "import_ar_diffusion_session", "validate_ar_diffusion_request", "fork_ar_diffusion_session",
+            "ar_diffusion_warmup_requests", "ar_diffusion_compile_twin"} <= CAPABILITY_METHODS
+    # What the runner did before the gate existed, and what it must never do again.
+    assert _pipeline_calls("out = self._pipeline.forward(request)") == ["self._pipeline.forward"]
+    assert _pipeline_calls("v = pipeline.validate_ar_diffusion_request") == ["pipeline.validate_ar_diffusion_request"]
+    assert _pipeline_calls("self._exporter.import_ar_diffusion_session(s, x)") == [
+        "self._exporter.import_ar_diffusion_session"]
+    assert _pipeline_calls("replica.step(out)") == []  # an engine's step (the router's replicas)
+    assert _pipeline_calls((RUNTIME / "_gate.py").read_text(encoding="utf-8"))  # the gate does call them
+
+
+def test_the_gate_is_the_only_runtime_module_that_calls_pipeline_code():
+    offenders = {path.name: calls for path in sorted(RUNTIME.glob("*.py")) if path.name != "_gate.py"
+                 for calls in [_pipeline_calls(path.read_text(encoding="utf-8"))] if calls}
+    assert offenders == {}

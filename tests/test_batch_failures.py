@@ -2,7 +2,7 @@
 
 On an accelerator, dispatch returns before the device ran: an out-of-memory at execution time
 (an asynchronous device error) surfaces only where the runner awaits the batch's outputs
-(``runner._synchronize``). The fault is injected exactly there. The runner then reruns the
+(``runner._gate.synchronize``). The fault is injected exactly there. The runner then reruns the
 requests one by one, and the rerun must start from exactly the model state before the batch
 (noise key position, block counter, decoder / encoder / action caches): its outputs equal, bit for
 bit, the same requests run one by one on a twin engine with the same history, and so do the next
@@ -129,7 +129,7 @@ def _assert_identical(got, want):
 def _fail_awaits(engine, calls: set[int]) -> list[int]:
     """Make the runner's awaits numbered ``calls`` (0: the batch's, then one per request rerun) raise."""
     runner = engine.runner
-    real, seen = runner._synchronize, []
+    real, seen = runner._gate.synchronize, []
 
     def synchronize(output):
         seen.append(len(seen))
@@ -137,7 +137,7 @@ def _fail_awaits(engine, calls: set[int]) -> list[int]:
         if seen[-1] in calls:
             raise AwaitFault("asynchronous device error (out of memory at execution time)")
 
-    runner._synchronize = synchronize
+    runner._gate.synchronize = synchronize
     return seen
 
 
@@ -173,7 +173,7 @@ def test_a_batch_that_fails_when_awaited_reruns_from_the_state_before_it(kind, f
         for sid in survivors:  # each session advanced by exactly one block, from the state before the batch
             assert pipeline._sessions[sid].block_index == before[sid] + 1
         # Nothing staged by the failed batch leaked: the next blocks are the one-by-one run's too.
-        batched.runner.__dict__.pop("_synchronize")
+        batched.runner._gate.__dict__.pop("synchronize")
         after = kind.requests(2, survivors, players_a)
         kind.requests(2, survivors, players_b)
         _assert_identical([batched.generate(r) for r in after], [sequential.generate(r) for r in after])

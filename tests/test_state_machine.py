@@ -201,7 +201,7 @@ def failing_batch_await(engine: ARDiffusionEngine, armed: bool):
     """
     runner, fired = engine.runner, []
     if armed:
-        real = runner._synchronize
+        real = runner._gate.synchronize
 
         def synchronize(output):
             real(output)
@@ -209,11 +209,11 @@ def failing_batch_await(engine: ARDiffusionEngine, armed: bool):
                 fired.append(output)
                 raise AsyncDeviceError("batch failed when awaited")
 
-        runner._synchronize = synchronize
+        runner._gate.synchronize = synchronize
     try:
         yield fired
     finally:
-        runner.__dict__.pop("_synchronize", None)
+        runner._gate.__dict__.pop("synchronize", None)
 
 
 class EngineMachine(RuleBasedStateMachine):

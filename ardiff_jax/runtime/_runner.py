@@ -34,24 +34,15 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import jax
 import numpy as np
 
 from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
 from ardiff_jax.capability import (
-    ARDiffusionKVCacheSpec,
-    SupportsARDiffusionBatch,
-    SupportsARDiffusionCompileTwin,
     SupportsARDiffusionPipeline,
     SupportsARDiffusionMesh,
-    SupportsARDiffusionRequestValidation,
-    SupportsARDiffusionSessionExport,
-    SupportsARDiffusionSessionFork,
-    SupportsARDiffusionWarmup,
-    SupportsARDiffusionWeightsFingerprint,
     SupportsStepExecution,
     spec_summary,
 )
@@ -63,6 +54,7 @@ from ardiff_jax.runtime._batch import (
     bucket_for,
 )
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
+from ardiff_jax.runtime._gate import PipelineGate, committing, kv_cache_spec, shard_model
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
@@ -71,7 +63,6 @@ from ardiff_jax.runtime._offload import (
     host_cross_attention,
     record_nbytes,
     to_device,
-    to_host,
 )
 from ardiff_jax.runtime._persist import (
     SessionFileError,
@@ -178,20 +169,12 @@ class ARDiffusionModelRunner:
                 f"this {type(pipeline).__name__} instance is already loaded by another open engine; its per-session "
                 "model state would be shared between the two. Close that engine first, or build a second pipeline "
                 "(share weights with modules=first.modules)")
-        spec = pipeline.ar_diffusion_kv_cache_spec()
-        if not isinstance(spec, ARDiffusionKVCacheSpec):
-            raise TypeError(
-                f"ar_diffusion_kv_cache_spec() must return an ARDiffusionKVCacheSpec, got {type(spec).__name__}"
-            )
+        spec = kv_cache_spec(pipeline)
         self._pipeline = pipeline
         self._config = config
-        # Decided once: a runtime-checkable isinstance check is a large share of a trivial tick (bench_host).
-        self._request_validator = (pipeline.validate_ar_diffusion_request
-                                   if isinstance(pipeline, SupportsARDiffusionRequestValidation) else None)
         self._lock = threading.RLock()
         self._events = EventLog()
         self._runner_lock = _RunnerLock(self._lock, self._events)  # one instance serves every call
-        self._executing: Any = None  # the pipeline call now running (its str() names it), or None
         self._perf_e2e_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._stepwise_started: dict[str, float] = {}
         self._closed = False
@@ -203,18 +186,16 @@ class ARDiffusionModelRunner:
         )
         if config.mesh is not None:
             try:
-                pipeline.shard_ar_diffusion_model(config.mesh)
+                shard_model(pipeline, config.mesh)
             except BaseException:
                 self._kv_cache.close()
                 raise
         self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
-        self._exporter = pipeline if isinstance(pipeline, SupportsARDiffusionSessionExport) else None
         # Batched forwards need the pipeline's protocol and pools on one device (a mesh runs batches one by one).
-        self._batcher = (pipeline if isinstance(pipeline, SupportsARDiffusionBatch) and config.mesh is None
-                         else None)
+        self._gate = PipelineGate(pipeline, self._kv_cache, batched=config.mesh is None)
         self._batch_buckets = batch_buckets(self._kv_cache.session_capacity)
-        self._host = HostSessionTier(config.host_offload_bytes if self._exporter is not None else 0)
-        if config.host_offload_bytes and self._exporter is None:
+        self._host = HostSessionTier(config.host_offload_bytes if self._gate.can_export else 0)
+        if config.host_offload_bytes and not self._gate.can_export:
             logger.warning("AR-Diffusion host offload is configured (%d bytes) but %s does not implement "
                            "SupportsARDiffusionSessionExport; evicted sessions are released as without offload",
                            config.host_offload_bytes, type(pipeline).__name__)
@@ -285,7 +266,7 @@ class ARDiffusionModelRunner:
     @property
     def supports_batched_forward(self) -> bool:
         """Whether ``execute_model_batch`` runs one batched forward (else it runs the requests one by one)."""
-        return self._batcher is not None
+        return self._gate.can_batch
 
     @property
     def session_table(self) -> SessionTable[ARDiffusionKVState]:
@@ -330,21 +311,6 @@ class ARDiffusionModelRunner:
         """The runner lock; events queued inside are delivered once the outermost holder let go."""
         return self._runner_lock
 
-    def _check_not_reentrant(self, entry_point: str) -> None:
-        if self._executing is not None:
-            raise RuntimeError(
-                f"{entry_point} was called from inside {self._executing}; the runner runs one request at a time and "
-                "a nested call could release the session that is running. Return from the pipeline call first")
-
-    @contextlib.contextmanager
-    def _running_pipeline_code(self, what: Any) -> Iterator[None]:
-        """Mark pipeline code as running so that calls back into the runner are refused."""
-        previous, self._executing = self._executing, what
-        try:
-            yield
-        finally:
-            self._executing = previous
-
     # -- request / tick mode -------------------------------------------------------------------
     @staticmethod
     def _request_session(request: DiffusionRequest) -> tuple[str, bool, bool, ARDiffusionTickRequest | None]:
@@ -370,7 +336,7 @@ class ARDiffusionModelRunner:
         check_not_traced("engine.generate / execute_model", *_request_values(request))
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("execute_model")
+            self._gate.check_not_reentrant("execute_model")
             session_id, reset, close_after, _ = self._request_session(request)
             self._validate_request(session_id, request)
             if reset:
@@ -417,7 +383,7 @@ class ARDiffusionModelRunner:
         requests = self._checked_batch_types(requests)
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("execute_model_batch")
+            self._gate.check_not_reentrant("execute_model_batch")
             restore_failures: dict[str, BaseException] = {}
             parsed = self._checked_batch(requests, restore_failures)
             session_ids = [entry[0] for entry in parsed]
@@ -461,7 +427,7 @@ class ARDiffusionModelRunner:
         requests = self._checked_batch_types(requests)
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("validate_batch")
+            self._gate.check_not_reentrant("validate_batch")
             self._checked_batch(requests, dry_run=True)
 
     @staticmethod
@@ -557,7 +523,7 @@ class ARDiffusionModelRunner:
     def _run_batch(self, session_ids: list[str], requests: list[DiffusionRequest],
                    states: list[ARDiffusionKVState]) -> tuple[list[Any], dict[str, BaseException]]:
         """``(outputs, errors)``: one batched forward, or one by one when it cannot run or raised."""
-        if self._batcher is None or len(requests) == 1:
+        if not self._gate.can_batch or len(requests) == 1:
             return self._run_one_by_one(session_ids, requests)
         before = [(state._value, dict(state._pending)) for state in states]
         bucket = self._forced_bucket or self._bucket_to_run(len(states))
@@ -565,15 +531,10 @@ class ARDiffusionModelRunner:
             return self._run_one_by_one(session_ids, requests)
         batch = ARDiffusionKVBatch(self._kv_cache, states, bucket)
         try:
-            with self._bound_batch(session_ids, states, batch):
-                outputs = self._batcher.forward_batch(list(requests))
-            if not isinstance(outputs, Sequence) or len(outputs) != len(requests):
-                raise TypeError(f"forward_batch must return one output per request ({len(requests)}), got "
-                                f"{type(outputs).__name__}")
-            outputs = list(outputs)
+            outputs = self._gate.batched_forward(session_ids, states, batch, requests)
             # An asynchronous device error surfaces here, not in forward_batch: the staged model
             # state (batch.defer_publish) is awaited too and installed only after this returned.
-            self._synchronize((outputs, batch._deferred_arrays()))
+            self._gate.synchronize((outputs, batch._deferred_arrays()))
         except Exception as error:
             batch._drop_deferred()  # never installed: the rerun starts from the model state before the batch
             logger.warning("AR-Diffusion batched forward of sessions %s failed (%r); rerunning them one by one",
@@ -603,8 +564,8 @@ class ARDiffusionModelRunner:
 
     def _batches_to_compile(self) -> bool:
         """Whether a background compiler has buckets to build."""
-        return (self._config.batch_compile == "background" and self._config.warmup and self._batcher is not None
-                and bool(self._batch_buckets) and isinstance(self._pipeline, SupportsARDiffusionWarmup))
+        return (self._config.batch_compile == "background" and self._config.warmup and self._gate.can_batch
+                and bool(self._batch_buckets) and self._gate.can_warm_up)
 
     def _bucket_to_run(self, size: int) -> int | None:
         """The bucket a batch of ``size`` runs in; None: run it one by one.
@@ -622,7 +583,7 @@ class ARDiffusionModelRunner:
     def _compile_buckets_in_background(self) -> None:
         """The compiler thread: on a twin pipeline when the pipeline offers one and it fits, else under the lock."""
         try:
-            if isinstance(self._pipeline, SupportsARDiffusionCompileTwin) and self._compile_buckets_on_a_twin():
+            if self._gate.has_compile_twin and self._compile_buckets_on_a_twin():
                 return
             self._compile_buckets_under_the_lock()
         finally:
@@ -660,7 +621,7 @@ class ARDiffusionModelRunner:
         try:
             # The twin compiles every bucket inside its constructor; sharing the stop flag makes
             # it stop between buckets when this runner closes (it is closed below either way).
-            twin = ARDiffusionModelRunner(self._pipeline.ar_diffusion_compile_twin(), config,
+            twin = ARDiffusionModelRunner(self._gate.compile_twin(), config,
                                           _stop_compiling=self._stop_compiling)
         except Exception as error:  # e.g. no room for a second set of pools: compile under the lock instead
             logger.warning("AR-Diffusion background compilation cannot use a twin pipeline (%r); compiling under "
@@ -725,41 +686,12 @@ class ARDiffusionModelRunner:
         """Bind, forward, wait, inside the fail-closed scope (the request is validated and reset already)."""
         state = self._get_or_create_session(session_id)
         try:
-            with self._bound(session_id, state, stepwise=False):
-                output = self._pipeline.forward(request)
-            self._synchronize(output)
+            output = self._gate.forward(session_id, state, request)
+            self._gate.synchronize(output)
         except BaseException as error:
             self._fail_closed(session_id, error)
             raise
         return output
-
-    @contextlib.contextmanager
-    def _bound_batch(self, session_ids: list[str], states: list[ARDiffusionKVState],
-                     batch: ARDiffusionKVBatch) -> Iterator[None]:
-        """Bind the batch (and every state in it) for exactly one ``forward_batch``, then check what was left."""
-        for state in states:
-            state._bound = True
-        batch._bound = True
-        previous, self._executing = self._executing, _BatchCall(tuple(session_ids))
-        try:
-            with self._batcher.bind_ar_diffusion_batch(batch):
-                yield
-        finally:
-            for state in states:
-                state._bound = False
-            batch._bound = False
-            self._executing = previous
-        for held, name in [(batch, "ARDiffusionKVBatch")] + [(state, f"ARDiffusionKVState of session "
-                                                                       f"{state.session_id!r}") for state in states]:
-            where = _find_retained(self._pipeline, held)
-            if where is not None:
-                raise RuntimeError(f"pipeline {type(self._pipeline).__name__} retained the bound {name} in {where} "
-                                   "past its invocation; clear it when the bind context exits")
-        self._kv_cache.check_pools()
-        forgotten = [state.session_id for state in states if _committing(state)]
-        if forgotten:
-            raise RuntimeError(f"forward_batch left committing contexts of sessions {forgotten} uncommitted; the "
-                               "blocks were not committed")
 
     # -- stepwise path ---------------------------------------------------------------------------
     def execute_stepwise(self, scheduler_output: StepSchedulerOutput) -> StepResult | None:
@@ -775,7 +707,7 @@ class ARDiffusionModelRunner:
             )
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("execute_stepwise")
+            self._gate.check_not_reentrant("execute_stepwise")
             if not self._config.step_execution:
                 raise RuntimeError(
                     "ARDiffusionModelRunner does not support step execution here: load with "
@@ -801,12 +733,9 @@ class ARDiffusionModelRunner:
             state = self._get_or_create_session(session_id)
             self._stepwise_started.setdefault(session_id, started)
             try:
-                with self._bound(session_id, state, stepwise=True):
-                    result = self._pipeline.step(request)
-                if not isinstance(result, StepResult):
-                    raise TypeError(f"pipeline.step must return a StepResult, got {type(result).__name__}")
+                result = self._gate.step(session_id, state, request)
                 if result.chunk_emitted:
-                    self._synchronize(result.output)
+                    self._gate.synchronize(result.output)
             except BaseException as error:
                 self._stepwise_started.pop(session_id, None)
                 self._fail_closed(session_id, error)
@@ -829,7 +758,7 @@ class ARDiffusionModelRunner:
         check_session_id(session_id)
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("reset_session")
+            self._gate.check_not_reentrant("reset_session")
             self._release_session(session_id, reset_model=True, reason="reset")
 
     def close_session(self, session_id: str) -> None:
@@ -837,7 +766,7 @@ class ARDiffusionModelRunner:
         check_session_id(session_id)
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("close_session")
+            self._gate.check_not_reentrant("close_session")
             self._release_session(session_id, reset_model=False, reason="close")
 
     def close(self) -> None:
@@ -850,7 +779,7 @@ class ARDiffusionModelRunner:
         with self._locked():
             if self._closed:
                 return
-            self._check_not_reentrant("close")
+            self._gate.check_not_reentrant("close")
             for session_id in self._table.lru_order + self._host.lru_order:
                 self._release_session(session_id, reset_model=False, reason="close", suppress_errors=True)
             self._kv_cache.close()
@@ -878,33 +807,30 @@ class ARDiffusionModelRunner:
         is ignored and nothing released: nothing was imported, and the batch that follows
         probes again and reports it as that request's failure.
         """
-        if self._request_validator is None:
+        gate = self._gate
+        record = self._host.get(session_id) if gate.validates else None
+        if record is None:
+            gate.validate(session_id, request)
             return
-        record = self._host.get(session_id)
-        with self._running_pipeline_code(_ValidationCall(session_id)):
-            if record is None:
-                self._request_validator(session_id, request)
+        try:
+            gate.import_session(session_id, to_device(record.pipeline_state, self._kv_cache.state_placement))
+        except Exception as error:
+            if dry_run:
+                logger.info("AR-Diffusion validation of offloaded session %r could not import its model state "
+                            "(%r); its request will fail when it runs", session_id, error)
                 return
-            try:
-                self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
-                                                                                 self._kv_cache.state_placement))
-            except Exception as error:
-                if dry_run:
-                    logger.info("AR-Diffusion validation of offloaded session %r could not import its model state "
-                                "(%r); its request will fail when it runs", session_id, error)
-                    return
-                self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
-                if restore_failures is None:
-                    raise
-                restore_failures[session_id] = error
-                return
-            try:
-                self._request_validator(session_id, request)
-            except BaseException:
-                if self._export_validated(session_id, restore_failures, dry_run):
-                    raise
-                return  # the session is gone: its request fails as a restore, its refusal is moot
-            self._export_validated(session_id, restore_failures, dry_run)
+            self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            if restore_failures is None:
+                raise
+            restore_failures[session_id] = error
+            return
+        try:
+            gate.validate(session_id, request)
+        except BaseException:
+            if self._export_validated(session_id, restore_failures, dry_run):
+                raise
+            return  # the session is gone: its request fails as a restore, its refusal is moot
+        self._export_validated(session_id, restore_failures, dry_run)
 
     def _export_validated(self, session_id: str, restore_failures: dict[str, BaseException] | None,
                           dry_run: bool) -> bool:
@@ -915,7 +841,7 @@ class ARDiffusionModelRunner:
         ``restore_failures`` (a batch), or logged (``dry_run``).
         """
         try:
-            self._exporter.export_ar_diffusion_session(session_id)
+            self._gate.export_session(session_id)
         except Exception as error:
             self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
             if restore_failures is not None:
@@ -1025,9 +951,9 @@ class ARDiffusionModelRunner:
         state = self._table.get(session_id)
         value = state._value
         estimate = self.memory_plan.offload_bytes_per_session
-        if _committing(state) or not self._host.fits(estimate):
+        if committing(state) or not self._host.fits(estimate):
             logger.info("AR-Diffusion session %r cannot be offloaded (%s); releasing it", session_id,
-                        "a committing forward context is pending" if _committing(state) else
+                        "a committing forward context is pending" if committing(state) else
                         f"{estimate} bytes exceed the host tier of {self._host.capacity_bytes}")
             return None
         try:
@@ -1050,13 +976,7 @@ class ARDiffusionModelRunner:
         device = self._kv_cache.device
         pages = self._kv_cache.offload_session(value)  # a fork's shared pages too: the copy stands alone
         session = host_cross_attention(value, device)
-        with self._running_pipeline_code(_ExportCall(session_id)):
-            exported = self._exporter.export_ar_diffusion_session(session_id)
-            try:
-                pipeline_state = to_host(exported, device)
-            finally:
-                if keep:
-                    self._exporter.import_ar_diffusion_session(session_id, exported)
+        pipeline_state = self._gate.export_to_host(session_id, device, keep=keep)
         return OffloadedSession(session=session, pages=pages, pipeline_state=pipeline_state,
                                 nbytes=record_nbytes(session, pages, pipeline_state))
 
@@ -1100,9 +1020,7 @@ class ARDiffusionModelRunner:
         self._events.emit("restored", session_id, reason)
         logger.info("AR-Diffusion session %r restored (%s; slot %s)", session_id, reason, state.slot)
         try:
-            with self._running_pipeline_code(_ImportCall(session_id)):
-                self._exporter.import_ar_diffusion_session(session_id, to_device(record.pipeline_state,
-                                                                                 self._kv_cache.state_placement))
+            self._gate.import_session(session_id, to_device(record.pipeline_state, self._kv_cache.state_placement))
         except BaseException:
             self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
             raise
@@ -1111,15 +1029,14 @@ class ARDiffusionModelRunner:
     # -- sessions on disk ------------------------------------------------------------------------
     def _file_identity(self) -> dict[str, Any]:
         """What a session file must match here: geometry, pipeline class and (when reported) the weights."""
-        weights = None
-        if isinstance(self._pipeline, SupportsARDiffusionWeightsFingerprint):
-            weights = check_weights_fingerprint(self._pipeline.ar_diffusion_weights_fingerprint(),
-                                                f"{type(self._pipeline).__name__}.ar_diffusion_weights_fingerprint()")
+        weights = self._gate.weights_fingerprint()
+        if weights is not None:
+            weights = check_weights_fingerprint(weights, f"{self._gate.name}.ar_diffusion_weights_fingerprint()")
         return {"fingerprint": session_fingerprint(self._kv_cache.spec, self._kv_cache.layout),
                 "pipeline": pipeline_name(self._pipeline), "weights": weights}
 
     def _require_exporter(self, what: str) -> None:
-        if self._exporter is None:
+        if not self._gate.can_export:
             raise TypeError(f"{what} needs a pipeline that implements SupportsARDiffusionSessionExport; "
                             f"{type(self._pipeline).__name__} does not")
 
@@ -1151,12 +1068,12 @@ class ARDiffusionModelRunner:
                                        or not 0 <= int(noise_seed) < _MAX_NOISE_SEED):
             raise ValueError(f"noise_seed must be an integer in [0, 2**31) (as request seeds) or None, "
                              f"got {noise_seed!r}")
-        if not isinstance(self._pipeline, SupportsARDiffusionSessionFork):
+        if not self._gate.can_fork:
             raise TypeError(f"{type(self._pipeline).__name__} cannot fork sessions: it does not implement "
                             "SupportsARDiffusionSessionFork (fork_ar_diffusion_session)")
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("fork_session")
+            self._gate.check_not_reentrant("fork_session")
             if self._config.mesh is not None:
                 raise RuntimeError("AR-Diffusion forks need pools on one device (EngineConfig(mesh=None))")
             offloaded = source_id in self._host
@@ -1187,8 +1104,7 @@ class ARDiffusionModelRunner:
             value = source._value
             state = self._kv_cache.create_state(new_id)
             try:
-                with self._running_pipeline_code(_ForkCall(source_id, new_id)):
-                    self._pipeline.fork_ar_diffusion_session(source_id, new_id, noise_seed=noise_seed)
+                self._gate.fork(source_id, new_id, noise_seed)
                 state.restore(SessionKV(session_id=new_id, slot=state.slot, cursors=value.cursors,
                                         cross_attention=value.cross_attention, run_owners=value.run_owners,
                                         pages=value.pages))  # holds the shared pages: nothing is copied
@@ -1199,7 +1115,7 @@ class ARDiffusionModelRunner:
                 # seed a new session under new_id from the source. new_id is neither resident
                 # nor offloaded here, so the pipeline holds nothing else under it.
                 with contextlib.suppress(Exception):
-                    self._pipeline.close_ar_diffusion_session(new_id)
+                    self._gate.hook(new_id, reset=False)
                 raise
             state._runner_managed = True
             self._table.add(new_id, state)
@@ -1220,7 +1136,7 @@ class ARDiffusionModelRunner:
         check_session_id(session_id)
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("offload_session")
+            self._gate.check_not_reentrant("offload_session")
             if not self._host.capacity_bytes:
                 raise RuntimeError(
                     f"AR-Diffusion cannot offload {session_id!r}: host offload is off (EngineConfig("
@@ -1240,7 +1156,7 @@ class ARDiffusionModelRunner:
         """
         for session_id in session_ids:
             state = self._table.get(session_id)
-            if _committing(state) or session_id in self._stepwise_started or self._table.is_pinned(session_id):
+            if committing(state) or session_id in self._stepwise_started or self._table.is_pinned(session_id):
                 raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} has a block in flight")
         needed = len(session_ids) * self.memory_plan.offload_bytes_per_session
         free = self._host.capacity_bytes - self._host.bytes_used
@@ -1274,13 +1190,13 @@ class ARDiffusionModelRunner:
         identity = self._file_identity()  # outside the lock: the first call may hash the weights
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("save_session")
+            self._gate.check_not_reentrant("save_session")
             record = self._host.get(session_id)
             if record is None:
                 state = self._table.get(session_id)
                 if state is None:
                     raise KeyError(f"AR-Diffusion session {session_id!r} is neither resident nor offloaded")
-                if _committing(state):
+                if committing(state):
                     raise RuntimeError(f"AR-Diffusion session {session_id!r} has a committing forward context pending")
                 try:
                     record = self._copy_out(session_id, state._value, keep=True)
@@ -1298,13 +1214,12 @@ class ARDiffusionModelRunner:
         exported straight back: nothing is evicted or written for a file whose state is bad.
         """
         probe = f"__ardiff_load_check_{uuid.uuid4().hex}__"
-        with self._running_pipeline_code(_ImportCall(probe)):
-            try:
-                self._exporter.import_ar_diffusion_session(probe, record.pipeline_state)
-            except Exception as error:
-                raise SessionFileError(f"the pipeline state in session file {path} is not one "
-                                       f"{type(self._pipeline).__name__} could have exported: {error}") from None
-            self._exporter.export_ar_diffusion_session(probe)
+        try:
+            self._gate.import_session(probe, record.pipeline_state)
+        except Exception as error:
+            raise SessionFileError(f"the pipeline state in session file {path} is not one "
+                                   f"{self._gate.name} could have exported: {error}") from None
+        self._gate.export_session(probe)
 
     def load_session(self, path: Any, session_id: str | None = None, *, allow_other_weights: bool = False) -> str:
         """Load a saved session (as ``session_id``, default the saved id) and make it resident; returns its id.
@@ -1331,7 +1246,7 @@ class ARDiffusionModelRunner:
             record = record.renamed(session_id)
         with self._locked():
             self._check_open()
-            self._check_not_reentrant("load_session")
+            self._gate.check_not_reentrant("load_session")
             target = record.session_id
             if target in self._table or target in self._host:
                 raise ValueError(f"AR-Diffusion session {target!r} already exists here; close it first or load "
@@ -1359,14 +1274,10 @@ class ARDiffusionModelRunner:
             self._events.emit("released", session_id, reason)
         elif self._host.pop(session_id) is not None:  # offloaded: its host copy goes, the hook runs now
             self._events.emit("released", session_id, reason)
-        hook = self._pipeline.reset_ar_diffusion_session if reset_model else self._pipeline.close_ar_diffusion_session
-        previous, self._executing = self._executing, _HookCall(reset_model, session_id)
         try:
-            hook(session_id)
+            self._gate.hook(session_id, reset=reset_model)
         except Exception as error:
             errors.append(error)
-        finally:
-            self._executing = previous
         log = logger.info if reason in ("lru_eviction", "forward_exception", "pools_lost", "host_eviction",
                                         "restore_failed", "save_failed") else logger.debug
         log("AR-Diffusion session %r released (%s; was resident: %s)", session_id, reason, state is not None)
@@ -1376,41 +1287,6 @@ class ARDiffusionModelRunner:
                     logger.warning("AR-Diffusion cleanup of session %r (%s) failed: %r", session_id, reason, error)
             else:
                 raise errors[0]
-
-    @contextlib.contextmanager
-    def _bound(self, session_id: str, state: ARDiffusionKVState, *, stepwise: bool = False) -> Iterator[None]:
-        """Bind ``state`` to the pipeline for exactly one invocation, then check what the pipeline left."""
-        # No pin needed here: while pipeline code runs, every runner entry point is refused, so
-        # nothing can evict the bound session (pins are for a serving layer's own use).
-        state._bound = True
-        previous, self._executing = self._executing, _ForwardCall(session_id)
-        try:
-            with self._pipeline.bind_ar_diffusion_state(session_id, state):
-                yield
-        finally:
-            state._bound = False
-            self._executing = previous
-        where = _find_retained(self._pipeline, state)
-        if where is not None:
-            raise RuntimeError(
-                f"pipeline {type(self._pipeline).__name__} retained the bound ARDiffusionKVState of session "
-                f"{session_id!r} in {where} past its invocation; clear it when the bind context exits"
-            )
-        self._kv_cache.check_pools()
-        if not stepwise:
-            forgotten = [name for name, pending in state._pending.items() if pending.commit_current]
-            if forgotten:
-                raise RuntimeError(
-                    f"forward of session {session_id!r} requested committing contexts on {forgotten} "
-                    "(get_kv_caches(..., commit_current=True)) and returned without commit_paged_context; the block "
-                    "was not committed")
-
-    def _synchronize(self, output: Any) -> None:
-        """Wait for the pool writes and the output, so device errors surface inside the fail-closed scope."""
-        self._kv_cache.block_until_ready()
-        for leaf in jax.tree_util.tree_leaves(output):
-            if isinstance(leaf, jax.Array):
-                leaf.block_until_ready()
 
     def _fail_closed(self, session_id: str, error: BaseException) -> None:
         logger.info("AR-Diffusion request on session %r failed (%r); releasing it", session_id, error)
@@ -1431,14 +1307,14 @@ class ARDiffusionModelRunner:
         if not self._config.warmup:
             logger.info("AR-Diffusion warmup disabled by config")
             return
-        if not isinstance(self._pipeline, SupportsARDiffusionWarmup):
+        if not self._gate.can_warm_up:
             logger.info("AR-Diffusion pipeline %s has no warmup provider; skipping warmup",
                         type(self._pipeline).__name__)
             return
         free_before = self._kv_cache.num_free_slots
         executed = 0
         try:
-            for request in self._pipeline.ar_diffusion_warmup_requests(WARMUP_SESSION_ID):
+            for request in self._gate.warmup_requests(WARMUP_SESSION_ID):
                 if self._stop_compiling.is_set():  # a compile twin whose serving runner closed
                     break
                 if not isinstance(request, DiffusionRequest):
@@ -1483,7 +1359,7 @@ class ARDiffusionModelRunner:
         composition (sizes, fill levels, fresh and restored sessions) reuse the compiled
         programs. Failures are logged, as any warmup's.
         """
-        if self._batcher is None or not self._batch_buckets:
+        if not self._gate.can_batch or not self._batch_buckets:
             return
         for bucket in self._batch_buckets:
             if self._stop_compiling.is_set():  # a compile twin whose serving runner closed: stop between buckets
@@ -1502,7 +1378,7 @@ class ARDiffusionModelRunner:
         """
         session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(num_sessions or bucket)]
         try:
-            sequences = [list(self._pipeline.ar_diffusion_warmup_requests(session_id)) for session_id in session_ids]
+            sequences = [list(self._gate.warmup_requests(session_id)) for session_id in session_ids]
             for requests in zip(*sequences, strict=False):
                 bad = [(request, session_id) for request, session_id in zip(requests, session_ids, strict=True)
                        if not isinstance(request, DiffusionRequest) or self._request_session(request)[0] != session_id]
@@ -1528,59 +1404,6 @@ def check_distinct_sessions(session_ids: Sequence[str]) -> None:
     repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
     if repeated:
         raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
-
-
-class _ForkCall(NamedTuple):
-    source_id: str
-    new_id: str
-
-    def __str__(self) -> str:
-        return f"the fork of session {self.source_id!r} into {self.new_id!r}"
-
-
-class _BatchCall(NamedTuple):
-    session_ids: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return f"the batched forward of sessions {list(self.session_ids)}"
-
-
-class _ForwardCall(NamedTuple):
-    """What pipeline code is running, named lazily (formatting a string on every tick costs time)."""
-
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the forward of session {self.session_id!r}"
-
-
-class _HookCall(NamedTuple):
-    reset: bool
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the {'reset' if self.reset else 'close'} hook of session {self.session_id!r}"
-
-
-class _ExportCall(NamedTuple):
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the export of session {self.session_id!r}"
-
-
-class _ImportCall(NamedTuple):
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the import of session {self.session_id!r}"
-
-
-class _ValidationCall(NamedTuple):
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the request validation of session {self.session_id!r}"
 
 
 class _RunnerLock:
@@ -1610,32 +1433,9 @@ class _RunnerLock:
             self._events.deliver()
 
 
-def _committing(state: ARDiffusionKVState) -> bool:
-    """Whether a committing forward is pending: its block is not in the pages yet, so the session cannot leave.
-
-    A non-committing context (a stepwise denoise step between calls) holds no KV of its
-    own; it is dropped with the slot and the next step asks for a new one.
-    """
-    return any(pending.commit_current for pending in state._pending.values())
-
-
 def _request_values(request: DiffusionRequest) -> tuple[Any, ...]:
     # The requests's mappings are read-only proxies (not pytree nodes): hand over their values.
     return (*request.inputs.values(), *request.extra_args.values(), request.prompt)
-
-
-def _find_retained(pipeline: Any, state: ARDiffusionKVState) -> str | None:
-    """The pipeline attribute that still refers to ``state``, if any.
-
-    Only direct attributes are checked (cheap, every tick). A state kept anywhere else is
-    harmless all the same: outside its invocation every use of it raises, and only the
-    runner can release it.
-    """
-    attributes = vars(pipeline) if hasattr(pipeline, "__dict__") else {}
-    for name, value in attributes.items():
-        if value is state:
-            return f"attribute {name!r}"
-    return None
 
 
 def _step_capable(pipeline: Any) -> bool:
