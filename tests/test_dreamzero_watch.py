@@ -405,3 +405,21 @@ def test_viewers_failing_or_leaving_change_nothing_for_the_robot(policy, monkeyp
         _wait_for(lambda: _healthz(port)["viewers"] == 0, "the viewers gone")
     for served, expected in zip(watched, unwatched, strict=True):
         np.testing.assert_array_equal(served, expected)
+
+
+
+def test_at_droids_size_a_viewer_sees_the_352_x_640_canvas_and_holds_a_1016_mib_cache() -> None:
+    """What the docs say a DROID viewer costs and sees: the Wan2.1 VAE's decode cache at DROID's latent (44 x 80)
+    is 1016 MiB in bf16, and a decoded frame is the three views' 352 x 640 canvas."""
+    import types
+
+    from ardiff_jax.models import dit_preset
+    from ardiff_jax.models.dreamzero import PredictedVideoDecoder
+    from ardiff_jax.models.wan import WanVAEConfig, cache_nbytes
+
+    droid = dit_preset("dreamzero-droid")
+    latent_hw = (droid.latent_height, droid.latent_width)
+    assert latent_hw == (44, 80)
+    assert round(cache_nbytes(WanVAEConfig(), latent_hw, "bfloat16") / 2**20) == 1016
+    decoder = PredictedVideoDecoder(types.SimpleNamespace(config=WanVAEConfig()), latent_hw)
+    assert decoder.frame_size == (352, 640) and decoder.fps == 5

@@ -2,7 +2,9 @@
 
 The robot-policy server (openpi / RoboArena policy protocol, ``WS /`` and ``GET /healthz``) is
 :func:`create_policy_app`, generic over a :class:`RobotPolicy`; its protocol and guarantees are in the
-:mod:`ardiff_jax.serve._policy` module docstring. The rest of this docstring is the video server.
+:mod:`ardiff_jax.serve._policy` module docstring. A policy that predicts video (DreamZero) can also be
+watched there on a watch-only ``WS /v1/realtime/video`` speaking the protocol below (:mod:`ardiff_jax.serve._watch`).
+The rest of this docstring is the video server.
 
 Routes
 ======

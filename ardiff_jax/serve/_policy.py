@@ -39,6 +39,9 @@ Design
   never saw, which must then do nothing).
 * Host-side checks (:func:`unpack`'s bounds, the request fields, ``policy.validate``) run on the event loop
   before anything is queued: a refused message never reaches the policy thread.
+* **Watching.** A policy that predicts video (``take_video``, ``video_decoder``: DreamZero's) may be watched on
+  ``WS /v1/realtime/video`` (:mod:`ardiff_jax.serve._watch`): its predicted video is taken after a watched robot's
+  reply and decoded on a thread of its own, so robots never wait for viewers.
 * The API key and Origin rules of :mod:`ardiff_jax.serve._access` apply to the handshake (refused before the
   WebSocket is accepted or any key is given out). openpi's client sends its key as ``Authorization: Api-Key
   <key>``; ``Bearer`` and ``?token=`` work as for the video server.
