@@ -257,7 +257,7 @@ def components(bench: HostBench, calls: int) -> dict[str, float]:
     request = bench.requests[name][0]
     session_id = "hot"
     bench.engines[name].generate(request)  # make sure the session is resident
-    state = runner._get_or_create_session(session_id)  # noqa: SLF001 - attributing the runner's own steps
+    state = runner._residency.admit(session_id)  # noqa: SLF001 - attributing the runner's own steps
     kv_cache = runner.kv_cache
     branch, seq_len = pipeline._branch, pipeline._seq_len  # noqa: SLF001
 
@@ -278,7 +278,7 @@ def components(bench: HostBench, calls: int) -> dict[str, float]:
         "isinstance(pipeline, SupportsARDiffusionRequestValidation)": _per_call_us(
             lambda: isinstance(pipeline, SupportsARDiffusionRequestValidation), calls),
         "_get_or_create_session, hit (OrderedDict move_to_end)": _per_call_us(
-            lambda: runner._get_or_create_session(session_id), calls),  # noqa: SLF001
+            lambda: runner._residency.admit(session_id), calls),  # noqa: SLF001
         "_bound enter+exit (bind hook, vars() scan, check_pools)": _per_call_us(bind_unbind, calls),
         "state.get_kv_caches inside _bound, minus _bound": 0.0,  # filled below
         "_synchronize(None) (kv_cache.block_until_ready + output leaves)": _per_call_us(

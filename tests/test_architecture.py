@@ -434,3 +434,29 @@ def test_the_gate_is_the_only_runtime_module_that_calls_pipeline_code():
     offenders = {path.name: calls for path in sorted(RUNTIME.glob("*.py")) if path.name != "_gate.py"
                  for calls in [_pipeline_calls(path.read_text(encoding="utf-8"))] if calls}
     assert offenders == {}
+
+
+def test_admission_refusal_is_pure_and_made_before_anything_moves():
+    """``Residency.admission_refusal`` reads the table only: a refused batch leaves LRU order and pins as they were."""
+    engine = ARDiffusionEngine(RecordingPipeline(), EngineConfig(dtype="float32", available_memory_bytes=10**7,
+                                                                 gpu_memory_fraction=1.0))
+    runner = engine.runner
+    residency = runner._residency
+    capacity = runner.session_capacity
+    for sid in ("a", "b"):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": sid}, inputs={"commit": False}))
+    runner.session_table.pin("a")
+    before = (runner.sessions, runner.session_table.is_pinned("a"), runner.kv_cache.num_free_slots)
+    assert residency.admission_refusal(["a", "b"]) is None
+    assert "repeated: ['b']" in residency.admission_refusal(["b", "c", "b"])
+    too_many = [f"s{i}" for i in range(capacity + 1)]
+    assert "exceeds the session capacity" in residency.admission_refusal(too_many)
+    beside_pin = [f"s{i}" for i in range(capacity)]  # fits alone, not beside the pinned "a"
+    assert "pinned sessions ['a']" in residency.admission_refusal(beside_pin)
+    assert (runner.sessions, runner.session_table.is_pinned("a"), runner.kv_cache.num_free_slots) == before
+    with pytest.raises(ValueError, match="pinned sessions"):  # the batch entry point asks it before anything moves
+        engine.generate_batch([DiffusionRequest("r", extra_args={"session_id": sid}, inputs={"commit": False})
+                               for sid in beside_pin])
+    assert (runner.sessions, runner.session_table.is_pinned("a"), runner.kv_cache.num_free_slots) == before
+    runner.session_table.unpin("a")
+    engine.close()

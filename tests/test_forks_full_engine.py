@@ -130,12 +130,12 @@ def test_offload_session_refusals_name_the_problem_and_change_nothing(modules):
             engine.offload_session("x")
         with pytest.raises(ValueError, match="session id"):
             engine.offload_session(" ")
-        engine.runner._stepwise_started["a"] = 0.0  # as execute_stepwise marks a chunk in flight
+        engine.runner._residency.stepwise_started["a"] = 0.0  # as execute_stepwise marks a chunk in flight
         try:
             with pytest.raises(RuntimeError, match="'a' has a block in flight"):
                 engine.offload_session("a")
         finally:
-            del engine.runner._stepwise_started["a"]
+            del engine.runner._residency.stepwise_started["a"]
         assert _snapshot(engine) == before
     with pytest.raises(RuntimeError, match="closed"):
         engine.offload_session("a")

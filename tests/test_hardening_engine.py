@@ -527,7 +527,7 @@ def test_a_failed_close_leaves_the_engine_consistent_and_a_newcomer_evicts_nobod
     pipeline.close_ar_diffusion_session = close
     assert engine.sessions == ("a",) and engine.offloaded_sessions == () and closed == ["q"]
     assert engine.runner.kv_cache.num_free_slots == 1 and engine.session_capacity == 2
-    assert "q" not in engine.runner._stepwise_started  # a later q starts a chunk of its own
+    assert "q" not in engine.runner._residency.stepwise_started  # a later q starts a chunk of its own
     engine.generate(DiffusionRequest("r-n", extra_args={"session_id": "newcomer"}, inputs={"seed": 2}))
     assert engine.sessions == ("a", "newcomer") and closed == ["q"]  # a was not evicted for it
     engine.close()

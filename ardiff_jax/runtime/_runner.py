@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -60,8 +59,6 @@ from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
     HostSessionTier,
     OffloadedSession,
-    host_cross_attention,
-    record_nbytes,
     to_device,
 )
 from ardiff_jax.runtime._persist import (
@@ -72,7 +69,7 @@ from ardiff_jax.runtime._persist import (
     session_fingerprint,
     write_session_file,
 )
-from ardiff_jax.runtime._session import SessionKV, check_session_kv
+from ardiff_jax.runtime._residency import Residency, repeated_sessions
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import (
@@ -176,7 +173,6 @@ class ARDiffusionModelRunner:
         self._events = EventLog()
         self._runner_lock = _RunnerLock(self._lock, self._events)  # one instance serves every call
         self._perf_e2e_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self._stepwise_started: dict[str, float] = {}
         self._closed = False
         logger.info("AR-Diffusion geometry: %s", spec_summary(spec))
         self._kv_cache = ARDiffusionKVCache(
@@ -190,11 +186,13 @@ class ARDiffusionModelRunner:
             except BaseException:
                 self._kv_cache.close()
                 raise
-        self._table: SessionTable[ARDiffusionKVState] = SessionTable(self._kv_cache.session_capacity)
         # Batched forwards need the pipeline's protocol and pools on one device (a mesh runs batches one by one).
         self._gate = PipelineGate(pipeline, self._kv_cache, batched=config.mesh is None)
         self._batch_buckets = batch_buckets(self._kv_cache.session_capacity)
-        self._host = HostSessionTier(config.host_offload_bytes if self._gate.can_export else 0)
+        self._residency = Residency(self._kv_cache, self._gate, self._events,
+                                    config.host_offload_bytes if self._gate.can_export else 0)
+        # The policy objects, read by the entry points (the residency changes them).
+        self._table, self._host = self._residency.table, self._residency.host
         if config.host_offload_bytes and not self._gate.can_export:
             logger.warning("AR-Diffusion host offload is configured (%d bytes) but %s does not implement "
                            "SupportsARDiffusionSessionExport; evicted sessions are released as without offload",
@@ -340,12 +338,12 @@ class ARDiffusionModelRunner:
             session_id, reset, close_after, _ = self._request_session(request)
             self._validate_request(session_id, request)
             if reset:
-                self._release_session(session_id, reset_model=True, reason="reset")
+                self._residency.release(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
             output = self._execute_admitted(session_id, request)
             self._perf_e2e_times.append(time.perf_counter() - start)
             if close_after:
-                self._release_session(session_id, reset_model=False, reason="close")
+                self._residency.release(session_id, reset_model=False, reason="close")
             return output
 
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> list[Any]:
@@ -393,9 +391,9 @@ class ARDiffusionModelRunner:
                         for sid, error in restore_failures.items()}
             for session_id, (_, reset, _, _) in zip(session_ids, parsed, strict=True):
                 if reset and session_id not in failures:
-                    self._release_session(session_id, reset_model=True, reason="reset")
+                    self._residency.release(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
-            states, admission_failures = self._admit_batch([sid for sid in session_ids if sid not in failures])
+            states, admission_failures = self._residency.admit_batch([sid for sid in session_ids if sid not in failures])
             failures.update(admission_failures)
             running = [i for i, sid in enumerate(session_ids) if sid not in failures]
             ran_outputs, errors = self._run_batch([session_ids[i] for i in running], [requests[i] for i in running],
@@ -410,7 +408,7 @@ class ARDiffusionModelRunner:
                 if session_id not in errors:
                     self._perf_e2e_times.append(elapsed)
                     if close_after:
-                        self._release_session(session_id, reset_model=False, reason="close")
+                        self._residency.release(session_id, reset_model=False, reason="close")
             if errors:
                 raise ARDiffusionBatchError(outputs, errors) from next(iter(errors.values()))
             return outputs
@@ -452,73 +450,12 @@ class ARDiffusionModelRunner:
         """
         parsed = [self._request_session(request) for request in requests]
         session_ids = [entry[0] for entry in parsed]
-        self._check_batch_admission(session_ids)
+        refusal = self._residency.admission_refusal(session_ids)  # before anything moves
+        if refusal is not None:
+            raise ValueError(refusal)
         for session_id, request in zip(session_ids, requests, strict=True):
             self._validate_request(session_id, request, restore_failures, dry_run=dry_run)
         return parsed
-
-    def _check_batch_admission(self, session_ids: list[str]) -> None:
-        """Refuse, before anything changes, a batch with a repeated session or one that cannot be resident at once."""
-        check_distinct_sessions(session_ids)
-        seen = set(session_ids)
-        capacity = self.session_capacity
-        if len(session_ids) > capacity:
-            raise ValueError(f"a batch of {len(session_ids)} sessions exceeds the session capacity {capacity}: the "
-                             f"sessions of one batch must all be resident; split it into batches of at most {capacity}")
-        pinned = [sid for sid in self._table.lru_order if self._table.is_pinned(sid) and sid not in seen]
-        if len(session_ids) + len(pinned) > capacity:
-            raise ValueError(f"a batch of {len(session_ids)} sessions cannot be resident beside the pinned sessions "
-                             f"{pinned} (capacity {capacity})")
-
-    def _admit_batch(self, session_ids: list[str]
-                     ) -> tuple[dict[str, ARDiffusionKVState], dict[str, BaseException]]:
-        """Make every session of the batch resident (create or restore); none evicts another of the batch.
-
-        Returns ``(states, failures)`` by session id. The batch's resident sessions are pinned
-        first and each admitted one right after its admission, so an admission's LRU eviction
-        only picks sessions outside the batch. Offloaded sessions are restored before any new
-        session is created: a record displaced from a full host tier by an eviction is then
-        never one of the batch's own (the batch would silently start it anew). A session that
-        cannot be admitted (its restore fails, or an eviction for it raises) fails alone, as
-        ``generate`` would leave it (a restore error is a :class:`SessionRestoreError`); the
-        others are admitted all the same. Finally the admitted sessions are touched in request
-        order: the LRU order is the one ``generate`` in request order would leave.
-        """
-        table = self._table
-        host = self._host
-        pinned: list[str] = []
-        states: dict[str, ARDiffusionKVState] = {}
-        failures: dict[str, BaseException] = {}
-        restores = [sid for sid in session_ids if sid in host]
-        order = restores + [sid for sid in session_ids if sid not in host]
-        try:
-            for session_id in session_ids:
-                if session_id in table:
-                    table.pin(session_id)
-                    pinned.append(session_id)
-            for session_id in order:
-                try:
-                    states[session_id] = self._get_or_create_session(session_id)
-                except Exception as error:
-                    logger.warning("AR-Diffusion session %r of a batch could not be made resident (%r); only its "
-                                   "request fails", session_id, error)
-                    failures[session_id] = error
-                    continue
-                if session_id not in pinned:
-                    table.pin(session_id)
-                    pinned.append(session_id)
-            for session_id in session_ids:
-                if session_id in states and session_id in table:
-                    table.touch(session_id)
-        finally:
-            for session_id in pinned:
-                if session_id in table:
-                    table.unpin(session_id)
-        for session_id in restores:  # where the session is now: after every admission of the batch
-            if session_id in failures:
-                failures[session_id] = SessionRestoreError.wrap(session_id, failures[session_id],
-                                                                offloaded=session_id in host)
-        return states, failures
 
     def _run_batch(self, session_ids: list[str], requests: list[DiffusionRequest],
                    states: list[ARDiffusionKVState]) -> tuple[list[Any], dict[str, BaseException]]:
@@ -684,7 +621,7 @@ class ARDiffusionModelRunner:
 
     def _execute_admitted(self, session_id: str, request: DiffusionRequest) -> Any:
         """Bind, forward, wait, inside the fail-closed scope (the request is validated and reset already)."""
-        state = self._get_or_create_session(session_id)
+        state = self._residency.admit(session_id)
         try:
             output = self._gate.forward(session_id, state, request)
             self._gate.synchronize(output)
@@ -722,31 +659,31 @@ class ARDiffusionModelRunner:
                 check_not_traced("engine.step / execute_stepwise", *_request_values(request))
                 self._validate_request(request.request_id, request)  # a refused tick changes nothing
             for request_id in sorted(scheduler_output.finished_req_ids):
-                self._stepwise_started.pop(request_id, None)
+                self._residency.stepwise_started.pop(request_id, None)
                 if request_id in self._table or request_id in self._host:
-                    self._release_session(request_id, reset_model=False, reason="close", suppress_errors=True)
+                    self._residency.release(request_id, reset_model=False, reason="close", suppress_errors=True)
             if not scheduler_output.scheduled:
                 return None
             request = scheduler_output.scheduled[0]
             session_id = request.request_id
             started = time.perf_counter()
-            state = self._get_or_create_session(session_id)
-            self._stepwise_started.setdefault(session_id, started)
+            state = self._residency.admit(session_id)
+            self._residency.stepwise_started.setdefault(session_id, started)
             try:
                 result = self._gate.step(session_id, state, request)
                 if result.chunk_emitted:
                     self._gate.synchronize(result.output)
             except BaseException as error:
-                self._stepwise_started.pop(session_id, None)
+                self._residency.stepwise_started.pop(session_id, None)
                 self._fail_closed(session_id, error)
                 raise
             if result.chunk_emitted:
-                started = self._stepwise_started.pop(session_id, None)
+                started = self._residency.stepwise_started.pop(session_id, None)
                 if started is not None:
                     self._perf_e2e_times.append(time.perf_counter() - started)
             if result.finished or result.error:
-                self._stepwise_started.pop(session_id, None)
-                self._release_session(
+                self._residency.stepwise_started.pop(session_id, None)
+                self._residency.release(
                     session_id, reset_model=False, reason="forward_exception" if result.error else "close",
                     suppress_errors=True,
                 )
@@ -759,7 +696,7 @@ class ARDiffusionModelRunner:
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("reset_session")
-            self._release_session(session_id, reset_model=True, reason="reset")
+            self._residency.release(session_id, reset_model=True, reason="reset")
 
     def close_session(self, session_id: str) -> None:
         """Release the session's KV (if resident), then call the pipeline's close hook. Errors raise."""
@@ -767,7 +704,7 @@ class ARDiffusionModelRunner:
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("close_session")
-            self._release_session(session_id, reset_model=False, reason="close")
+            self._residency.release(session_id, reset_model=False, reason="close")
 
     def close(self) -> None:
         """Release every session (close hooks; errors logged) and free the pools. Idempotent.
@@ -781,7 +718,7 @@ class ARDiffusionModelRunner:
                 return
             self._gate.check_not_reentrant("close")
             for session_id in self._table.lru_order + self._host.lru_order:
-                self._release_session(session_id, reset_model=False, reason="close", suppress_errors=True)
+                self._residency.release(session_id, reset_model=False, reason="close", suppress_errors=True)
             self._kv_cache.close()
             self._closed = True
             if _BOUND_PIPELINES.get(id(self._pipeline)) is self:
@@ -819,7 +756,7 @@ class ARDiffusionModelRunner:
                 logger.info("AR-Diffusion validation of offloaded session %r could not import its model state "
                             "(%r); its request will fail when it runs", session_id, error)
                 return
-            self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            self._residency.release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
             if restore_failures is None:
                 raise
             restore_failures[session_id] = error
@@ -843,7 +780,7 @@ class ARDiffusionModelRunner:
         try:
             self._gate.export_session(session_id)
         except Exception as error:
-            self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            self._residency.release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
             if restore_failures is not None:
                 restore_failures[session_id] = error
             elif dry_run:
@@ -853,178 +790,6 @@ class ARDiffusionModelRunner:
                 raise
             return False
         return True
-
-    def _get_or_create_session(self, session_id: str) -> ARDiffusionKVState:
-        state = self._table.get(session_id)
-        if state is not None:
-            return self._table.touch(session_id)
-        # An offloaded session leaves the host tier first, so the eviction below cannot drop it.
-        record = self._host.pop(session_id)
-        if record is not None:
-            return self._restore_making_room(record, reason="offload")
-        self._make_room()
-        state = self._kv_cache.create_state(session_id)
-        state._runner_managed = True
-        self._table.add(session_id, state)
-        logger.info("AR-Diffusion session %r created (slot %s; %d resident)", session_id, state.slot,
-                    len(self._table))
-        self._events.emit("created", session_id)
-        return state
-
-    def _make_room(self, held: list[OffloadedSession] | None = None) -> None:
-        """Evict (offload where possible) the least recently used sessions so that one more fits.
-
-        With ``held``, the records of the sessions offloaded go there instead of into the host
-        tier (see :meth:`_restore_making_room`).
-        """
-        for victim in self._table.eviction_victims():
-            self._evict(victim, held)
-
-    def _restore_making_room(self, record: OffloadedSession, *, reason: str) -> ARDiffusionKVState:
-        """Make room (evicting the least recently used session) and restore ``record`` (from the tier or a file).
-
-        The sessions evicted to make room enter the host tier only once the restore is over,
-        so that a failed restore costs nobody but its own session: an offloaded session whose
-        restore failed goes back into the tier first (it fits: nothing entered since its pop),
-        and an evicted record that does not fit beside it displaces it rather than another
-        session's record. Only what a successful restore displaces too (the oldest records,
-        when even that room is short) leaves the tier as any admission's victims do.
-        """
-        offloaded = reason == "offload"
-        held: list[OffloadedSession] = []
-        try:
-            try:
-                self._make_room(held)
-            except BaseException:
-                if offloaded:
-                    self._host.add(record)  # nothing entered the tier since its pop: it fits as it did
-                raise
-            state = self._restore(record, reason=reason, hold_on_failure=offloaded)
-        except BaseException:
-            self._admit_evicted(held, failed=record.session_id, suppress_errors=True)
-            raise
-        self._admit_evicted(held)
-        return state
-
-    def _admit_evicted(self, records: list[OffloadedSession], *, failed: str | None = None,
-                       suppress_errors: bool = False) -> None:
-        """Put the records held by :meth:`_restore_making_room` into the host tier, oldest eviction first.
-
-        ``failed`` names the session whose restore failed: if it went back into the tier and a
-        held record does not fit beside it, it is the one released (``"restore_failed"``, close
-        hook), never another session. Errors of the hooks of dropped records are raised after
-        every record is held (logged instead with ``suppress_errors``).
-        """
-        errors: list[BaseException] = []
-        for record in records:
-            if failed is not None and failed in self._host and self._host.admission_victims(record.nbytes):
-                self._release_session(failed, reset_model=False, reason="restore_failed", suppress_errors=True)
-            try:
-                self._hold_offloaded(record)
-            except Exception as error:  # a dropped record's close hook: the record is held already
-                errors.append(error)
-        if not errors:
-            return
-        if not suppress_errors:
-            raise errors[0]
-        for error in errors:
-            logger.warning("AR-Diffusion close hook of a session dropped from the host tier failed: %r", error)
-
-    # -- the host tier -------------------------------------------------------------------------
-    def _evict(self, session_id: str, held: list[OffloadedSession] | None = None) -> None:
-        """Offload ``session_id`` to the host tier (or ``held``); release it (close hook) if it cannot be offloaded."""
-        record = self._offload_record(session_id) if self._host.capacity_bytes else None
-        if record is None:
-            self._release_session(session_id, reset_model=False, reason="lru_eviction")
-            return
-        state = self._table.remove(session_id)
-        state._release()
-        self._events.emit("offloaded", session_id, "lru_eviction")
-        logger.info("AR-Diffusion session %r offloaded to host memory (%d bytes)", session_id, record.nbytes)
-        if held is None:
-            self._hold_offloaded(record)
-        else:
-            held.append(record)
-
-    def _offload_record(self, session_id: str) -> OffloadedSession | None:
-        """The host record of a resident session, its model state moved out; ``None`` (nothing moved) if impossible."""
-        state = self._table.get(session_id)
-        value = state._value
-        estimate = self.memory_plan.offload_bytes_per_session
-        if committing(state) or not self._host.fits(estimate):
-            logger.info("AR-Diffusion session %r cannot be offloaded (%s); releasing it", session_id,
-                        "a committing forward context is pending" if committing(state) else
-                        f"{estimate} bytes exceed the host tier of {self._host.capacity_bytes}")
-            return None
-        try:
-            record = self._copy_out(session_id, value)
-        except Exception as error:
-            logger.warning("AR-Diffusion offload of session %r failed (%r); releasing it instead", session_id, error)
-            return None
-        if not self._host.fits(record.nbytes):
-            logger.warning("AR-Diffusion session %r needs %d host bytes, more than the tier's %d; releasing it",
-                           session_id, record.nbytes, self._host.capacity_bytes)
-            return None
-        return record
-
-    def _copy_out(self, session_id: str, value: SessionKV, *, keep: bool = False) -> OffloadedSession:
-        """Copy a resident session's pages and cross caches to host memory and export its model state.
-
-        With ``keep`` the model state is imported straight back (``save_session`` of a resident
-        session): the pipeline's only way to hand over its state is to move it.
-        """
-        device = self._kv_cache.device
-        pages = self._kv_cache.offload_session(value)  # a fork's shared pages too: the copy stands alone
-        session = host_cross_attention(value, device)
-        pipeline_state = self._gate.export_to_host(session_id, device, keep=keep)
-        return OffloadedSession(session=session, pages=pages, pipeline_state=pipeline_state,
-                                nbytes=record_nbytes(session, pages, pipeline_state))
-
-    def _hold_offloaded(self, record: OffloadedSession) -> None:
-        """Put ``record`` in the host tier, first dropping (close hooks) the oldest records it displaces."""
-        errors: list[BaseException] = []
-        for dropped in self._host.admission_victims(record.nbytes):
-            try:
-                self._release_session(dropped, reset_model=False, reason="host_eviction")
-            except Exception as error:  # the record is gone already; report after holding the new one
-                errors.append(error)
-        self._host.add(record)
-        if errors:
-            raise errors[0]
-
-    def _restore(self, record: OffloadedSession, *, reason: str, hold_on_failure: bool) -> ARDiffusionKVState:
-        """Make ``record`` resident in a free slot: one donated write of its pages, then the pipeline's import.
-
-        A failure before the import leaves the session offloaded again (``hold_on_failure``)
-        or absent (a file load: the file is still there); a failing import releases the
-        session with its close hook. Never half restored.
-        """
-        session_id = record.session_id
-        state = self._kv_cache.create_state(session_id)
-        try:
-            placement = self._kv_cache.cross_attention_placement  # on a mesh: heads over "tp"
-            cross = {key: type(kv)(*to_device((kv.k, kv.v), placement, numpy_too=True))
-                     for key, kv in record.session.cross_attention.items()}
-            value = check_session_kv(self._kv_cache.spec, SessionKV(
-                session_id=session_id, slot=state.slot, cursors=record.session.cursors, cross_attention=cross,
-                run_owners=record.session.run_owners))  # on the host, before the pages move
-            tables = self._kv_cache.restore_session_pages(state.slot, record.pages)
-            state.restore(dataclasses.replace(value, pages=tables))
-        except BaseException:
-            state._release()
-            if hold_on_failure:
-                self._hold_offloaded(record)
-            raise
-        state._runner_managed = True
-        self._table.add(session_id, state)
-        self._events.emit("restored", session_id, reason)
-        logger.info("AR-Diffusion session %r restored (%s; slot %s)", session_id, reason, state.slot)
-        try:
-            self._gate.import_session(session_id, to_device(record.pipeline_state, self._kv_cache.state_placement))
-        except BaseException:
-            self._release_session(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
-            raise
-        return state
 
     # -- sessions on disk ------------------------------------------------------------------------
     def _file_identity(self) -> dict[str, Any]:
@@ -1081,7 +846,8 @@ class ARDiffusionModelRunner:
                 raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
             if new_id == source_id or new_id in self._table or new_id in self._host:
                 raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
-            if not offloaded and (self._table.get(source_id)._pending or source_id in self._stepwise_started):
+            if not offloaded and (self._table.get(source_id)._pending
+                                  or source_id in self._residency.stepwise_started):
                 raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
             needed = 2 if offloaded else 1
             short = needed - self._kv_cache.num_free_slots
@@ -1097,32 +863,9 @@ class ARDiffusionModelRunner:
                 if len(victims) < short:
                     raise RuntimeError(f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed and "
                                        "every other resident session is in use")
-                self._offload_chosen(victims, reason="lru_eviction", what=f"fork {source_id!r}")
-            if offloaded:
-                self._restore(self._host.pop(source_id), reason="offload", hold_on_failure=True)
-            source = self._table.get(source_id)
-            value = source._value
-            state = self._kv_cache.create_state(new_id)
-            try:
-                self._gate.fork(source_id, new_id, noise_seed)
-                state.restore(SessionKV(session_id=new_id, slot=state.slot, cursors=value.cursors,
-                                        cross_attention=value.cross_attention, run_owners=value.run_owners,
-                                        pages=value.pages))  # holds the shared pages: nothing is copied
-            except BaseException:
-                state._release()
-                # Undo whatever model state the hook imported, also when the hook itself failed
-                # after importing: left behind, it would refuse the next fork under new_id and
-                # seed a new session under new_id from the source. new_id is neither resident
-                # nor offloaded here, so the pipeline holds nothing else under it.
-                with contextlib.suppress(Exception):
-                    self._gate.hook(new_id, reset=False)
-                raise
-            state._runner_managed = True
-            self._table.add(new_id, state)
-            self._table.touch(source_id)
-            self._events.emit("created", new_id, "fork")
-            logger.info("AR-Diffusion session %r forked from %r (slot %s; %d pages shared)", new_id, source_id,
-                        state.slot, sum(len(table) for table in value.pages))
+            else:
+                victims = []
+            self._residency.fork(source_id, new_id, noise_seed, victims=victims)
 
     def offload_session(self, session_id: str) -> None:
         """Move resident ``session_id`` to the host tier now; its next request restores it and it continues exactly.
@@ -1145,36 +888,7 @@ class ARDiffusionModelRunner:
                 raise ValueError(f"AR-Diffusion session {session_id!r} is offloaded already")
             if session_id not in self._table:
                 raise KeyError(f"AR-Diffusion session {session_id!r} is not resident")
-            self._offload_chosen([session_id], reason="requested", what=f"offload {session_id!r}")
-
-    def _offload_chosen(self, session_ids: list[str], *, reason: str, what: str) -> None:
-        """Move the resident ``session_ids`` to the host tier, losing none: checked first, refused if any cannot go.
-
-        Unlike :meth:`_evict` (a new session's room), nothing is released instead: a session
-        in use, or a tier that would have to drop the sessions it holds, refuses before any
-        copy; a copy that fails leaves its session resident (and those before it offloaded).
-        """
-        for session_id in session_ids:
-            state = self._table.get(session_id)
-            if committing(state) or session_id in self._stepwise_started or self._table.is_pinned(session_id):
-                raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} has a block in flight")
-        needed = len(session_ids) * self.memory_plan.offload_bytes_per_session
-        free = self._host.capacity_bytes - self._host.bytes_used
-        if needed > free:
-            raise RuntimeError(
-                f"AR-Diffusion cannot {what}: moving {len(session_ids)} session(s) to the host tier needs about "
-                f"{needed} bytes and {free} of its {self._host.capacity_bytes} are free (it would drop sessions it "
-                "holds; close one)")
-        for session_id in session_ids:
-            record = self._offload_record(session_id)
-            if record is None:  # nothing moved: the session stays resident
-                raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} could not be copied to the "
-                                   "host tier (see the log); it stays resident")
-            self._table.remove(session_id)._release()
-            self._events.emit("offloaded", session_id, reason)
-            logger.info("AR-Diffusion session %r offloaded to host memory (%s; %d bytes)", session_id, reason,
-                        record.nbytes)
-            self._hold_offloaded(record)
+            self._residency.offload([session_id], reason="requested", what=f"offload {session_id!r}")
 
     def save_session(self, session_id: str, path: Any) -> Any:
         """Write a resident or offloaded session to the new directory ``path`` (orbax arrays + JSON manifest).
@@ -1199,9 +913,9 @@ class ARDiffusionModelRunner:
                 if committing(state):
                     raise RuntimeError(f"AR-Diffusion session {session_id!r} has a committing forward context pending")
                 try:
-                    record = self._copy_out(session_id, state._value, keep=True)
+                    record = self._residency.copy_out(session_id, state._value, keep=True)
                 except BaseException:
-                    self._release_session(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
+                    self._residency.release(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
                     raise
         # Outside the lock: the record is an immutable host value; writing it may take a while.
         return write_session_file(path, record, fingerprint=identity["fingerprint"], pipeline=identity["pipeline"],
@@ -1252,50 +966,17 @@ class ARDiffusionModelRunner:
                 raise ValueError(f"AR-Diffusion session {target!r} already exists here; close it first or load "
                                  "under another session_id")
             self._check_importable(record, path)
-            self._restore_making_room(record, reason="load")
+            self._residency.restore_making_room(record, reason="load")
         return target
-
-    def _release_session(self, session_id: str, *, reset_model: bool, reason: str,
-                         suppress_errors: bool = False) -> None:
-        """KV first, then the pipeline hook (even when nothing was resident).
-
-        Everything the runner keeps for the session goes before the hook runs, so a hook that
-        raises leaves no bookkeeping behind: the slot (or host record) is free, the session is
-        in neither the table nor the tier, and a stepwise chunk's start time is forgotten.
-        """
-        errors: list[BaseException] = []
-        self._stepwise_started.pop(session_id, None)  # a released chunk is over (close_session, LRU, reset)
-        state = self._table.remove(session_id)
-        if state is not None:
-            try:
-                state._release()
-            except Exception as error:  # pragma: no cover - release only touches host bookkeeping
-                errors.append(error)
-            self._events.emit("released", session_id, reason)
-        elif self._host.pop(session_id) is not None:  # offloaded: its host copy goes, the hook runs now
-            self._events.emit("released", session_id, reason)
-        try:
-            self._gate.hook(session_id, reset=reset_model)
-        except Exception as error:
-            errors.append(error)
-        log = logger.info if reason in ("lru_eviction", "forward_exception", "pools_lost", "host_eviction",
-                                        "restore_failed", "save_failed") else logger.debug
-        log("AR-Diffusion session %r released (%s; was resident: %s)", session_id, reason, state is not None)
-        if errors:
-            if suppress_errors:
-                for error in errors:
-                    logger.warning("AR-Diffusion cleanup of session %r (%s) failed: %r", session_id, reason, error)
-            else:
-                raise errors[0]
 
     def _fail_closed(self, session_id: str, error: BaseException) -> None:
         logger.info("AR-Diffusion request on session %r failed (%r); releasing it", session_id, error)
-        self._release_session(session_id, reset_model=False, reason="forward_exception", suppress_errors=True)
+        self._residency.release(session_id, reset_model=False, reason="forward_exception", suppress_errors=True)
         if self._kv_cache.pools.is_deleted():
             # A model donated or deleted the pools: every resident session's KV is gone.
             # Release them all (close hooks) and start from fresh zeroed pools.
             for other in self._table.lru_order:
-                self._release_session(other, reset_model=False, reason="pools_lost", suppress_errors=True)
+                self._residency.release(other, reset_model=False, reason="pools_lost", suppress_errors=True)
             try:
                 self._kv_cache.reallocate_pools()
             except Exception:  # the caller re-raises the original error; this one is only logged
@@ -1339,7 +1020,7 @@ class ARDiffusionModelRunner:
             logger.warning("AR-Diffusion warmup provider failed: %r", error)
         finally:
             with self._locked():
-                self._release_session(WARMUP_SESSION_ID, reset_model=False, reason="warmup_complete",
+                self._residency.release(WARMUP_SESSION_ID, reset_model=False, reason="warmup_complete",
                                       suppress_errors=True)
             self._perf_e2e_times.clear()
         logger.info("AR-Diffusion warmup ran %d request(s)", executed)
@@ -1392,7 +1073,7 @@ class ARDiffusionModelRunner:
         finally:
             with self._locked():
                 for session_id in session_ids:
-                    self._release_session(session_id, reset_model=False, reason="warmup_complete",
+                    self._residency.release(session_id, reset_model=False, reason="warmup_complete",
                                           suppress_errors=True)
             self._perf_e2e_times.clear()
         return True
@@ -1400,8 +1081,7 @@ class ARDiffusionModelRunner:
 
 def check_distinct_sessions(session_ids: Sequence[str]) -> None:
     """ValueError naming the session ids that appear more than once in one batch."""
-    seen: set[str] = set()
-    repeated = sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
+    repeated = repeated_sessions(session_ids)
     if repeated:
         raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
 
