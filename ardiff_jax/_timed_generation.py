@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
+from ardiff_jax._compile_events import recording_compiles
 from ardiff_jax.capability import ARDiffusionKVCacheSpec, spec_summary
 from ardiff_jax.models import (
     DIT_PRESETS,
@@ -159,14 +160,8 @@ def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | No
     plan_timed_generation(options)  # fails before any weight is built
     config = dit_preset(options.preset)
     pipeline_cls, config_cls = _PIPELINES[options.pipeline]
-    compile_seconds: list[float] = []
-
-    def listener(event: str, duration: float, **_: Any) -> None:
-        if event == _BACKEND_COMPILE:
-            compile_seconds.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    compile_seconds: list[float] = []  # a load from jax's persistent cache counts its load time
+    with recording_compiles(lambda program: compile_seconds.append(program.seconds)):
         load_start = time.perf_counter()
         if options.checkpoint is not None:
             pipeline = CausalWanPipeline.from_checkpoint(options.checkpoint, config,
@@ -202,8 +197,6 @@ def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | No
         plan = engine.memory_plan.as_dict()
         resident = engine.sessions
         engine.close()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
     latencies = [r["latency_ms"] for r in records]
     steady = [r["latency_ms"] for r in records if r["block"] > 0] or latencies

@@ -55,25 +55,17 @@ from benchmarks.common import (
 
 __all__ = ["main", "run"]
 
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 @contextlib.contextmanager
 def _count_compiles() -> Iterator[list[str]]:
-    import jax
+    """The names of the programs compiled (or loaded from jax's persistent cache) inside the block, as made."""
+    from ardiff_jax._compile_events import recording_compiles
 
     names: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == _BACKEND_COMPILE:
-            names.append(str(kwargs.get("fun_name", "?")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recording_compiles(lambda program: names.append(program.name)):
         yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 # -- workloads ---------------------------------------------------------------------------------------

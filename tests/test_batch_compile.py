@@ -9,20 +9,17 @@ then never again.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
 
-import jax
 import numpy as np
 import pytest
-from helpers import BACKEND_COMPILE_EVENT
+from helpers import compiles_by_thread
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.envs import SpriteWorld
 from ardiff_jax.models import DiTModules, SpriteWorldPipeline, SpriteWorldPipelineConfig, dit_preset
 from ardiff_jax.runtime import ARDiffusionModelRunner
+from ardiff_jax.runtime._batch_runner import Warmup
 
 CONFIG = dict(dtype="float32", available_memory_bytes=1 << 30, gpu_memory_fraction=1.0)
 OBSERVATIONS = [SpriteWorld(seed=seed).reset() for seed in range(3)]
@@ -32,22 +29,6 @@ PLAYERS = ("a", "b")
 @pytest.fixture(scope="module")
 def modules():
     return DiTModules.create(dit_preset("sprite_world"), 1)
-
-
-@contextlib.contextmanager
-def compiles_by_thread() -> Iterator[list[tuple[int, str]]]:
-    """``(thread id, program name)`` of every XLA compile inside the block."""
-    found: list[tuple[int, str]] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            found.append((threading.get_ident(), str(kwargs.get("fun_name", "?"))))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield found
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _engine(modules, mode: str, capacity: int = 4) -> tuple[SpriteWorldPipeline, ARDiffusionEngine]:
@@ -120,16 +101,16 @@ def _spy_batches(monkeypatch) -> list[tuple[int, int]]:
 def test_background_compiles_on_a_twin_while_requests_run_and_then_batches_without_compiling(modules, monkeypatch):
     reference_pipeline, reference = _engine(modules, "eager")  # built first: the runners below are watched
     inside, gate = threading.Event(), threading.Event()
-    original = ARDiffusionModelRunner._warmup_bucket
+    original = Warmup.warm_up_bucket
     serving: list[ARDiffusionModelRunner] = []
 
     def held(self, bucket, **kwargs):
-        if serving and self is not serving[0]:  # the twin runner, on the compiler thread
+        if serving and self._runner is not serving[0]:  # the twin runner's warmup, on the compiler thread
             inside.set()
             gate.wait(60)
         return original(self, bucket, **kwargs)
 
-    monkeypatch.setattr(ARDiffusionModelRunner, "_warmup_bucket", held)
+    monkeypatch.setattr(Warmup, "warm_up_bucket", held)
     calls = _spy_batches(monkeypatch)
     original_init = ARDiffusionModelRunner.__init__
 
@@ -192,15 +173,15 @@ def test_background_without_a_twin_compiles_under_the_lock_while_two_slots_are_f
 
 def test_background_routes_a_batch_through_a_built_larger_bucket(modules, monkeypatch):
     """With only bucket 4 built, a batch of two runs padded in it (one batched call), compiling nothing."""
-    monkeypatch.setattr(ARDiffusionModelRunner, "_compile_buckets_in_background", lambda self: None)
+    monkeypatch.setattr(Warmup, "_compile_in_background", lambda self: None)
     pipeline, engine = _engine(modules, "background")
     try:
         engine.generate_batch(_requests(0, PLAYERS))  # one by one: nothing built
         runner = engine.runner
-        runner._forced_bucket = 4  # what the compiler thread does for bucket 4 alone
-        runner._warmup_bucket(4, num_sessions=2)
-        runner._forced_bucket = None
-        runner._compiled_buckets |= {4}
+        runner._batches.forced_bucket = 4  # what the compiler thread does for bucket 4 alone
+        runner._warmup.warm_up_bucket(4, num_sessions=2)
+        runner._batches.forced_bucket = None
+        runner._batches.compiled |= {4}
         calls = []
         forward_batch = pipeline.forward_batch
         monkeypatch.setattr(pipeline, "forward_batch", lambda requests: calls.append(len(requests))
@@ -214,13 +195,13 @@ def test_background_routes_a_batch_through_a_built_larger_bucket(modules, monkey
 
 def test_close_stops_the_background_compiler(modules, monkeypatch):
     started = threading.Event()
-    original = ARDiffusionModelRunner._warmup_bucket
+    original = Warmup.warm_up_bucket
 
     def slow(self, bucket, **kwargs):
         started.set()
         return original(self, bucket, **kwargs)
 
-    monkeypatch.setattr(ARDiffusionModelRunner, "_warmup_bucket", slow)
+    monkeypatch.setattr(Warmup, "warm_up_bucket", slow)
     pipeline, engine = _engine(modules, "background")
     assert started.wait(60)
     engine.close()
@@ -231,18 +212,18 @@ def test_close_stops_the_twin_between_buckets_waits_for_it_and_frees_its_pools(m
     """close() during the twin's first bucket: the twin builds no other bucket, and once close()
     returns the compiler thread is gone and the twin's pools are freed (issue 43, item 4)."""
     inside = threading.Event()
-    original = ARDiffusionModelRunner._warmup_bucket
+    original = Warmup.warm_up_bucket
     serving: list[ARDiffusionModelRunner] = []
     twins: list[tuple[ARDiffusionModelRunner, int]] = []
 
     def held(self, bucket, **kwargs):
-        if serving and self is not serving[0]:  # the twin runner, on the compiler thread
-            twins.append((self, bucket))
+        if serving and self._runner is not serving[0]:  # the twin runner's warmup, on the compiler thread
+            twins.append((self._runner, bucket))
             inside.set()
             serving[0]._stop_compiling.wait(60)  # go on once close() has asked the compiler to stop
         return original(self, bucket, **kwargs)
 
-    monkeypatch.setattr(ARDiffusionModelRunner, "_warmup_bucket", held)
+    monkeypatch.setattr(Warmup, "warm_up_bucket", held)
     original_init = ARDiffusionModelRunner.__init__
 
     def remember(self, *args, **kwargs):
@@ -256,7 +237,7 @@ def test_close_stops_the_twin_between_buckets_waits_for_it_and_frees_its_pools(m
         assert inside.wait(60)
     finally:
         engine.close()
-    compiler = engine.runner._bucket_compiler
+    compiler = engine.runner._warmup.thread
     assert compiler is not None and not compiler.is_alive()  # close() waited for the compiler
     assert [bucket for _, bucket in twins] == [2]  # stopped between buckets: bucket 4 never started
     twin = twins[0][0]
@@ -275,7 +256,7 @@ def test_interpreter_exit_during_a_background_compile_is_clean(tmp_path):
         "from ardiff_jax.models import SpriteWorldPipeline, SpriteWorldPipelineConfig\n"
         "pipeline = SpriteWorldPipeline('sprite_world', SpriteWorldPipelineConfig(session_capacity=4))\n"
         f"engine = ARDiffusionEngine(pipeline, EngineConfig(**{CONFIG!r}, batch_compile='background'))\n"
-        "assert engine.runner._bucket_compiler.is_alive()\n"
+        "assert engine.runner._warmup.thread.is_alive()\n"
         "print('exiting while compiling', flush=True)\n"
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)

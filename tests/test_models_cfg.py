@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import math
 
-import jax
 import numpy as np
 import pytest
+from helpers import count_compiles
+from models_reference import ReferenceCFG, ReferenceLRU
 
 from ardiff_jax import WARMUP_SESSION_ID, ARDiffusionEngine, DiffusionRequest, EngineConfig, SupportsARDiffusionWarmup
 from ardiff_jax.geometries import medium as medium_geometry
 from ardiff_jax.geometries import tiny as tiny_geometry
 from ardiff_jax.models import CFGPipelineConfig, CFGWorldActionPipeline, dit_preset
-from models_reference import ReferenceCFG, ReferenceLRU
 
 #: float32; as for the world pipeline only the summation order of attention differs, but the
 #: guidance ``neg + 5 * (pos - neg)`` amplifies branch differences 5x (worst measured value in
@@ -25,7 +25,6 @@ TOLERANCE = 5e-5
 #: first use and is cached for the process.
 CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0, warmup=False)
 WARMUP = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +105,13 @@ def test_warmup_provider_schema_and_load():
         assert dict(request.extra_args) == {"reset": index == 0, "session_id": "w"}
         view = request.inputs["observation"]["observation/wrist_image_left"]
         assert view.shape[0] == (1 if index == 0 else 4)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE:
-            compiles.append(kwargs.get("fun_name"))
-
     engine = ARDiffusionEngine(pipeline, WARMUP)  # runs the warmup under the warmup session id
     assert engine.sessions == () and WARMUP_SESSION_ID not in pipeline.session_ids
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:  # new sessions, LRU eviction (4 ids > capacity 3), the window filling and wrapping
+    with count_compiles() as compiles:  # new sessions, LRU eviction (4 ids > capacity 3), the window filling and wrapping
         for r in range(8):
             for sid in ("a", "b", "c", "d")[: 2 + r % 3]:
                 first = sid not in engine.sessions
                 engine.generate(_request(pipeline, sid, 1 if first else 4, seed=r)[0])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"warmup did not cover the rollout's programs: {compiles}"
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 
-import jax
 import numpy as np
 import pytest
+from helpers import count_compiles
+from models_reference import ReferenceLRU, ReferenceWorld, visible_history_frames
 
 from ardiff_jax import (
     ARDiffusionEngine,
@@ -20,7 +19,6 @@ from ardiff_jax import (
     SupportsStepExecution,
 )
 from ardiff_jax.models import WorldPipeline, dit_preset
-from models_reference import ReferenceLRU, ReferenceWorld, visible_history_frames
 
 #: float32 end to end. The paged path reads the ring in physical (not time) order and merges
 #: history and current block with a shared log-sum-exp; the reference concatenates in time
@@ -35,7 +33,6 @@ TOLERANCE = 1e-5
 #: first use and is cached for the process.
 CONFIG = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0, warmup=False)
 WARMUP = EngineConfig(dtype="float32", available_memory_bytes=10**9, gpu_memory_fraction=1.0)
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +43,6 @@ def pipeline_factory():
         return WorldPipeline("tiny", modules=base.modules, **kwargs)
 
     return make
-
-
-@contextlib.contextmanager
-def count_compiles() -> Iterator[list[str]]:
-    names: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE:
-            names.append(str(kwargs.get("fun_name", "?")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _action(rng: np.random.Generator, cfg) -> np.ndarray:
