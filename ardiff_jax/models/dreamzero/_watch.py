@@ -60,7 +60,7 @@ class PredictedVideoDecoder:
         """``(frames uint8[F, H, W, 3], info)``; ``info``: ``robot_inference``, ``episode_start`` and ``continued``
         (whether the chunk continued the stream: False starts a fresh cache)."""
         from ardiff_jax.models._pixels import latents_to_frames
-        from ardiff_jax.models.wan._vae import decode_step, init_decode_cache
+        from ardiff_jax.models.wan import decode_step, init_decode_cache
 
         if not isinstance(video, PredictedVideo):
             raise TypeError(f"decode takes a PredictedVideo, got {type(video).__name__}")
