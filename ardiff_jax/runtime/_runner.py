@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -47,11 +46,9 @@ from ardiff_jax.capability import (
 )
 from ardiff_jax.runtime._batch import (
     ARDiffusionBatchError,
-    ARDiffusionKVBatch,
     SessionRestoreError,
-    batch_buckets,
-    bucket_for,
 )
+from ardiff_jax.runtime._batch_runner import BatchRunner, Warmup, stop_every_compiler
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
 from ardiff_jax.runtime._gate import PipelineGate, committing, kv_cache_spec, shard_model
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
@@ -96,17 +93,9 @@ _PIPELINE_METHODS = (
 #: Pipelines bound to an open runner (by id; the runner keeps its pipeline alive, so ids stay unique).
 _BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = weakref.WeakValueDictionary()
 
-#: How long ``close()`` (and interpreter exit) waits for the bucket compiler: it stops at its
-#: next bucket, so this bounds one bucket's compile; past it, close goes on and logs.
-_COMPILER_JOIN_TIMEOUT_S = 600.0
-
 #: Exclusive bound of a fork's ``noise_seed``: the request seeds' (``inputs["seed"]`` in the
 #: pipelines, ``seed`` in the server protocol), so a fork's seed is one a request could give.
 _MAX_NOISE_SEED = 2**31
-
-#: Runners whose background bucket compiler may still run (weakly held: a dropped runner is not kept).
-_COMPILING_RUNNERS: weakref.WeakSet[ARDiffusionModelRunner] = weakref.WeakSet()
-
 
 def _stop_bucket_compilers() -> None:
     """At interpreter exit: stop every background bucket compiler and wait for it.
@@ -115,8 +104,7 @@ def _stop_bucket_compilers() -> None:
     aborts the process (SIGABRT). Registered after ``import jax`` above, so it runs before
     jax's own exit handlers (atexit runs last-registered first).
     """
-    for runner in list(_COMPILING_RUNNERS):
-        runner._stop_bucket_compiler()
+    stop_every_compiler()
 
 
 atexit.register(_stop_bucket_compilers)
@@ -188,7 +176,8 @@ class ARDiffusionModelRunner:
                 raise
         # Batched forwards need the pipeline's protocol and pools on one device (a mesh runs batches one by one).
         self._gate = PipelineGate(pipeline, self._kv_cache, batched=config.mesh is None)
-        self._batch_buckets = batch_buckets(self._kv_cache.session_capacity)
+        self._batches = BatchRunner(self._gate, self._kv_cache, run_one=self._execute_admitted,
+                                    fail_closed=self._fail_closed)
         self._residency = Residency(self._kv_cache, self._gate, self._events,
                                     config.host_offload_bytes if self._gate.can_export else 0)
         # The policy objects, read by the entry points (the residency changes them).
@@ -199,24 +188,14 @@ class ARDiffusionModelRunner:
                            config.host_offload_bytes, type(pipeline).__name__)
         logger.info("%s", self._kv_cache.plan)
         _BOUND_PIPELINES[id(pipeline)] = self
-        # Batch buckets whose programs are compiled (batch_compile: eager at load, background by
-        # the compiler thread, lazy on first use); only "background" routes around the others.
-        # Changed under the runner lock only, by rebinding a new frozenset: a reader outside the lock
-        # (compiled_batch_buckets) iterates a value nobody changes.
-        self._compiled_buckets: frozenset[int] = frozenset()
-        self._forced_bucket: int | None = None  # the bucket a background warmup batch is padded to
         self._stop_compiling = threading.Event() if _stop_compiling is None else _stop_compiling
-        self._bucket_compiler: threading.Thread | None = None
+        self._warmup = Warmup(self, self._batches, self._stop_compiling)
         try:
-            self._warmup()
+            self._warmup.run()
         except BaseException:  # e.g. KeyboardInterrupt while compiling: free the pools and the pipeline
             self.close()
             raise
-        if self._batches_to_compile():
-            self._bucket_compiler = threading.Thread(target=self._compile_buckets_in_background,
-                                                     name="ardiff-jax bucket compiler", daemon=True)
-            _COMPILING_RUNNERS.add(self)
-            self._bucket_compiler.start()
+        self._warmup.start_background()
 
     # -- read-only views ---------------------------------------------------------------------
     @property
@@ -242,12 +221,12 @@ class ARDiffusionModelRunner:
     @property
     def batch_buckets(self) -> tuple[int, ...]:
         """Padded batch sizes of batched forwards (:func:`~ardiff_jax.runtime.batch_buckets` of the capacity)."""
-        return self._batch_buckets
+        return self._batches.buckets
 
     @property
     def compiled_batch_buckets(self) -> tuple[int, ...]:
         """The batch buckets whose programs have run (all of them after an eager warmup)."""
-        return tuple(sorted(self._compiled_buckets))
+        return tuple(sorted(self._batches.compiled))
 
     def wait_for_batch_compilation(self, timeout: float | None = None) -> bool:
         """Wait until the background bucket compiler is done (``batch_compile="background"``).
@@ -255,11 +234,7 @@ class ARDiffusionModelRunner:
         Returns whether it is (True at once in the other modes). After it, no batch of any
         size compiles anything, as after an eager warmup.
         """
-        compiler = self._bucket_compiler
-        if compiler is not None:
-            compiler.join(timeout)
-            return not compiler.is_alive()
-        return True
+        return self._warmup.wait(timeout)
 
     @property
     def supports_batched_forward(self) -> bool:
@@ -396,7 +371,7 @@ class ARDiffusionModelRunner:
             states, admission_failures = self._residency.admit_batch([sid for sid in session_ids if sid not in failures])
             failures.update(admission_failures)
             running = [i for i, sid in enumerate(session_ids) if sid not in failures]
-            ran_outputs, errors = self._run_batch([session_ids[i] for i in running], [requests[i] for i in running],
+            ran_outputs, errors = self._batches.run([session_ids[i] for i in running], [requests[i] for i in running],
                                                   [states[session_ids[i]] for i in running]) if running else ([], {})
             outputs: list[Any] = [None] * len(requests)
             for i, output in zip(running, ran_outputs, strict=True):
@@ -456,168 +431,6 @@ class ARDiffusionModelRunner:
         for session_id, request in zip(session_ids, requests, strict=True):
             self._validate_request(session_id, request, restore_failures, dry_run=dry_run)
         return parsed
-
-    def _run_batch(self, session_ids: list[str], requests: list[DiffusionRequest],
-                   states: list[ARDiffusionKVState]) -> tuple[list[Any], dict[str, BaseException]]:
-        """``(outputs, errors)``: one batched forward, or one by one when it cannot run or raised."""
-        if not self._gate.can_batch or len(requests) == 1:
-            return self._run_one_by_one(session_ids, requests)
-        before = [(state._value, dict(state._pending)) for state in states]
-        bucket = self._forced_bucket or self._bucket_to_run(len(states))
-        if bucket is None:  # background mode: no compiled bucket holds it yet, and one session's program is built
-            return self._run_one_by_one(session_ids, requests)
-        batch = ARDiffusionKVBatch(self._kv_cache, states, bucket)
-        try:
-            outputs = self._gate.batched_forward(session_ids, states, batch, requests)
-            # An asynchronous device error surfaces here, not in forward_batch: the staged model
-            # state (batch.defer_publish) is awaited too and installed only after this returned.
-            self._gate.synchronize((outputs, batch._deferred_arrays()))
-        except Exception as error:
-            batch._drop_deferred()  # never installed: the rerun starts from the model state before the batch
-            logger.warning("AR-Diffusion batched forward of sessions %s failed (%r); rerunning them one by one",
-                           session_ids, error)
-            if self._kv_cache.pools.is_deleted():  # nothing to rerun on: every session's KV is gone
-                self._fail_closed(session_ids[0], error)  # releases every resident session ("pools_lost")
-                return [None] * len(requests), dict.fromkeys(session_ids, error)
-            for state, (value, pending) in zip(states, before, strict=True):
-                if not state.closed:  # resident still: pipeline code cannot release a session
-                    state._pending = pending
-                    state._publish(value)
-            return self._run_one_by_one(session_ids, requests)
-        except BaseException as error:  # KeyboardInterrupt and the like: fail every session of the batch closed
-            for session_id in session_ids:
-                self._fail_closed(session_id, error)
-            raise
-        try:
-            batch._publish_deferred()
-        except BaseException as error:  # model state half installed beside committed KV: nothing to rerun from
-            for session_id in session_ids:
-                self._fail_closed(session_id, error)
-            if not isinstance(error, Exception):
-                raise
-            return [None] * len(requests), dict.fromkeys(session_ids, error)
-        self._compiled_buckets |= {bucket}
-        return outputs, {}
-
-    def _batches_to_compile(self) -> bool:
-        """Whether a background compiler has buckets to build."""
-        return (self._config.batch_compile == "background" and self._config.warmup and self._gate.can_batch
-                and bool(self._batch_buckets) and self._gate.can_warm_up)
-
-    def _bucket_to_run(self, size: int) -> int | None:
-        """The bucket a batch of ``size`` runs in; None: run it one by one.
-
-        Eager and lazy: the smallest bucket holding it (lazy compiles it on first use). In
-        background mode, while the compiler thread has not built that bucket, the smallest
-        compiled one that holds it, else None: a request never waits for its own compile.
-        """
-        smallest = bucket_for(size, self._batch_buckets)
-        if self._bucket_compiler is None or smallest in self._compiled_buckets:
-            return smallest
-        ready = [bucket for bucket in self._compiled_buckets if bucket >= size]
-        return min(ready) if ready else None
-
-    def _compile_buckets_in_background(self) -> None:
-        """The compiler thread: on a twin pipeline when the pipeline offers one and it fits, else under the lock."""
-        try:
-            if self._gate.has_compile_twin and self._compile_buckets_on_a_twin():
-                return
-            self._compile_buckets_under_the_lock()
-        finally:
-            _COMPILING_RUNNERS.discard(self)
-
-    def _stop_bucket_compiler(self) -> None:
-        """Stop the background compiler and wait for it (it checks the flag between buckets).
-
-        Not from the compiler thread itself, nor while this thread holds the runner lock (the
-        compiler under the lock takes it per bucket): then only the flag is set.
-        """
-        self._stop_compiling.set()
-        compiler = self._bucket_compiler
-        if compiler is None or compiler is threading.current_thread() or self._lock._is_owned():
-            return
-        compiler.join(_COMPILER_JOIN_TIMEOUT_S)
-        if compiler.is_alive():  # pragma: no cover - a compile that outlasts the bound
-            logger.warning("AR-Diffusion background bucket compiler still running %.0f s after close; going on",
-                           _COMPILER_JOIN_TIMEOUT_S)
-
-    def _compile_buckets_on_a_twin(self) -> bool:
-        """Every bucket built by a twin runner of the same layout, outside this runner's lock; False: fall back.
-
-        The twin runner plans against the same memory budget, so its pools have this
-        runner's layout and its programs are the ones this runner's batches run; it holds a
-        second set of pools (the plan's bytes again) until it closes. Nothing of this runner
-        changes but the record of compiled buckets.
-        """
-        plan = self._kv_cache.plan
-        config = dataclasses.replace(self._config, batch_compile="eager", host_offload_bytes=0,
-                                     available_memory_bytes=plan.available_bytes,
-                                     gpu_memory_fraction=plan.gpu_memory_fraction)
-        if self._stop_compiling.is_set():  # closed before the thread got here: no twin, no fallback
-            return True
-        try:
-            # The twin compiles every bucket inside its constructor; sharing the stop flag makes
-            # it stop between buckets when this runner closes (it is closed below either way).
-            twin = ARDiffusionModelRunner(self._gate.compile_twin(), config,
-                                          _stop_compiling=self._stop_compiling)
-        except Exception as error:  # e.g. no room for a second set of pools: compile under the lock instead
-            logger.warning("AR-Diffusion background compilation cannot use a twin pipeline (%r); compiling under "
-                           "the runner lock", error)
-            return False
-        try:
-            if self._stop_compiling.is_set():  # stopped between the twin's buckets: its pools go now
-                return True
-            if twin.kv_cache.layout != self._kv_cache.layout or twin.batch_buckets != self._batch_buckets:
-                logger.warning("AR-Diffusion twin pipeline planned another layout; compiling under the runner lock")
-                return False
-            with self._locked():  # every change under the lock (no compile here: the twin built them)
-                self._compiled_buckets |= set(twin.compiled_batch_buckets)
-        finally:
-            twin.close()
-            del twin  # the twin's pipeline and pools are freed with the thread, not kept by its frame
-        logger.info("AR-Diffusion background compilation built batch buckets %s on a twin pipeline",
-                    self._batch_buckets)
-        return True
-
-    def _compile_buckets_under_the_lock(self) -> None:
-        """Each bucket, smallest first, under the runner lock while two slots are free.
-
-        Each bucket runs the warmup requests of two warmup sessions as batches padded to the
-        bucket (padded rows change the data, not the program, so this builds exactly the
-        program a full batch runs) and releases them before it lets go of the lock, so no
-        caller ever sees them; while players hold all but one slot it waits. Errors are
-        logged and the bucket is marked anyway (its batches then compile on first use, as
-        under ``"lazy"``).
-        """
-        for bucket in self._batch_buckets:
-            while not self._stop_compiling.is_set():
-                with self._locked():
-                    if self._closed:
-                        return
-                    if self._kv_cache.num_free_slots >= 2:
-                        self._forced_bucket = bucket
-                        try:
-                            self._warmup_bucket(bucket, num_sessions=2)
-                        finally:
-                            self._forced_bucket = None
-                        self._compiled_buckets |= {bucket}
-                        break
-                self._stop_compiling.wait(0.2)
-            if self._stop_compiling.is_set():
-                return
-        logger.info("AR-Diffusion background compilation built batch buckets %s", self._batch_buckets)
-
-    def _run_one_by_one(self, session_ids: list[str], requests: list[DiffusionRequest]
-                        ) -> tuple[list[Any], dict[str, BaseException]]:
-        outputs: list[Any] = []
-        errors: dict[str, BaseException] = {}
-        for session_id, request in zip(session_ids, requests, strict=True):
-            try:
-                outputs.append(self._execute_admitted(session_id, request))
-            except Exception as error:
-                outputs.append(None)
-                errors[session_id] = error
-        return outputs, errors
 
     def _execute_admitted(self, session_id: str, request: DiffusionRequest) -> Any:
         """Bind, forward, wait, inside the fail-closed scope (the request is validated and reset already)."""
@@ -712,7 +525,7 @@ class ARDiffusionModelRunner:
         A background bucket compiler is stopped first and waited for (it stops at its next
         bucket, its twin's pools freed), outside the lock: it takes the lock per bucket.
         """
-        self._stop_bucket_compiler()
+        self._warmup.stop()
         with self._locked():
             if self._closed:
                 return
@@ -983,101 +796,6 @@ class ARDiffusionModelRunner:
                 logger.exception("AR-Diffusion could not reallocate the KV pools after losing them")
             logger.error("AR-Diffusion KV pools were lost during session %r; all sessions were released",
                          session_id)
-
-    def _warmup(self) -> None:
-        if not self._config.warmup:
-            logger.info("AR-Diffusion warmup disabled by config")
-            return
-        if not self._gate.can_warm_up:
-            logger.info("AR-Diffusion pipeline %s has no warmup provider; skipping warmup",
-                        type(self._pipeline).__name__)
-            return
-        free_before = self._kv_cache.num_free_slots
-        executed = 0
-        try:
-            for request in self._gate.warmup_requests(WARMUP_SESSION_ID):
-                if self._stop_compiling.is_set():  # a compile twin whose serving runner closed
-                    break
-                if not isinstance(request, DiffusionRequest):
-                    logger.warning("AR-Diffusion warmup yielded %r, not a DiffusionRequest; skipped", request)
-                    continue
-                try:
-                    session_id = self._request_session(request)[0]
-                except ValueError as error:
-                    logger.warning("AR-Diffusion warmup request %r is malformed (%s); skipped", request.request_id,
-                                   error)
-                    continue
-                if session_id != WARMUP_SESSION_ID:
-                    logger.warning("AR-Diffusion warmup request %r targets session %r instead of %r; skipped",
-                                   request.request_id, session_id, WARMUP_SESSION_ID)
-                    continue
-                try:
-                    self.execute_model(request)
-                    executed += 1
-                except Exception as error:
-                    logger.warning("AR-Diffusion warmup request %r failed: %r", request.request_id, error)
-        except Exception as error:
-            logger.warning("AR-Diffusion warmup provider failed: %r", error)
-        finally:
-            with self._locked():
-                self._residency.release(WARMUP_SESSION_ID, reset_model=False, reason="warmup_complete",
-                                      suppress_errors=True)
-            self._perf_e2e_times.clear()
-        logger.info("AR-Diffusion warmup ran %d request(s)", executed)
-        if self._config.batch_compile == "eager":
-            self._warmup_batches()
-        if self._kv_cache.num_free_slots != free_before:  # pragma: no cover - defensive
-            logger.warning("AR-Diffusion warmup left %d slot(s) in use",
-                           free_before - self._kv_cache.num_free_slots)
-
-
-    def _warmup_batches(self) -> None:
-        """Compile every batch bucket: per bucket, a batch of warmup sessions runs the warmup requests in turn.
-
-        Batch ``k`` of a bucket holds every warmup session's ``k``-th warmup request, so the
-        programs of a session's first block and of its later ones (which differ, e.g. for a
-        streaming VAE) are both compiled at every bucket. After it, batches of any
-        composition (sizes, fill levels, fresh and restored sessions) reuse the compiled
-        programs. Failures are logged, as any warmup's.
-        """
-        if not self._gate.can_batch or not self._batch_buckets:
-            return
-        for bucket in self._batch_buckets:
-            if self._stop_compiling.is_set():  # a compile twin whose serving runner closed: stop between buckets
-                logger.info("AR-Diffusion batch warmup stopped before bucket %d (the runner closed)", bucket)
-                return
-            if not self._warmup_bucket(bucket):
-                return
-            self._compiled_buckets |= {bucket}
-        logger.info("AR-Diffusion warmup compiled batch buckets %s", self._batch_buckets)
-
-    def _warmup_bucket(self, bucket: int, num_sessions: int | None = None) -> bool:
-        """Run warmup sessions' warmup requests as batches, then release them; False: provider unfit.
-
-        ``num_sessions`` (default ``bucket``) warmup sessions take part; the caller holds that
-        many free slots (the load, or the compiler thread under the lock).
-        """
-        session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(num_sessions or bucket)]
-        try:
-            sequences = [list(self._gate.warmup_requests(session_id)) for session_id in session_ids]
-            for requests in zip(*sequences, strict=False):
-                bad = [(request, session_id) for request, session_id in zip(requests, session_ids, strict=True)
-                       if not isinstance(request, DiffusionRequest) or self._request_session(request)[0] != session_id]
-                if bad:
-                    logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session %r",
-                                   *bad[0])
-                    return False
-                self.execute_model_batch(list(requests))
-        except Exception as error:
-            logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
-        finally:
-            with self._locked():
-                for session_id in session_ids:
-                    self._residency.release(session_id, reset_model=False, reason="warmup_complete",
-                                          suppress_errors=True)
-            self._perf_e2e_times.clear()
-        return True
-
 
 def check_distinct_sessions(session_ids: Sequence[str]) -> None:
     """ValueError naming the session ids that appear more than once in one batch."""

@@ -1,0 +1,370 @@
+"""The batch runner and the warmup / bucket compiler of an ``ARDiffusionModelRunner``.
+
+:class:`BatchRunner` runs the admitted sessions of one batch: it picks the bucket (the padded
+batch size whose program runs), runs one batched forward through the gate, rolls every
+session's bookkeeping back when that forward fails and reruns the requests one by one (the
+fallback), and records which buckets' programs have run. What a failure costs a session
+(fail-closed) is the runner's policy, handed in as ``fail_closed``; one request runs through
+the runner's ``run_one``.
+
+:class:`Warmup` runs the pipeline's warmup requests at load, compiles the batch buckets
+(eagerly at load, or on a background thread: on a twin pipeline when the pipeline offers
+one, else bucket by bucket under the runner lock) and stops that thread on close. It drives
+the runner's own entry points, so warmup runs exactly the code a request runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ardiff_jax.runtime._batch import ARDiffusionKVBatch, batch_buckets, bucket_for
+from ardiff_jax.runtime._events import WARMUP_SESSION_ID
+from ardiff_jax.runtime._gate import PipelineGate
+from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
+from ardiff_jax.runtime._state import ARDiffusionKVState
+from ardiff_jax.types import DiffusionRequest
+
+__all__ = ["BatchRunner", "Warmup", "stop_every_compiler"]
+
+logger = logging.getLogger("ardiff_jax.runtime")
+
+#: How long ``close()`` (and interpreter exit) waits for the bucket compiler: it stops at its
+#: next bucket, so this bounds one bucket's compile; past it, close goes on and logs.
+_COMPILER_JOIN_TIMEOUT_S = 600.0
+
+#: Warmups whose background bucket compiler may still run (weakly held: a dropped runner is not kept).
+_COMPILING: weakref.WeakSet[Warmup] = weakref.WeakSet()
+
+
+def stop_every_compiler() -> None:
+    """Stop every background bucket compiler and wait for it (the runner module registers it at exit)."""
+    for warmup in list(_COMPILING):
+        warmup.stop()
+
+
+class BatchRunner:
+    """Bucket choice, the batched run, its rollback, the one-by-one fallback and the compiled-bucket record.
+
+    Args:
+      gate: the runner's pipeline gate.
+      kv_cache: the runner's cache (the batch's pools).
+      run_one: ``run_one(session_id, request) -> output``: one admitted request, fail-closed.
+      fail_closed: ``fail_closed(session_id, error)``: the runner's release of a failed session.
+    """
+
+    def __init__(self, gate: PipelineGate, kv_cache: ARDiffusionKVCache, *,
+                 run_one: Callable[[str, DiffusionRequest], Any],
+                 fail_closed: Callable[[str, BaseException], None]) -> None:
+        self._gate = gate
+        self._kv_cache = kv_cache
+        self._run_one = run_one
+        self._fail_closed = fail_closed
+        self.buckets: tuple[int, ...] = batch_buckets(kv_cache.session_capacity)
+        # Batch buckets whose programs are compiled (batch_compile: eager at load, background by
+        # the compiler thread, lazy on first use); only "background" routes around the others.
+        # Changed under the runner lock only, by rebinding a new frozenset: a reader outside the lock
+        # (compiled_batch_buckets) iterates a value nobody changes.
+        self.compiled: frozenset[int] = frozenset()
+        self.forced_bucket: int | None = None  # the bucket a background warmup batch is padded to
+        self.background = False  # a background compiler builds the buckets: never wait for a compile
+
+    def bucket_to_run(self, size: int) -> int | None:
+        """The bucket a batch of ``size`` runs in; None: run it one by one.
+
+        Eager and lazy: the smallest bucket holding it (lazy compiles it on first use). In
+        background mode, while the compiler thread has not built that bucket, the smallest
+        compiled one that holds it, else None: a request never waits for its own compile.
+        """
+        smallest = bucket_for(size, self.buckets)
+        if not self.background or smallest in self.compiled:
+            return smallest
+        ready = [bucket for bucket in self.compiled if bucket >= size]
+        return min(ready) if ready else None
+
+    def run(self, session_ids: list[str], requests: list[DiffusionRequest],
+            states: list[ARDiffusionKVState]) -> tuple[list[Any], dict[str, BaseException]]:
+        """``(outputs, errors)``: one batched forward, or one by one when it cannot run or raised."""
+        if not self._gate.can_batch or len(requests) == 1:
+            return self.run_one_by_one(session_ids, requests)
+        before = [(state._value, dict(state._pending)) for state in states]
+        bucket = self.forced_bucket or self.bucket_to_run(len(states))
+        if bucket is None:  # background mode: no compiled bucket holds it yet, and one session's program is built
+            return self.run_one_by_one(session_ids, requests)
+        batch = ARDiffusionKVBatch(self._kv_cache, states, bucket)
+        try:
+            outputs = self._gate.batched_forward(session_ids, states, batch, requests)
+            # An asynchronous device error surfaces here, not in forward_batch: the staged model
+            # state (batch.defer_publish) is awaited too and installed only after this returned.
+            self._gate.synchronize((outputs, batch._deferred_arrays()))
+        except Exception as error:
+            batch._drop_deferred()  # never installed: the rerun starts from the model state before the batch
+            logger.warning("AR-Diffusion batched forward of sessions %s failed (%r); rerunning them one by one",
+                           session_ids, error)
+            if self._kv_cache.pools.is_deleted():  # nothing to rerun on: every session's KV is gone
+                self._fail_closed(session_ids[0], error)  # releases every resident session ("pools_lost")
+                return [None] * len(requests), dict.fromkeys(session_ids, error)
+            for state, (value, pending) in zip(states, before, strict=True):
+                if not state.closed:  # resident still: pipeline code cannot release a session
+                    state._pending = pending
+                    state._publish(value)
+            return self.run_one_by_one(session_ids, requests)
+        except BaseException as error:  # KeyboardInterrupt and the like: fail every session of the batch closed
+            for session_id in session_ids:
+                self._fail_closed(session_id, error)
+            raise
+        try:
+            batch._publish_deferred()
+        except BaseException as error:  # model state half installed beside committed KV: nothing to rerun from
+            for session_id in session_ids:
+                self._fail_closed(session_id, error)
+            if not isinstance(error, Exception):
+                raise
+            return [None] * len(requests), dict.fromkeys(session_ids, error)
+        self.compiled |= {bucket}
+        return outputs, {}
+
+    def run_one_by_one(self, session_ids: list[str], requests: list[DiffusionRequest]
+                       ) -> tuple[list[Any], dict[str, BaseException]]:
+        outputs: list[Any] = []
+        errors: dict[str, BaseException] = {}
+        for session_id, request in zip(session_ids, requests, strict=True):
+            try:
+                outputs.append(self._run_one(session_id, request))
+            except Exception as error:
+                outputs.append(None)
+                errors[session_id] = error
+        return outputs, errors
+
+
+class Warmup:
+    """Load-time warmup, the eager bucket compile and the background bucket compiler of one runner.
+
+    Args:
+      runner: the ``ARDiffusionModelRunner`` it warms up (its entry points run the warmup
+        requests; its lock guards every change).
+      batches: the runner's batch runner (the buckets and their record).
+      stop: the stop flag; a compile twin shares its serving runner's, so that runner's
+        ``close()`` stops the twin's warmup between buckets.
+    """
+
+    def __init__(self, runner: Any, batches: BatchRunner, stop: threading.Event) -> None:
+        self._runner = runner
+        self._batches = batches
+        self._stop = stop
+        self.thread: threading.Thread | None = None
+
+    # -- at load ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """The pipeline's warmup requests on the warmup session, then (``"eager"``) every batch bucket."""
+        runner = self._runner
+        config, gate, kv_cache = runner.config, runner._gate, runner.kv_cache
+        if not config.warmup:
+            logger.info("AR-Diffusion warmup disabled by config")
+            return
+        if not gate.can_warm_up:
+            logger.info("AR-Diffusion pipeline %s has no warmup provider; skipping warmup", gate.name)
+            return
+        free_before = kv_cache.num_free_slots
+        executed = 0
+        try:
+            for request in gate.warmup_requests(WARMUP_SESSION_ID):
+                if self._stop.is_set():  # a compile twin whose serving runner closed
+                    break
+                if not isinstance(request, DiffusionRequest):
+                    logger.warning("AR-Diffusion warmup yielded %r, not a DiffusionRequest; skipped", request)
+                    continue
+                try:
+                    session_id = runner._request_session(request)[0]
+                except ValueError as error:
+                    logger.warning("AR-Diffusion warmup request %r is malformed (%s); skipped", request.request_id,
+                                   error)
+                    continue
+                if session_id != WARMUP_SESSION_ID:
+                    logger.warning("AR-Diffusion warmup request %r targets session %r instead of %r; skipped",
+                                   request.request_id, session_id, WARMUP_SESSION_ID)
+                    continue
+                try:
+                    runner.execute_model(request)
+                    executed += 1
+                except Exception as error:
+                    logger.warning("AR-Diffusion warmup request %r failed: %r", request.request_id, error)
+        except Exception as error:
+            logger.warning("AR-Diffusion warmup provider failed: %r", error)
+        finally:
+            self._release([WARMUP_SESSION_ID])
+        logger.info("AR-Diffusion warmup ran %d request(s)", executed)
+        if config.batch_compile == "eager":
+            self._compile_every_bucket()
+        if kv_cache.num_free_slots != free_before:  # pragma: no cover - defensive
+            logger.warning("AR-Diffusion warmup left %d slot(s) in use", free_before - kv_cache.num_free_slots)
+
+    def _compile_every_bucket(self) -> None:
+        """Compile every batch bucket: per bucket, a batch of warmup sessions runs the warmup requests in turn.
+
+        Batch ``k`` of a bucket holds every warmup session's ``k``-th warmup request, so the
+        programs of a session's first block and of its later ones (which differ, e.g. for a
+        streaming VAE) are both compiled at every bucket. After it, batches of any
+        composition (sizes, fill levels, fresh and restored sessions) reuse the compiled
+        programs. Failures are logged, as any warmup's.
+        """
+        batches = self._batches
+        if not self._runner._gate.can_batch or not batches.buckets:
+            return
+        for bucket in batches.buckets:
+            if self._stop.is_set():  # a compile twin whose serving runner closed: stop between buckets
+                logger.info("AR-Diffusion batch warmup stopped before bucket %d (the runner closed)", bucket)
+                return
+            if not self.warm_up_bucket(bucket):
+                return
+            batches.compiled |= {bucket}
+        logger.info("AR-Diffusion warmup compiled batch buckets %s", batches.buckets)
+
+    def warm_up_bucket(self, bucket: int, num_sessions: int | None = None) -> bool:
+        """Run warmup sessions' warmup requests as batches, then release them; False: provider unfit.
+
+        ``num_sessions`` (default ``bucket``) warmup sessions take part; the caller holds that
+        many free slots (the load, or the compiler thread under the lock).
+        """
+        runner = self._runner
+        session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(num_sessions or bucket)]
+        try:
+            sequences = [list(runner._gate.warmup_requests(session_id)) for session_id in session_ids]
+            for requests in zip(*sequences, strict=False):
+                bad = [(request, session_id) for request, session_id in zip(requests, session_ids, strict=True)
+                       if not isinstance(request, DiffusionRequest)
+                       or runner._request_session(request)[0] != session_id]
+                if bad:
+                    logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session %r",
+                                   *bad[0])
+                    return False
+                runner.execute_model_batch(list(requests))
+        except Exception as error:
+            logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
+        finally:
+            self._release(session_ids)
+        return True
+
+    def _release(self, session_ids: list[str]) -> None:
+        """Release warmup sessions (close hooks, errors logged) and forget the warmup's wall times."""
+        runner = self._runner
+        with runner._locked():
+            for session_id in session_ids:
+                runner._residency.release(session_id, reset_model=False, reason="warmup_complete",
+                                          suppress_errors=True)
+        runner._perf_e2e_times.clear()
+
+    # -- the background compiler ----------------------------------------------------------------------
+    def start_background(self) -> None:
+        """Start the compiler thread when ``batch_compile="background"`` has buckets to build."""
+        config, gate = self._runner.config, self._runner._gate
+        if not (config.batch_compile == "background" and config.warmup and gate.can_batch
+                and bool(self._batches.buckets) and gate.can_warm_up):
+            return
+        self._batches.background = True
+        self.thread = threading.Thread(target=self._compile_in_background, name="ardiff-jax bucket compiler",
+                                       daemon=True)
+        _COMPILING.add(self)
+        self.thread.start()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait for the compiler thread; whether it is done (True at once without one)."""
+        thread = self.thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the background compiler and wait for it (it checks the flag between buckets).
+
+        Not from the compiler thread itself, nor while this thread holds the runner lock (the
+        compiler under the lock takes it per bucket): then only the flag is set.
+        """
+        self._stop.set()
+        thread = self.thread
+        if thread is None or thread is threading.current_thread() or self._runner._lock._is_owned():
+            return
+        thread.join(_COMPILER_JOIN_TIMEOUT_S)
+        if thread.is_alive():  # pragma: no cover - a compile that outlasts the bound
+            logger.warning("AR-Diffusion background bucket compiler still running %.0f s after close; going on",
+                           _COMPILER_JOIN_TIMEOUT_S)
+
+    def _compile_in_background(self) -> None:
+        """The compiler thread: on a twin pipeline when the pipeline offers one and it fits, else under the lock."""
+        try:
+            if self._runner._gate.has_compile_twin and self._compile_on_a_twin():
+                return
+            self._compile_under_the_lock()
+        finally:
+            _COMPILING.discard(self)
+
+    def _compile_on_a_twin(self) -> bool:
+        """Every bucket built by a twin runner of the same layout, outside this runner's lock; False: fall back.
+
+        The twin runner plans against the same memory budget, so its pools have this
+        runner's layout and its programs are the ones this runner's batches run; it holds a
+        second set of pools (the plan's bytes again) until it closes. Nothing of this runner
+        changes but the record of compiled buckets.
+        """
+        runner, batches = self._runner, self._batches
+        plan = runner.kv_cache.plan
+        config = dataclasses.replace(runner.config, batch_compile="eager", host_offload_bytes=0,
+                                     available_memory_bytes=plan.available_bytes,
+                                     gpu_memory_fraction=plan.gpu_memory_fraction)
+        if self._stop.is_set():  # closed before the thread got here: no twin, no fallback
+            return True
+        try:
+            # The twin compiles every bucket inside its constructor; sharing the stop flag makes
+            # it stop between buckets when this runner closes (it is closed below either way).
+            twin = type(runner)(runner._gate.compile_twin(), config, _stop_compiling=self._stop)
+        except Exception as error:  # e.g. no room for a second set of pools: compile under the lock instead
+            logger.warning("AR-Diffusion background compilation cannot use a twin pipeline (%r); compiling under "
+                           "the runner lock", error)
+            return False
+        try:
+            if self._stop.is_set():  # stopped between the twin's buckets: its pools go now
+                return True
+            if twin.kv_cache.layout != runner.kv_cache.layout or twin.batch_buckets != batches.buckets:
+                logger.warning("AR-Diffusion twin pipeline planned another layout; compiling under the runner lock")
+                return False
+            with runner._locked():  # every change under the lock (no compile here: the twin built them)
+                batches.compiled |= set(twin.compiled_batch_buckets)
+        finally:
+            twin.close()
+            del twin  # the twin's pipeline and pools are freed with the thread, not kept by its frame
+        logger.info("AR-Diffusion background compilation built batch buckets %s on a twin pipeline", batches.buckets)
+        return True
+
+    def _compile_under_the_lock(self) -> None:
+        """Each bucket, smallest first, under the runner lock while two slots are free.
+
+        Each bucket runs the warmup requests of two warmup sessions as batches padded to the
+        bucket (padded rows change the data, not the program, so this builds exactly the
+        program a full batch runs) and releases them before it lets go of the lock, so no
+        caller ever sees them; while players hold all but one slot it waits. Errors are
+        logged and the bucket is marked anyway (its batches then compile on first use, as
+        under ``"lazy"``).
+        """
+        runner, batches = self._runner, self._batches
+        for bucket in batches.buckets:
+            while not self._stop.is_set():
+                with runner._locked():
+                    if runner.closed:
+                        return
+                    if runner.kv_cache.num_free_slots >= 2:
+                        batches.forced_bucket = bucket
+                        try:
+                            self.warm_up_bucket(bucket, num_sessions=2)
+                        finally:
+                            batches.forced_bucket = None
+                        batches.compiled |= {bucket}
+                        break
+                self._stop.wait(0.2)
+            if self._stop.is_set():
+                return
+        logger.info("AR-Diffusion background compilation built batch buckets %s", batches.buckets)
