@@ -26,26 +26,23 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
+from ardiff_jax import _registry
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax._compile_events import recording_compiles
 from ardiff_jax.capability import ARDiffusionKVCacheSpec, spec_summary
-from ardiff_jax.models import (
-    DIT_PRESETS,
-    CFGPipelineConfig,
-    CFGWorldActionPipeline,
-    WorldPipeline,
-    WorldPipelineConfig,
-    dit_preset,
-)
-from ardiff_jax.models.wan import CausalWanPipeline, CausalWanPipelineConfig
+from ardiff_jax.models import DIT_PRESETS, dit_preset
+from ardiff_jax.models.wan import CausalWanPipeline
 from ardiff_jax.runtime import ARDiffusionEngine, MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.types import DiffusionRequest, EngineConfig, check_kv_dtype
 
 __all__ = ["TimedGenerationOptions", "plan_timed_generation", "run_timed_generation"]
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_PIPELINES = {"world": (WorldPipeline, WorldPipelineConfig), "cfg": (CFGWorldActionPipeline, CFGPipelineConfig),
-              "wan": (CausalWanPipeline, CausalWanPipelineConfig)}
+
+
+def _pipelines() -> tuple[str, ...]:
+    """The pipelines a timed generation runs: the models that the registry gives ``rollout``."""
+    return tuple(entry.name for entry in _registry.models("rollout"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +67,8 @@ class TimedGenerationOptions:
 
     def validate(self) -> None:
         """ValueError naming the first bad field (host only, no weights, no device work)."""
-        if self.pipeline not in _PIPELINES:
-            raise ValueError(f"pipeline must be one of {sorted(_PIPELINES)}, got {self.pipeline!r}")
+        if self.pipeline not in _pipelines():
+            raise ValueError(f"pipeline must be one of {sorted(_pipelines())}, got {self.pipeline!r}")
         if self.preset not in DIT_PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {sorted(DIT_PRESETS)}")
         check_positive_int("sessions", self.sessions)
@@ -93,8 +90,7 @@ class TimedGenerationOptions:
 
     def kv_spec(self) -> ARDiffusionKVCacheSpec:
         """The KV spec the run's pipeline will report, from the preset alone (no weights)."""
-        pipeline_cls, config_cls = _PIPELINES[self.pipeline]
-        return pipeline_cls.kv_spec_for(dit_preset(self.preset), config_cls(session_capacity=self.sessions))
+        return _registry.model(self.pipeline, "rollout").kv_spec(self.preset, self.sessions)
 
 
 def plan_timed_generation(options: TimedGenerationOptions) -> MemoryPlan:
@@ -159,7 +155,7 @@ def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | No
     """Check the plan, build the pipeline and engine, generate, and return the JSON-ready summary."""
     plan_timed_generation(options)  # fails before any weight is built
     config = dit_preset(options.preset)
-    pipeline_cls, config_cls = _PIPELINES[options.pipeline]
+    pipeline_cls, config_cls = _registry.model(options.pipeline, "rollout").pipeline_classes()
     compile_seconds: list[float] = []  # a load from jax's persistent cache counts its load time
     with recording_compiles(lambda program: compile_seconds.append(program.seconds)):
         load_start = time.perf_counter()

@@ -50,6 +50,10 @@ import time
 from typing import Any
 from collections.abc import Sequence
 
+from ardiff_jax import _registry
+from ardiff_jax._console import plural as _plural
+from ardiff_jax._console import refuse as _refuse
+from ardiff_jax._console import say as _say
 from ardiff_jax.capability import spec_summary
 from ardiff_jax.geometries import EXAMPLE_GEOMETRIES, example_spec
 from ardiff_jax.runtime import free_memory_bytes, plan_memory
@@ -240,6 +244,7 @@ OPTIONAL_MODULES = {
     "uvicorn": ("uvicorn", "serve"),
     "websockets": ("websockets", "serve"),
     "prometheus_client": ("prometheus-client", "serve"),
+    "msgpack": ("msgpack", "serve"),
     "optax": ("optax", "train"),
     "orbax.checkpoint": ("orbax-checkpoint", "train"),
     "matplotlib": ("matplotlib", "train"),
@@ -286,8 +291,9 @@ def required_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
         needed.append(("av", "writing the MP4"))
     elif command == "serve":
         needed += list(_SERVER_MODULES)
-        if getattr(args, "model", None) == "dreamzero":
-            needed.append(("msgpack", "the robot-policy protocol"))
+    if command in _registry.COMMANDS:  # and what the chosen model imports beyond its command's own
+        entry = _registry.selected(command, args)
+        needed += [(module, why) for where, module, why in (entry.modules if entry else ()) if where == command]
     files = {"rollout": ("checkpoint",), "generate": ("weights", "vae", "text_encoder", "lora", "clip"),
              "serve": ("weights", "vae", "text_encoder", "lora", "clip")}.get(command, ())
     torch_files = [f"--{name.replace('_', '-')}" for name in files if _reads_torch(getattr(args, name, None))]
@@ -321,19 +327,9 @@ def missing_dependencies(args: argparse.Namespace) -> str | None:
     return f"not installed: {names}; install: pip install {install}"
 
 
-# -- presets: which CausalDiT presets (ardiff_jax.models.DIT_PRESETS) each model runs on ----------
-# Written out here so that building the parser imports no model code; tests/test_first_hour.py
-# keeps them equal to what the pipelines accept.
-
-#: WorldPipeline (rollout --pipeline world, serve --pipeline world): random-weights reference geometries.
-WORLD_PRESETS = ("tiny", "medium", "wan_1_3b")
-#: CFGWorldActionPipeline (rollout --pipeline cfg): needs action and state register tokens.
-CFG_PRESETS = ("tiny", "medium")
-#: CausalWanPipeline (generate/serve --model wan, rollout --pipeline wan): wan-tiny is a small network for a CPU.
-WAN_PRESETS = ("wan-tiny", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b")
-#: MatrixGamePipeline (generate/serve --model matrix-game): matrix-game-tiny runs on a CPU.
-MATRIX_GAME_PRESETS = ("matrix-game-tiny", "matrix-game-2-universal", "matrix-game-2-gta-drive",
-                       "matrix-game-2-templerun")
+# -- models and presets: one registry (ardiff_jax._registry) that generate, serve and rollout share ---------
+# Each command's --model/--pipeline choices, --preset list, checks and builders come from the registry's
+# entries; importing it imports no model code, so building the parser stays cheap.
 
 
 def _preset_choices(groups: dict[str, Sequence[str]]) -> str:
@@ -353,16 +349,25 @@ def _preset_argument(groups: dict[str, Sequence[str]]) -> Any:
     return preset
 
 
-def _wrong_preset(flag: str, preset: str, names: Sequence[str]) -> str:
-    return f"argument --preset: {preset!r} is not a preset of {flag}; choose from {', '.join(names)}"
+def _model_choices(command: str, flag: str) -> tuple[str, ...]:
+    """The values ``command``'s ``flag`` (``--model``, ``--pipeline``, ``--pretrained``) takes: the registry's."""
+    return tuple(entry.name for entry in _registry.models(command, flag))
 
 
-_GENERATE_PRESETS = {"--model wan": WAN_PRESETS, "--model matrix-game": MATRIX_GAME_PRESETS}
-_ROLLOUT_PRESETS = {"--pipeline world": WORLD_PRESETS, "--pipeline cfg": CFG_PRESETS, "--pipeline wan": WAN_PRESETS}
-#: DreamZero's presets (``serve --model dreamzero --random-weights``; the tiny one runs on a CPU).
-DREAMZERO_PRESETS = ("dreamzero-tiny", "dreamzero-droid", "dreamzero-wan22-5b")
-_SERVE_PRESETS = {"--pipeline world": WORLD_PRESETS, "--model wan": WAN_PRESETS,
-                  "--model matrix-game": MATRIX_GAME_PRESETS, "--model dreamzero": DREAMZERO_PRESETS}
+def _tiny_presets(command: str) -> str:
+    """``wan-tiny and matrix-game-tiny``: the presets of ``command``'s models that run on a CPU."""
+    tiny = [entry.tiny_preset for entry in _registry.models(command) if entry.tiny_preset is not None]
+    return ", ".join(tiny[:-1]) + (" and " if len(tiny) > 1 else "") + tiny[-1]
+
+
+def _refuse_preset(command: str, entry: _registry.ModelEntry, preset: str | None) -> int | None:
+    """Refuse a ``--preset`` that ``entry``'s model does not take (None: it takes it, or none was given)."""
+    if preset is None or preset in entry.presets:
+        return None
+    if not entry.presets:
+        takers = [other.selector(command) for other in _registry.models(command) if other.presets]
+        return _refuse(command, f"argument --preset: for {', '.join(takers[:-1])} or {takers[-1]}")
+    return _refuse(command, _registry.wrong_preset(entry.selector(command), preset, entry.presets))
 
 
 def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
@@ -448,12 +453,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _add_rollout(subparsers: argparse._SubParsersAction) -> None:
     rollout = subparsers.add_parser("rollout", **_about("rollout"))
-    rollout.add_argument("--pipeline", default="world", choices=("world", "cfg", "wan"),
+    rollout.add_argument("--pipeline", default="world", choices=_model_choices("rollout", "--pipeline"),
                          help="world: single-branch WorldPipeline; cfg: DreamZero-style CFGWorldActionPipeline; "
                               "wan: a published causal Wan (CausalWanPipeline; needs --checkpoint or --random-weights)")
-    rollout.add_argument("--preset", default="tiny", type=_preset_argument(_ROLLOUT_PRESETS), metavar="PRESET",
-                         help=f"network preset; {_preset_choices(_ROLLOUT_PRESETS)} (wan-tiny: a small network for "
-                              "a CPU)")
+    presets = _registry.preset_groups("rollout")
+    rollout.add_argument("--preset", default="tiny", type=_preset_argument(presets), metavar="PRESET",
+                         help=f"network preset; {_preset_choices(presets)} (wan-tiny: a small network for a CPU)")
     weights = rollout.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", default=None,
                          help="--pipeline wan: the checkpoint to load (.pt, .safetensors, Wan or diffusers directory)")
@@ -477,9 +482,9 @@ def _run_rollout(args: argparse.Namespace) -> int:
 
     if args.checkpoint is not None and not os.path.exists(args.checkpoint):
         return _refuse("rollout", f"argument --checkpoint: {args.checkpoint} does not exist")
-    names = _ROLLOUT_PRESETS[f"--pipeline {args.pipeline}"]
-    if args.preset not in names:
-        return _refuse("rollout", _wrong_preset(f"--pipeline {args.pipeline}", args.preset, names))
+    refused = _refuse_preset("rollout", _registry.selected("rollout", args), args.preset)
+    if refused is not None:
+        return refused
     options = TimedGenerationOptions(
         pipeline=args.pipeline, preset=args.preset, sessions=args.sessions, blocks=args.blocks, dtype=args.dtype,
         available_memory_bytes=_available_bytes(args), gpu_memory_fraction=args.fraction,
@@ -813,66 +818,6 @@ def _add_wan_arguments(parser: argparse.ArgumentParser, *, required: bool) -> No
                         help="where the text encoder runs (host: the CPU, to keep 11 GB off the accelerator)")
 
 
-def _check_wan_arguments(command: str, args: argparse.Namespace, *, embeds_allowed: bool) -> str | None:
-    """The first problem with the causal-Wan arguments, or None (host only, nothing built)."""
-    embeds = getattr(args, "prompt_embeds", None)
-    if args.random_weights:
-        if args.vae or args.text_encoder or embeds or args.lora:
-            return "--random-weights builds every part itself: drop --vae, --text-encoder, --prompt-embeds and --lora"
-        return None
-    if args.weights is None:
-        return "give --weights (a causal-Wan checkpoint) or --random-weights"
-    if args.vae is None:
-        return "argument --vae: needed to turn latents into video (Wan2.1_VAE.pth)"
-    if args.text_encoder is None and not (embeds_allowed and embeds):
-        return ("give --text-encoder with --tokenizer" + (", or --prompt-embeds per prompt" if embeds_allowed else ""))
-    if args.text_encoder is not None and args.tokenizer is None:
-        return "argument --tokenizer: needed with --text-encoder (umT5's tokenizer.json)"
-    return None
-
-
-def _build_wan(args: argparse.Namespace, pipeline_config: Any) -> Any:
-    """The CausalWanPipeline the arguments describe, with its VAE and (unless --prompt-embeds) text encoder."""
-    from ardiff_jax.models import dit_preset
-    from ardiff_jax.models.wan import (
-        CausalWanPipeline,
-        PlaceholderTextEncoder,
-        WanTextEncoder,
-        WanVAEConfig,
-        load_umt5,
-        load_vae,
-        random_vae,
-        with_policy,
-    )
-
-    if args.random_weights:
-        config = dit_preset(args.preset or "wan2.1-t2v-1.3b", dtype=args.dtype, param_dtype=args.dtype)
-        if args.policy is not None:
-            config = with_policy(config, args.policy)
-        channels = config.latent_channels
-        if config.name == "wan2.2-ti2v-5b":
-            raise ValueError("--preset wan2.2-ti2v-5b decodes with the Wan 2.2 VAE (48 channels, 16x), which this "
-                             "repository does not have yet")
-        if channels == WanVAEConfig().z_dim:
-            vae_config = WanVAEConfig(dtype=args.dtype)  # the real Wan 2.1 VAE geometry
-        else:  # a small test network (e.g. wan-tiny): Wan 2.1's VAE layout at base width 8, its channel count
-            vae_config = WanVAEConfig.tiny(base_dim=8, z_dim=channels, latents_mean=(0.0,) * channels,
-                                           latents_std=(1.0,) * channels, dtype=args.dtype)
-        # Filled on the host after a shape evaluation: WanVAE's eager initializers take minutes on a CPU.
-        vae = random_vae(vae_config, 0)
-        print(f"random weights of {config.name}: the video is noise-like; this run measures speed", file=sys.stderr)
-        return CausalWanPipeline(config, pipeline_config, vae=vae,
-                                 text_encoder=PlaceholderTextEncoder(config.text_dim, min(32, config.text_len)))
-    text_encoder = None
-    if args.text_encoder is not None:
-        device = "host" if args.text_device == "host" else None
-        text_encoder = WanTextEncoder(load_umt5(args.text_encoder, device=device), args.tokenizer)
-    return CausalWanPipeline.from_checkpoint(
-        args.weights, args.preset, policy=args.policy, pipeline_config=pipeline_config,
-        vae=load_vae(args.vae, dtype=args.dtype), text_encoder=text_encoder, dtype=args.dtype, lora=args.lora,
-        progress=None if not getattr(args, "no_progress", False) else False)
-
-
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     generate = subparsers.add_parser("generate", **_about("generate"))
     _add_wan_arguments(generate, required=True)
@@ -881,11 +826,12 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
                       help="models_t5_umt5-xxl-enc-bf16.pth or a transformers UMT5 encoder (needs --tokenizer)")
     text.add_argument("--prompt-embeds", type=_existing_path, action="append", default=None,
                       help="precomputed features (.npy, [L <= 512, 4096]), one per --prompt, in order")
-    generate.add_argument("--preset", default=None, type=_preset_argument(_GENERATE_PRESETS), metavar="PRESET",
-                          help=f"network preset; {_preset_choices(_GENERATE_PRESETS)} (default: read from the "
+    presets = _registry.preset_groups("generate")
+    generate.add_argument("--preset", default=None, type=_preset_argument(presets), metavar="PRESET",
+                          help=f"network preset; {_preset_choices(presets)} (default: read from the "
                                "checkpoint; with --random-weights the full wan2.1-t2v-1.3b or matrix-game-2-universal; "
-                               "wan-tiny and matrix-game-tiny are small networks for a CPU)")
-    generate.add_argument("--model", choices=("wan", "matrix-game"), default="wan",
+                               f"{_tiny_presets('generate')} are small networks for a CPU)")
+    generate.add_argument("--model", choices=_model_choices("generate", "--model"), default="wan",
                           help="wan: prompt-conditioned causal Wan; matrix-game: Matrix-Game 2.0, an image "
                                "and keyboard/mouse actions (--image, --actions)")
     generate.add_argument("--prompt", action="append", default=None,
@@ -900,7 +846,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
                                "row per video frame (keyboard: universal [W, S, A, D], gta-drive [W, S], templerun 7 "
                                "one-hot, matrix-game-tiny 3; mouse [pitch, yaw], none for templerun); 9 rows make the "
                                "first block, 12 each further one, and rows past the last whole block are dropped "
-                               f"(said on stderr); at most {MAX_ACTIONS_BYTES // 2**20} MiB")
+                               f"(said on stderr); at most {_registry.MAX_ACTIONS_BYTES // 2**20} MiB")
     generate.add_argument("--clip", type=_existing_path, default=None,
                           help="--model matrix-game: the CLIP vision weights (open-clip .pth or a CLIPVisionModel)")
     generate.add_argument("--out", type=_mp4_output, required=True, help="the .mp4 to write")
@@ -914,240 +860,12 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     generate.set_defaults(run=_run_generate)
 
 
-#: The largest --actions file read (a row is about 30 bytes: 4 MiB is well over an hour of video at 25 fps).
-MAX_ACTIONS_BYTES = 4 * 2**20
-
-
-def _check_writable_file(path: str) -> str | None:
-    """Why ``path`` cannot be written, or None: tried on the file system before any work (created, then removed)."""
-    try:
-        if os.path.exists(path):
-            if not os.path.isfile(path) or not os.access(path, os.W_OK):
-                return f"argument --out: {path} exists and cannot be overwritten"
-            return None
-        with open(path, "xb"):
-            pass
-        os.remove(path)
-    except OSError as error:
-        return f"argument --out: cannot create {path}: {error.strerror or error}"
-    return None
-
-
-def _check_prompts(prompts: Sequence[str]) -> str | None:
-    for prompt in prompts:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as error:  # bytes the locale could not decode arrive as lone surrogates
-            shown = prompt.encode("utf-8", "replace")[:60]
-            return f"argument --prompt: not valid UTF-8 text ({shown!r}: {error.reason})"
-    return None
-
-
-def _read_action_script(path: str) -> tuple[Any, Any]:
-    """``(keyboard f32[N, K], mouse f32[N, M] or None)`` of a JSON action script; ValueError naming the problem."""
-    import numpy as np
-
-    from ardiff_jax._files import read_json_file
-
-    # The shared bounded reader: regular files only (a FIFO is refused, never opened for a blocking read),
-    # size- and depth-bounded, NaN/Infinity refused, the message naming the file.
-    try:
-        data = read_json_file(path, error=ValueError, what="action script", max_bytes=MAX_ACTIONS_BYTES)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such action script") from None
-    if not isinstance(data, dict) or "keyboard" not in data:
-        raise ValueError(f"{path}: an action script is a JSON object with 'keyboard' (and 'mouse') rows")
-    unknown = sorted(set(data) - {"keyboard", "mouse"})
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; an action script has 'keyboard' and 'mouse'")
-    arrays = []
-    for name in ("keyboard", "mouse"):
-        if data.get(name) is None:
-            arrays.append(None)
-            continue
-        try:
-            array = np.asarray(data[name], np.float32)
-        except (TypeError, ValueError, RecursionError):
-            raise ValueError(f"{path}: '{name}' must be rows of numbers, one row per video frame") from None
-        if array.ndim != 2 or array.shape[0] < 1:
-            raise ValueError(f"{path}: '{name}' must be rows of numbers [N, width], one row per video frame; "
-                             f"got shape {list(array.shape)}")
-        if not np.isfinite(array).all():
-            raise ValueError(f"{path}: '{name}' has values that are not finite numbers")
-        arrays.append(array)
-    keyboard, mouse = arrays
-    if mouse is not None and mouse.shape[0] != keyboard.shape[0]:
-        raise ValueError(f"{path}: {keyboard.shape[0]} keyboard rows but {mouse.shape[0]} mouse rows (one each per "
-                         "video frame)")
-    return keyboard, mouse
-
-
-_KEYBOARD_LAYOUT = {4: "[W, S, A, D]", 2: "[W, S]", 7: "a 7-way one-hot (index 0 = no-op)"}
-
-
-def _check_matrix_game_generate(args: argparse.Namespace) -> str | None:
-    """The first problem with ``generate --model matrix-game``'s arguments and files, or None. Host only: the
-    action script is checked against the variant and the picture is read before anything is built."""
-    for flag, value in (("--prompt", args.prompt), ("--prompt-embeds", args.prompt_embeds),
-                        ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer), ("--lora", args.lora),
-                        ("--policy", args.policy), ("--seconds", args.seconds)):
-        if value:
-            return (f"argument {flag}: not for --model matrix-game (an image and actions drive it; the actions set "
-                    "the length)")
-    if args.image is None or args.actions is None:
-        return "--model matrix-game needs --image and --actions"
-    if args.preset is not None and args.preset not in MATRIX_GAME_PRESETS:
-        return (f"argument --preset: {args.preset!r} is not a Matrix-Game preset; choose from "
-                f"{', '.join(MATRIX_GAME_PRESETS)}")
-    if args.random_weights:
-        if args.vae or args.clip:
-            return "--random-weights builds every part itself: drop --vae and --clip"
-    elif args.vae is None:
-        return "argument --vae: needed to encode the image and decode video (Wan2.1_VAE.pth)"
-    elif args.clip is None:
-        return "argument --clip: needed to encode the image (the open-clip ViT-H/14 .pth)"
-    from ardiff_jax.models import dit_preset
-
-    if args.preset is not None or args.random_weights:
-        config = dit_preset(args.preset or "matrix-game-2-universal")
-    else:
-        from ardiff_jax.models.wan import checkpoint_config
-
-        try:
-            config = checkpoint_config(args.weights)  # headers only
-        except (ValueError, OSError) as error:
-            return f"argument --weights: {error}"
-        if config.action is None:
-            return f"argument --weights: {args.weights} has no action modules: not a Matrix-Game checkpoint"
-    try:
-        keyboard, mouse = _read_action_script(args.actions)
-    except (ValueError, OSError) as error:
-        return f"argument --actions: {error}"
-    action, name = config.action, config.name
-    if keyboard.shape[1] != action.keyboard_dim:
-        layout = _KEYBOARD_LAYOUT.get(action.keyboard_dim)
-        return (f"argument --actions: keyboard rows have {keyboard.shape[1]} values; {name} takes "
-                f"{action.keyboard_dim}" + (f": {layout}" if layout else ""))
-    if action.mouse_dim == 0 and mouse is not None:
-        return f"argument --actions: {name} has no mouse (keyboard only): drop 'mouse'"
-    if action.mouse_dim and mouse is None:
-        return f"argument --actions: {name} needs 'mouse' rows ([pitch, yaw] per video frame) beside 'keyboard'"
-    if mouse is not None and mouse.shape[1] != action.mouse_dim:
-        return (f"argument --actions: mouse rows have {mouse.shape[1]} values; {name} takes {action.mouse_dim} "
-                "([pitch, yaw])")
-    first = action.num_rows(config.frames_per_block)  # 9: the first block's video frames
-    per_block = action.frames_per_latent * config.frames_per_block  # 12 per further block
-    rows = keyboard.shape[0]
-    if rows < first:
-        return (f"argument --actions: {rows} rows; the first block needs {first} (one row per video frame: {first}, "
-                f"then {per_block} per block)")
-    try:
-        _read_image(args.image)
-    except (ValueError, OSError) as error:
-        return str(error) if str(error).startswith("argument --image") else f"argument --image: {error}"
-    problem = _check_writable_file(args.out)
-    if problem is not None:
-        return problem
-    used = first + per_block * ((rows - first) // per_block)
-    args.video_frames = (used, 1 + (rows - first) // per_block)  # said before the build starts
-    if used < rows:
-        print(f"ardiff-jax generate: note: --actions has {rows} rows; the video has {used} frames ({first} for the "
-              f"first block, then {per_block} per block), so the last {rows - used} rows are dropped", file=sys.stderr)
-    return None
-
-
 def _run_generate(args: argparse.Namespace) -> int:
-    if args.model == "matrix-game":
-        problem = _check_matrix_game_generate(args)
-        if problem is not None:
-            return _refuse("generate", problem)
-        if args.random_weights and args.preset is None:
-            print("ardiff-jax generate: note: --random-weights without --preset builds the full "
-                  "matrix-game-2-universal (1.6e9 parameters); --preset matrix-game-tiny is a small network for a CPU",
-                  file=sys.stderr)
-        from ardiff_jax.models.matrix_game import MATRIX_GAME_FPS, run_generate_cli
-
-        frames, blocks = args.video_frames
-        weights = "random weights" if args.random_weights else args.weights
-        length = f"{frames / MATRIX_GAME_FPS:.2f} s at {MATRIX_GAME_FPS} fps"
-        _say("generate", f"building {args.preset or 'the checkpoint'}'s transformer, VAE and image encoder "
-                         f"({weights}), compiling it, then generating {_plural(frames, 'frame')} ({length}) in "
-                         f"{_plural(blocks, 'block')} (seconds to a minute on a CPU)")
-        return run_generate_cli(args, _refuse)
-    for flag, value in (("--image", args.image), ("--actions", args.actions), ("--clip", args.clip)):
-        if value is not None:
-            return _refuse("generate", f"argument {flag}: not for --model wan (a causal Wan is driven by prompts); "
-                                       f"{flag} is for --model matrix-game")
-    if args.prompt is None or args.seconds is None:
-        return _refuse("generate", "--model wan needs --prompt and --seconds")
-    problem = _check_prompts(args.prompt)
+    entry = _registry.selected("generate", args)
+    problem = entry.check("generate", args)  # host only: files read and checked, nothing built
     if problem is not None:
         return _refuse("generate", problem)
-    from ardiff_jax.models.wan import PromptSchedule
-
-    try:
-        schedule = PromptSchedule.parse(args.prompt)
-    except ValueError as error:
-        return _refuse("generate", f"argument --prompt: {error}")
-    problem = _check_wan_arguments("generate", args, embeds_allowed=True)
-    if problem is not None:
-        return _refuse("generate", problem)
-    if args.prompt_embeds and len(args.prompt_embeds) != len(schedule.prompts):
-        return _refuse("generate", f"argument --prompt-embeds: {len(args.prompt_embeds)} files for "
-                                   f"{len(schedule.prompts)} prompts (one each, in order)")
-    if args.preset is not None and args.preset not in WAN_PRESETS:
-        return _refuse("generate", _wrong_preset("--model wan", args.preset, WAN_PRESETS))
-    if args.preset == "wan2.2-ti2v-5b":
-        return _refuse("generate", "--preset wan2.2-ti2v-5b decodes with the Wan 2.2 VAE (48 channels, 16x), which "
-                                   "this repository does not have yet")
-    problem = _check_writable_file(args.out)
-    if problem is not None:
-        return _refuse("generate", problem)
-    if args.random_weights and args.preset is None:
-        print("ardiff-jax generate: note: --random-weights without --preset builds the full wan2.1-t2v-1.3b "
-              "(1.4e9 parameters); --preset wan-tiny is a small network for a CPU", file=sys.stderr)
-    try:
-        return _generate(args, schedule)
-    except (ValueError, OSError, ImportError) as error:  # bad files and shapes, named by the loaders
-        return _refuse("generate", str(error))
-
-
-def _generate(args: argparse.Namespace, schedule: Any) -> int:
-    import numpy as np
-
-    from ardiff_jax.models.wan import CausalWanPipelineConfig
-    from ardiff_jax.models.wan import generate_video
-    from ardiff_jax.runtime import ARDiffusionEngine
-    from ardiff_jax.types import EngineConfig
-
-    from ardiff_jax.models.wan import VIDEO_FPS
-
-    recache = len(schedule.prompts) > 1 and not args.no_recache
-    weights = "random weights" if args.random_weights else args.weights
-    _say("generate", f"building {args.preset or 'the checkpoint'}'s transformer, VAE and text encoder ({weights})")
-    pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=1, recache_on_prompt_switch=recache))
-    encode = None
-    if args.prompt_embeds:
-        encode = {p: np.load(path) for p, path in zip(schedule.prompts, args.prompt_embeds, strict=True)}
-    available = None if args.available_gib is None else int(args.available_gib)
-    _say("generate", "compiling one block's programs (seconds to a minute on a CPU)")
-    engine = ARDiffusionEngine(pipeline, EngineConfig(dtype=args.dtype, available_memory_bytes=available,
-                                                      gpu_memory_fraction=0.9))
-    # As generate_video counts them: the first block makes 1 + t(f - 1) video frames, each further one t f.
-    frames = max(1, round(args.seconds * VIDEO_FPS))
-    f, t = pipeline.config.frames_per_block, pipeline.vae.config.temporal_factor
-    first = 1 + t * (f - 1)
-    blocks = 1 if frames <= first else 1 + math.ceil((frames - first) / (t * f))
-    _say("generate", f"generating {_plural(frames, 'frame')} ({frames / VIDEO_FPS:.2f} s at {VIDEO_FPS} fps) in "
-                     f"{_plural(blocks, 'block')}")
-    try:
-        video = generate_video(engine, schedule, args.seconds, encode=encode, out=args.out, seed=args.seed,
-                               progress=not args.no_progress)
-    finally:
-        engine.close()
-    print(f"{video.num_frames} frames ({video.num_frames / video.fps:.2f} s at {video.fps} fps) in {video.blocks} "
-          f"blocks, {video.frames_per_second:.2f} frames/s: {video.path}")
-    return 0
+    return entry.generate(args)
 
 
 # -- serve ---------------------------------------------------------------------------------------
@@ -1170,11 +888,11 @@ def _seconds(text: str) -> float:
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", **_about("serve"))
     model = serve.add_mutually_exclusive_group(required=True)
-    model.add_argument("--pretrained", choices=("sprite_world",), default=None,
+    model.add_argument("--pretrained", choices=_model_choices("serve", "--pretrained"), default=None,
                        help="shipped weights: the trained SpriteWorld model")
-    model.add_argument("--pipeline", choices=("world",), default=None,
+    model.add_argument("--pipeline", choices=_model_choices("serve", "--pipeline"), default=None,
                        help="a random-weights WorldPipeline (with --preset)")
-    model.add_argument("--model", choices=("wan", "matrix-game", "dreamzero"), default=None,
+    model.add_argument("--model", choices=_model_choices("serve", "--model"), default=None,
                        help="wan: text-to-video with a causal Wan (--weights, --vae, --text-encoder, --tokenizer); "
                             "matrix-game: Matrix-Game 2.0, played with keys and the mouse from a start picture "
                             "(--weights, --vae, --clip, --variant); dreamzero: DreamZero robot policies over the "
@@ -1281,43 +999,20 @@ def _run_serve(args: argparse.Namespace) -> int:
                               trusted_proxies=tuple(args.trust_forwarded_for))
     except (TypeError, ValueError) as error:
         return _refuse("serve", str(error))
-    from ardiff_jax.models import (
-        WorldPipeline,
-        WorldPipelineConfig,
-        pretrained,
-    )
     from ardiff_jax.runtime import ARDiffusionEngine
     from ardiff_jax.types import EngineConfig
 
-    if args.model is None and (args.weights or args.random_weights or args.vae or args.text_encoder):
-        return _refuse("serve", "--weights, --random-weights, --vae and --text-encoder are for --model wan or "
-                                "matrix-game")
-    if args.model != "dreamzero" and (args.checkpoint or args.metadata):
-        return _refuse("serve", "--checkpoint and --metadata are for --model dreamzero")
-    if args.model == "dreamzero":
-        problem = _check_dreamzero_serve(args)
-        return _refuse("serve", problem) if problem is not None else _run_serve_dreamzero(args, access, started)
-    if args.model != "matrix-game" and (args.variant or args.clip or args.image):
-        return _refuse("serve", "--variant, --clip and --image are for --model matrix-game")
-    if args.model == "matrix-game" and args.text_encoder:
-        return _refuse("serve", "--text-encoder is for --model wan: Matrix-Game is conditioned on a picture")
+    entry = _registry.selected("serve", args)
+    problem = entry.check("serve", args)
+    if problem is not None:
+        return _refuse("serve", problem)
+    refused = _refuse_preset("serve", entry, args.preset)
+    if refused is not None:
+        return refused
+    if entry.build_policy_app is not None:
+        return _run_policy_server(entry, args, access, started)
     if args.max_message_bytes is None:
-        args.max_message_bytes = 16 * 2**20 if args.model == "matrix-game" else 64 * 1024
-    if args.model == "wan":
-        problem = _check_wan_arguments("serve", args, embeds_allowed=False)
-        if problem is not None:
-            return _refuse("serve", problem)
-    elif args.model == "matrix-game":
-        problem = _check_matrix_game_serve(args)
-        if problem is not None:
-            return _refuse("serve", problem)
-    elif args.preset is None and args.pipeline is not None:
-        args.preset = "tiny"
-    family = f"--model {args.model}" if args.model else "--pipeline world" if args.pipeline else None
-    if args.preset is not None and args.preset not in _SERVE_PRESETS.get(family, ()):
-        if family is None:
-            return _refuse("serve", "argument --preset: for --pipeline world, --model wan or --model matrix-game")
-        return _refuse("serve", _wrong_preset(family, args.preset, _SERVE_PRESETS[family]))
+        args.max_message_bytes = entry.max_message_bytes
     # Bind before building anything: a busy port is a one-line error, not a traceback after
     # the model loaded, and "serving on" is printed only once the socket really listens.
     try:
@@ -1325,7 +1020,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         return _refuse("serve", f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
     try:
-        start_image = None if args.image is None else _read_image(args.image)  # host only: before any build
+        start_image = None if args.image is None else _registry.read_image(args.image)  # host only: before building
     except (TypeError, ValueError, OSError) as error:
         listener.close()
         return _refuse("serve", str(error))
@@ -1337,40 +1032,20 @@ def _run_serve(args: argparse.Namespace) -> int:
     def build(stage: Any) -> Any:
         """Runs on StartingApp's thread while the port already answers "starting" (issue 47, item 3)."""
         stage("building the model")
-        if args.pretrained is not None:
-            pipeline = pretrained(args.pretrained, session_capacity=args.capacity)
-        elif args.model == "wan":
-            from ardiff_jax.models.wan import CausalWanPipelineConfig
-
-            try:
-                pipeline = _build_wan(args, CausalWanPipelineConfig(session_capacity=args.capacity))
-            except (ValueError, OSError, ImportError) as error:
-                raise _ServeRefused(str(error)) from None
-        elif args.model == "matrix-game":
-            from ardiff_jax.models.matrix_game import build_matrix_game
-
-            try:
-                pipeline = build_matrix_game(weights=args.weights, preset=args.preset, vae=args.vae, clip=args.clip,
-                                             dtype=args.dtype, random_weights=args.random_weights,
-                                             session_capacity=args.capacity)
-            except (ValueError, OSError, ImportError) as error:
-                raise _ServeRefused(str(error)) from None
-            if args.random_weights:
-                print("random weights: the video is noise-like; this server measures speed", file=sys.stderr)
-        else:
-            pipeline = WorldPipeline(args.preset, WorldPipelineConfig(session_capacity=args.capacity))
+        pipeline = entry.build_served(args)  # BuildRefused: a problem with the arguments (exit 2)
         try:
             world = ServedWorld.for_pipeline(pipeline, fps=args.fps, start_image=start_image)
         except (TypeError, ValueError, OSError) as error:
-            raise _ServeRefused(str(error)) from None
+            raise _registry.BuildRefused(str(error)) from None
         stage("planning memory and compiling the engine's programs")
-        config = EngineConfig(dtype=args.dtype if args.model in ("wan", "matrix-game") else "float32",
+        config = EngineConfig(dtype=args.dtype if entry.takes_dtype else "float32",
                               available_memory_bytes=args.available_bytes, gpu_memory_fraction=1.0,
                               host_offload_bytes=args.host_offload_bytes, batch_compile=args.batch_compile)
         try:
             built["engine"] = engine = ARDiffusionEngine(pipeline, config)
         except ValueError as error:
-            raise _ServeRefused(f"the model does not fit --available-bytes {args.available_bytes}: {error}") from None
+            raise _registry.BuildRefused(
+                f"the model does not fit --available-bytes {args.available_bytes}: {error}") from None
         settings = ServerSettings(max_message_bytes=args.max_message_bytes, start_timeout_s=args.start_timeout,
                                   stall_timeout_s=args.stall_timeout, lookahead_chunks=args.lookahead_chunks,
                                   paced=not args.no_pacing)
@@ -1387,7 +1062,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"ardiff-jax serve: ready {time.perf_counter() - started:.1f} s after start{later}", file=sys.stderr,
               flush=True)
 
-    subject = _serve_subject(args)
+    subject = _serve_subject(entry, args)
     starting = StartingApp(build, building=subject, access=access, on_built=ready,
                            on_failure=lambda error: setattr(server, "should_exit", True))
     # The transport refuses frames far beyond the app's own limit before reading them whole.
@@ -1432,69 +1107,36 @@ def _run_serve(args: argparse.Namespace) -> int:
                 built["engine"].close()
     if starting.error is not None:
         error = starting.error
-        if isinstance(error, _ServeRefused):
+        if isinstance(error, _registry.BuildRefused):
             return _refuse("serve", str(error))
         return _refuse("serve", f"building {subject} failed: {type(error).__name__}: {error}")
     # Stopped by a signal once serving (Ctrl-C, SIGTERM): a clean stop, the engine closed.
     return 0
 
 
-class _ServeRefused(Exception):
-    """A problem with ``serve``'s arguments found while building (a refusal, exit 2; the message is the error)."""
-
-
-def _serve_subject(args: argparse.Namespace) -> str:
+def _serve_subject(entry: _registry.ModelEntry, args: argparse.Namespace) -> str:
     """What ``serve`` is about to build, in words (printed before the build starts)."""
-    if args.pretrained is not None:
-        return f"the trained {args.pretrained} model"
-    if args.model is None:
+    if entry.flag == "--pretrained":
+        return f"the trained {entry.name} model"
+    if entry.flag == "--pipeline":  # serve's one reference pipeline
         return f"a random-weights WorldPipeline ({args.preset})"
     weights = "random weights" if args.random_weights else args.weights
-    return f"--model {args.model} {args.preset or '(preset read from the checkpoint)'} ({weights})"
+    return f"{entry.selector('serve')} {args.preset or '(preset read from the checkpoint)'} ({weights})"
 
 
-def _check_dreamzero_serve(args: argparse.Namespace) -> str | None:
-    """The first problem with ``serve --model dreamzero``'s arguments, or None (host only, nothing built)."""
-    if args.variant or args.image or args.weights or args.lora or args.policy:
-        return "--model dreamzero takes --checkpoint (not --weights) and no --variant, --image, --lora or --policy"
-    if args.preset is not None and args.preset not in DREAMZERO_PRESETS:
-        return _wrong_preset("--model dreamzero", args.preset, DREAMZERO_PRESETS)
-    if args.random_weights:
-        if args.checkpoint or args.vae or args.clip or args.text_encoder or args.tokenizer or args.metadata:
-            return "--random-weights builds every part itself: drop --checkpoint, --vae, --clip, --text-encoder, " \
-                   "--tokenizer and --metadata"
-        args.preset = args.preset or "dreamzero-tiny"
-        return None
-    if args.checkpoint is None:
-        return "give --checkpoint (the release's DreamZero directory) or --random-weights --preset dreamzero-tiny"
-    missing = [flag for flag, value in (("--vae", args.vae), ("--clip", args.clip),
-                                        ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer))
-               if value is None]
-    if missing:
-        return (f"a DreamZero checkpoint is served with the Wan2.1 encoders it froze: give {', '.join(missing)} "
-                "(Wan2.1_VAE.pth, the open-clip ViT-H/14 .pth, models_t5_umt5-xxl-enc-bf16.pth, umT5's tokenizer)")
-    return None
-
-
-def _run_serve_dreamzero(args: argparse.Namespace, access: Any, started: float) -> int:
-    """``serve --model dreamzero``: the robot-policy server (openpi / RoboArena) over DreamZero."""
+def _run_policy_server(entry: _registry.ModelEntry, args: argparse.Namespace, access: Any, started: float) -> int:
+    """``serve --model dreamzero``: a robot-policy server (openpi / RoboArena) over the model's policy."""
     import uvicorn
 
     from ardiff_jax.serve import POLICY_TRANSPORT_MAX_BYTES as TRANSPORT_MAX_BYTES
-    from ardiff_jax.serve import DreamZeroServeOptions, build_dreamzero_app
 
-    options = DreamZeroServeOptions(
-        checkpoint=args.checkpoint, preset=args.preset or "dreamzero-droid", vae=args.vae, clip=args.clip,
-        umt5=args.text_encoder, tokenizer=args.tokenizer, metadata=args.metadata, capacity=args.capacity,
-        dtype="float32" if args.random_weights and args.preset == "dreamzero-tiny" else args.dtype,
-        available_bytes=args.available_bytes)
     try:
         listener = _listen(args.host, args.port)
     except OSError as error:
         return _refuse("serve", f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
     say = functools.partial(print, "ardiff-jax serve:", file=sys.stderr, flush=True)
     try:
-        app, policy = build_dreamzero_app(options, access=access, say=say)
+        app, policy, served = entry.build_policy_app(args, access, say)
     except (ValueError, OSError, ImportError) as error:
         listener.close()
         return _refuse("serve", str(error))
@@ -1502,8 +1144,7 @@ def _run_serve_dreamzero(args: argparse.Namespace, access: Any, started: float) 
     shown = f"[{host}]" if ":" in host else host
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", proxy_headers=False,
                                            ws_max_size=TRANSPORT_MAX_BYTES))
-    print(f"serving DreamZero robot policies ({options.preset}, capacity {options.capacity}) on ws://{shown}:{port} "
-          "(openpi / RoboArena policy protocol)", flush=True)
+    print(f"serving {served} on ws://{shown}:{port} (openpi / RoboArena policy protocol)", flush=True)
     say(f"ready {time.perf_counter() - started:.1f} s after start")
     with listener:
         try:
@@ -1513,44 +1154,6 @@ def _run_serve_dreamzero(args: argparse.Namespace, access: Any, started: float) 
         finally:
             policy.engine.close()
     return 0
-
-
-def _check_matrix_game_serve(args: argparse.Namespace) -> str | None:
-    """The first problem with ``serve --model matrix-game``'s arguments, or None (host only, nothing built)."""
-    from ardiff_jax.models import DIT_PRESETS, dit_preset
-
-    variant = "matrix-game-2-" + (args.variant or "universal")
-    if args.preset is not None:
-        if args.preset not in DIT_PRESETS or dit_preset(args.preset).action is None:
-            choices = sorted(n for n in DIT_PRESETS if dit_preset(n).action is not None)
-            return f"argument --preset: {args.preset!r} is not a Matrix-Game preset; choose from {', '.join(choices)}"
-        if args.variant is not None:
-            return "give --variant or --preset, not both"
-    else:
-        args.preset = variant
-    if args.random_weights:
-        if args.vae or args.clip or args.lora or args.policy:
-            return "--random-weights builds every part itself: drop --vae, --clip, --lora and --policy"
-        return None
-    if args.weights is None:
-        return "give --weights (the release's .safetensors or FastVideo's directory) or --random-weights"
-    if args.vae is None:
-        return "argument --vae: needed to encode the start picture and decode video (Wan2.1_VAE.pth)"
-    if args.clip is None:
-        return "argument --clip: needed to encode the start picture (the open-clip ViT-H/14 .pth)"
-    return None
-
-
-def _read_image(path: str) -> Any:
-    """``u8[h, w, 3]`` of a picture file (the server's default start picture)."""
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as picture:
-            return np.asarray(picture.convert("RGB"), dtype=np.uint8)
-    except UnidentifiedImageError:
-        raise ValueError(f"argument --image: {path} is not a picture") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -1567,20 +1170,6 @@ def _listen(host: str, port: int) -> socket.socket:
         raise
     listener.set_inheritable(True)
     return listener
-
-
-def _refuse(command: str, message: str) -> int:
-    print(f"ardiff-jax {command}: error: {message}", file=sys.stderr)
-    return 2
-
-
-def _say(command: str, message: str) -> None:
-    """One line on stderr before a long step (build, compile, generate): a silent terminal looks hung."""
-    print(f"ardiff-jax {command}: {message}", file=sys.stderr, flush=True)
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1664,8 +1253,9 @@ def build_parser() -> argparse.ArgumentParser:
     # other --preset's, in --help and in the error.
     for action in subparsers.choices["serve"]._actions:
         if "--preset" in action.option_strings:
-            action.type, action.metavar = _preset_argument(_SERVE_PRESETS), "PRESET"
-            action.help = f"{action.help}; {_preset_choices(_SERVE_PRESETS)}"
+            presets = _registry.preset_groups("serve")
+            action.type, action.metavar = _preset_argument(presets), "PRESET"
+            action.help = f"{action.help}; {_preset_choices(presets)}"
     return parser
 
 

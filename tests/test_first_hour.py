@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from ardiff_jax import cli
+from ardiff_jax import _registry, cli
 from ardiff_jax.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -91,9 +91,8 @@ def test_every_help_shows_its_defaults_and_presets(command, capsys):
         # Every option with a default says it in its help (argparse's "(default: X)" or the help's own words).
         entry = entries[action.option_strings[0]]
         assert "default" in entry, f"{command} {action.option_strings[0]}: no default in --help: {entry}"
-    groups = {"rollout": cli._ROLLOUT_PRESETS, "generate": cli._GENERATE_PRESETS, "serve": cli._SERVE_PRESETS}
-    if command in groups:
-        for names in groups[command].values():
+    if command in _registry.COMMANDS:
+        for names in _registry.preset_groups(command).values():
             for name in names:
                 assert name in text, f"{command} --help does not list preset {name}"
 
@@ -118,7 +117,7 @@ def test_demo_and_train_help_show_their_defaults(capsys):
 
 
 def test_preset_lists_are_what_the_pipelines_take():
-    """The CLI's written-out preset lists (kept there so that building the parser imports no model code)
+    """The registry's written-out preset lists (kept there so that building the parser imports no model code)
     equal what each pipeline accepts, and cover every preset but the training-only ones."""
     from ardiff_jax._timed_generation import TimedGenerationOptions
     from ardiff_jax.models import DIT_PRESETS, dit_preset
@@ -135,16 +134,16 @@ def test_preset_lists_are_what_the_pipelines_take():
             names.add(name)
         return names
 
-    assert set(cli.CFG_PRESETS) == accepted("cfg")
-    assert set(cli.WORLD_PRESETS) <= accepted("world")
+    assert set(_registry.CFG_PRESETS) == accepted("cfg")
+    assert set(_registry.WORLD_PRESETS) <= accepted("world")
     # CausalWanPipeline takes every text-to-video config; the CLI lists the Wan networks, not the world
     # pipeline's reference geometry (wan_1_3b) nor Matrix-Game's (an image-conditioned network).
-    assert set(cli.WAN_PRESETS) <= accepted("wan")
-    assert accepted("wan") - set(cli.WAN_PRESETS) <= {"wan_1_3b", *cli.MATRIX_GAME_PRESETS}
-    assert set(cli.MATRIX_GAME_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action is not None}
-    assert set(cli.DREAMZERO_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action_register is not None}
-    listed = set(cli.WORLD_PRESETS) | set(cli.CFG_PRESETS) | set(cli.WAN_PRESETS) | set(cli.MATRIX_GAME_PRESETS) \
-        | set(cli.DREAMZERO_PRESETS)
+    assert set(_registry.WAN_PRESETS) <= accepted("wan")
+    assert accepted("wan") - set(_registry.WAN_PRESETS) <= {"wan_1_3b", *_registry.MATRIX_GAME_PRESETS}
+    assert set(_registry.MATRIX_GAME_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action is not None}
+    assert set(_registry.DREAMZERO_PRESETS) == {n for n in DIT_PRESETS if dit_preset(n).action_register is not None}
+    listed = set(_registry.WORLD_PRESETS) | set(_registry.CFG_PRESETS) | set(_registry.WAN_PRESETS) | set(_registry.MATRIX_GAME_PRESETS) \
+        | set(_registry.DREAMZERO_PRESETS)
     training_only = {n for n in DIT_PRESETS if n.startswith("sprite")}  # pretrained("sprite_world"), train
     assert set(DIT_PRESETS) - listed == training_only
 
@@ -165,7 +164,7 @@ def nothing_built(monkeypatch):
     monkeypatch.setattr(DiTModules, "create", classmethod(refuse))
     monkeypatch.setattr(WanModules, "create", classmethod(refuse))
     monkeypatch.setattr(matrix_game_generate, "build_matrix_game", refuse)
-    monkeypatch.setattr(cli, "_build_wan", refuse)
+    monkeypatch.setattr(_registry, "_build_wan", refuse)
 
 
 def _actions(path: pathlib.Path, rows: int, keys: int = 3, mouse: bool = True) -> str:
@@ -423,7 +422,7 @@ def test_readme_serve_and_demo_lines_reach_their_model(in_a_fresh_folder, capsys
     def demo_reached(out, **kwargs):
         raise ValueError(f"demo reached with {kwargs}")
 
-    monkeypatch.setattr(cli, "_build_wan", reach("wan"))
+    monkeypatch.setattr(_registry, "_build_wan", reach("wan"))
     monkeypatch.setattr(matrix_game, "build_matrix_game", reach("matrix-game"))  # serve imports it from here
     monkeypatch.setattr(demo, "run_demo", demo_reached)
     from ardiff_jax import serve

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from ardiff_jax import _registry
 from ardiff_jax.cli import main
 from ardiff_jax.models._common import DiTModules
 from ardiff_jax.models.wan import WanModules
@@ -324,7 +325,7 @@ def test_a_missing_extra_is_refused_before_anything_is_built(tmp_path, capsys, m
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the dependencies were checked")
 
-    monkeypatch.setattr(cli, "_build_wan", refuse)
+    monkeypatch.setattr(_registry, "_build_wan", refuse)
     monkeypatch.setattr(matrix_game, "run_generate_cli", refuse)
     monkeypatch.setattr(cli, "_listen", refuse)
     actions = tmp_path / "actions.json"
@@ -408,7 +409,7 @@ def test_generate_says_what_it_builds_compiles_and_generates(tmp_path, capsys, m
         events.append(("generate", capsys.readouterr().err))
         raise ValueError("stopped")
 
-    monkeypatch.setattr(cli, "_build_wan", build)
+    monkeypatch.setattr(_registry, "_build_wan", build)
     monkeypatch.setattr(runtime, "ARDiffusionEngine", Engine)
     monkeypatch.setattr(wan, "generate_video", generate_video)
     argv = ["generate", "--random-weights", "--preset", "wan-tiny", "--dtype", "float32", "--prompt", "a cat",
