@@ -27,7 +27,8 @@ from ardiff_jax._console import plural as _plural
 from ardiff_jax._console import refuse as _refuse
 from ardiff_jax._console import say as _say
 
-__all__ = ["COMMANDS", "MODELS", "BuildRefused", "ModelEntry", "model", "models", "preset_groups", "selected"]
+__all__ = ["COMMANDS", "FLAGS", "MAX_ACTIONS_BYTES", "MODELS", "BuildRefused", "ModelEntry", "model", "models",
+           "preset_groups", "read_image", "selected", "wrong_preset"]
 
 #: The commands that take a model from this registry.
 COMMANDS = ("generate", "serve", "rollout")
