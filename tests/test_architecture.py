@@ -266,7 +266,7 @@ def test_dependencies_point_down():
 #: The pipelines whose loop is the shared one (models/_loop.py): the world pipeline and those built on it
 #: (causal Wan, Matrix-Game, the sprite world), and DreamZero.
 LOOP_USERS = ("models/_world.py", "models/wan/_pipeline.py", "models/matrix_game/_pipeline.py",
-              "models/_sprite.py", "models/dreamzero/_pipeline.py")
+              "models/_sprite.py", "models/dreamzero/_pipeline.py", "models/_cfg.py")
 #: What a copy of the loop calls: the paged views, the commits, the rows in and out of a batched program.
 LOOP_CALLS = frozenset({"get_kv_caches", "commit_paged_context", "stack_rows", "unstack_rows"})
 
@@ -287,18 +287,42 @@ def _methods(source: str) -> dict[str, set[str]]:
             for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)}
 
 
+def _loop_violations(sources: dict[str, str]) -> list[str]:
+    """What of ``sources`` (path -> text) copies the loop; ``[]`` when they all run the shared one."""
+    found = [f"{path}: {calls}" for path, source in sources.items() for calls in [_loop_calls(source)] if calls]
+    found += [f"{path}: no _loop import" for path, source in sources.items()
+              if "ardiff_jax.models._loop import" not in source and path != "models/wan/_pipeline.py"]
+    methods = {name: found for source in sources.values() for name, found in _methods(source).items()}
+    found += [f"{name}._denoise_batch" for name, names in methods.items() if "_denoise_batch" in names]
+    # The CFG world-action pipeline: a lone call and a batch are the same code, its DreamZero-style
+    # paged-view helpers are gone (the loop takes and commits the views).
+    if "CFGWorldActionPipeline" in methods:
+        cfg = methods["CFGWorldActionPipeline"]
+        found += [f"CFGWorldActionPipeline.{name}" for name in sorted({"_kv_get", "_kv_commit"} & cfg)]
+        found += [] if {"_calls", "_denoise"} <= cfg else ["CFGWorldActionPipeline without _calls/_denoise"]
+    return found
+
+
 def test_the_world_matrix_game_and_dreamzero_pipelines_run_one_denoise_and_commit_loop():
-    """Only ``_loop.py`` reads and commits paged context and stacks rows among these pipelines: a copy of the
-    loop (a ``_denoise_batch`` of its own, DreamZero's lone-session loop beside its batched one) fails here."""
+    """Only ``_loop.py`` reads and commits paged context and stacks rows among these pipelines (the CFG
+    world-action pipeline, the fourth user, included): a copy of the loop (a ``_denoise_batch`` of its own,
+    DreamZero's or CFG's lone-session loop beside its batched one) fails here."""
     assert _loop_calls("caches = batch.get_kv_caches(MAIN, seq_len=n)\nbatch.commit_paged_context(MAIN, kv=kv)\n"
                        "x = stack_rows(rows, 4)") == ["get_kv_caches", "commit_paged_context", "stack_rows"]
     assert set(_loop_calls((PACKAGE / "models" / "_loop.py").read_text(encoding="utf-8"))) == LOOP_CALLS
     sources = {path: (PACKAGE / path).read_text(encoding="utf-8") for path in LOOP_USERS}
-    assert {path: calls for path, source in sources.items() for calls in [_loop_calls(source)] if calls} == {}
-    assert [path for path, source in sources.items() if "ardiff_jax.models._loop import" not in source] == [
-        "models/wan/_pipeline.py"]  # causal Wan runs the world pipeline's code, the loop included
+    assert _loop_violations(sources) == []
+    # The check catches the CFG pipeline's loops as they were before it joined: DreamZero-style _kv_get on the
+    # paged views, a batched loop beside the lone one (forward_batch's own stack_rows), no _calls.
+    copied = ("from ardiff_jax.models._loop import Lane\nclass CFGWorldActionPipeline:\n"
+              "    def _kv_get(self, state, neg, n, update):\n"
+              "        return state.get_kv_caches(neg, seq_len=n, commit_current=update)\n"
+              "    def forward_batch(self, requests):\n        return stack_rows(rows, 4)\n")
+    assert _loop_violations({"models/_cfg.py": copied}) == [
+        "models/_cfg.py: ['get_kv_caches', 'stack_rows']", "CFGWorldActionPipeline._kv_get",
+        "CFGWorldActionPipeline without _calls/_denoise"]
+    assert "ardiff_jax.models._loop import" not in sources["models/wan/_pipeline.py"]  # it runs the world's code
     methods = {name: found for source in sources.values() for name, found in _methods(source).items()}
-    assert not [name for name, found in methods.items() if "_denoise_batch" in found]
     # Matrix-Game supplies rows, a step program and its ring update; the world pipeline's loop runs them.
     assert "_block_program" in methods["MatrixGamePipeline"]
     assert not {"_advance", "_advance_batch", "_denoise", "_forward"} & methods["MatrixGamePipeline"]

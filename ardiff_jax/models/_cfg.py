@@ -8,9 +8,9 @@ DreamZero (``DreamZeroPipeline``)              here
 ============================================  =================================================
 branches ``("positive", 0)``, ``("negative",   the same; ``CFGPipelineConfig.cfg_parallel_layout``
 0 if CFG-parallel world size >= 2 else 1)``    selects the shared-index layout (see below)
-``_kv_get(state, is_negative, seq_len,         :meth:`_kv_get` (same signature), :meth:`_kv_commit`,
-update_kv_cache)``, ``_kv_commit``,            :meth:`_kv_get_cross`, :meth:`_kv_populate_cross`:
-``_kv_get_cross``, ``_kv_populate_cross``      boolean CFG calls -> branch names
+``_kv_get(state, is_negative, seq_len,         the shared loop (``ardiff_jax.models._loop``) takes
+update_kv_cache)``, ``_kv_commit``,            and commits the paged views; :meth:`_kv_get_cross`,
+``_kv_get_cross``, ``_kv_populate_cross``      :meth:`_kv_populate_cross`: boolean -> branch names
 ``"text"`` (text_len) + ``"image"`` (257)      ``"text"`` (``config.text_len``) + ``"image"``
 cross caches                                   (``config.image_len``; none when 0)
 action/state register tokens in scratch        ``num_register_tokens`` = actions + state tokens,
@@ -18,7 +18,7 @@ action/state register tokens in scratch        ``num_register_tokens`` = actions
 block``), never cached                         passed as ``extra_k/extra_v``
 prefill: observed frames committed at          :meth:`forward` commits the observation's latent
 timestep 0, then the denoise loop with         frames at t = 0 on both branches, then denoises the
-``update_kv_cache=False``                      next block non-committing with CFG
+``update_kv_cache=False``                      next block non-committing with CFG (:meth:`_calls`)
 CFG ``neg + scale * (pos - neg)``; actions     video flow ``neg + scale * (pos - neg)``; action
 use the positive branch only                   flow from the positive branch only
 prompt change -> "session" reset               prompt change -> ``state.reset()`` + fresh model
@@ -81,13 +81,18 @@ from ardiff_jax.models._common import (
     nbytes,
     noise_key,
     renoise,
-    stack_rows,
     step_noise_key,
-    unstack_rows,
     with_tick_metadata,
 )
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import patchify
+from ardiff_jax.models._loop import (
+    Denoiser,
+    Lane,
+    commit_pass,
+    commit_together,
+    denoise,
+)
 from ardiff_jax.types import DiffusionRequest
 
 __all__ = ["CFGWorldActionPipeline", "CFGPipelineConfig", "ObservationSchema", "cfg_step", "cfg_commit"]
@@ -558,12 +563,6 @@ class CFGWorldActionPipeline(PipelineBase):
     def _branch(is_negative: bool) -> str:
         return NEGATIVE if is_negative else POSITIVE
 
-    def _kv_get(self, state: Any, is_negative: bool, seq_len: int, update_kv_cache: bool) -> Any:
-        return state.get_kv_caches(self._branch(is_negative), seq_len=seq_len, commit_current=update_kv_cache)
-
-    def _kv_commit(self, state: Any, is_negative: bool, kv: tuple[jax.Array, jax.Array] | None = None) -> None:
-        state.commit_paged_context(self._branch(is_negative), kv=kv)
-
     def _kv_get_cross(self, state: Any, is_negative: bool) -> tuple[Any, Any]:
         branch = self._branch(is_negative)
         text = state.get_cross_attention_kv(branch, TEXT)
@@ -610,140 +609,136 @@ class CFGWorldActionPipeline(PipelineBase):
         """Every host-side check of ``request`` (the one parser ``forward`` uses too), before any session changes."""
         self._parse(session_id, request)
 
-    def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
-        """Commit the observation on both branches, then denoise the next block with CFG."""
-        state = self._bound_state()
-        session_id = state.session_id
-        views, robot_state, latent_frames, prompt = self._parse(session_id, request)
-        session = self._sessions.get(session_id)
-        if session is not None and prompt is not None and prompt != session.prompt:
-            # DreamZero's "session" reset on a prompt change: history and every cross cache go.
-            state.reset()
-            session = None
-        if session is None:
-            session = self._new_session(session_id, request, prompt)
-        latents = self._encoder(views)
-        self._kv_populate_cross(state, session, latents[0])
-        self._commit_observation(state, self._to_device(latents))
-        video, actions = self._denoise(state, session, robot_state)
-        session.last_video, session.last_actions = video, actions
-        session.block_index += 1
-        return with_tick_metadata({"actions": actions, "video": video}, request)
+    def _calls(self, lane: Lane, requests: Sequence[DiffusionRequest]
+               ) -> tuple[list[dict[str, jax.Array]], dict[str, _CFGSession]]:
+        """One CFG step per request on the lane's sessions: ``(outputs, each session's new model state)``.
 
-    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[dict[str, jax.Array]]:
-        """:meth:`forward` for each request's session, the denoise steps batched (``SupportsARDiffusionBatch``).
-
-        Per session, as :meth:`forward`: the prompt check (a changed prompt resets the
-        session), the cross caches and the observation's commit on both branches. Then every
-        denoise step of every session and both branches is one program
-        (:data:`cfg_step_batch`). Model state is staged and installed by the runner only once it
-        has awaited the batch's device work (``batch.defer_publish``; all or nothing).
+        Per session: the checks (a changed prompt resets the session), the cross caches and the commit of the
+        observation on both branches (:meth:`_commit_observation`); then the lane's denoising
+        (:meth:`_denoise`). The caller installs the model state (:meth:`forward`) or stages it
+        (:meth:`forward_batch`).
         """
-        batch = self._bound_batch()
-        states = batch.states
-        cfg = self.config
-        staged: dict[str, _CFGSession] = {}
+        cfg, pc = self.config, self.pipeline_config
+        sessions: dict[str, _CFGSession] = {}
         rows = []
-        for request, state in zip(requests, states, strict=True):
+        for request, state in zip(requests, lane.states, strict=True):
             session_id = state.session_id
             views, robot_state, _, prompt = self._parse(session_id, request)
             session = self._sessions.get(session_id)
             if session is not None and prompt is not None and prompt != session.prompt:
-                state.reset()  # as forward: history and every cross cache go (restored by the runtime on failure)
+                # DreamZero's "session" reset on a prompt change: history and every cross cache go (the runtime
+                # restores or releases the session if the call fails).
+                state.reset()
                 session = None
             session = self._create_session(session_id, request, prompt) if session is None \
-                else dataclasses.replace(session)
-            staged[session_id] = session
+                else dataclasses.replace(session)  # a copy: installed only by the caller, after the call
+            sessions[session_id] = session
             latents = self._encoder(views)
             self._kv_populate_cross(state, session, latents[0])
             self._commit_observation(state, self._to_device(latents))
             block_index = np.int32(session.block_index)
-            x, a = initial_noise(session.key, block_index, cfg.block_shape,
-                                 (self.num_action_tokens, self.pipeline_config.action_dim))
-            features = np.zeros((self.pipeline_config.num_state_tokens, cfg.register_dim), np.float32)
+            x, a = initial_noise(session.key, block_index, cfg.block_shape, (self.num_action_tokens, pc.action_dim))
+            features = np.zeros((pc.num_state_tokens, cfg.register_dim), np.float32)
             features[:, : robot_state.shape[0]] = robot_state
             rows.append((x, a, self._to_device(features), session.key, block_index,
                          np.int32(state.adapter(POSITIVE).committed_frames), self._kv_get_cross(state, False),
                          self._kv_get_cross(state, True)))
-        x, a, features, keys, block_index, frame_start, pos_cross, neg_cross = stack_rows(rows, batch.bucket_size)
-        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
-        scale = np.float32(self.pipeline_config.guidance_scale)
-        x0 = a0 = None
-        for step in range(self.schedule.num_steps):
-            pos = batch.get_kv_caches(POSITIVE, seq_len=seq_len, commit_current=False)
-            neg = batch.get_kv_caches(NEGATIVE, seq_len=seq_len, commit_current=False)
-            t, sigma, sigma_next = self.schedule.step_args(step)
-            x, x0, a, a0 = cfg_step_batch(self._graphdef, self._params, pos, neg, x, a, features, t, sigma,
-                                          sigma_next, keys, block_index, np.int32(step), frame_start, pos_cross,
-                                          neg_cross, scale)
-        batch.commit_paged_context(POSITIVE)  # denoise contexts never write: nothing stays pending
-        batch.commit_paged_context(NEGATIVE)
         outputs = []
-        for request, state, (video, actions) in zip(requests, states, unstack_rows((x0, a0), batch.size),
+        for request, state, (video, actions) in zip(requests, lane.states, lane.unstack(self._denoise(lane, rows)),
                                                     strict=True):
-            session = staged[state.session_id]
+            session = sessions[state.session_id]
             session.last_video, session.last_actions = video, actions
             session.block_index += 1
             outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
+        return outputs, sessions
+
+    def forward(self, request: DiffusionRequest) -> dict[str, jax.Array]:
+        """Commit the observation on both branches, then denoise the next block with CFG."""
+        outputs, sessions = self._calls(Lane.single(self._bound_state()), [request])
+        self._sessions.update(sessions)
+        return outputs[0]
+
+    def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[dict[str, jax.Array]]:
+        """:meth:`forward` for each request's session, the denoise steps batched (``SupportsARDiffusionBatch``).
+
+        The same code as :meth:`forward` on a batch lane: per session the prompt check (a changed
+        prompt resets the session), the cross caches and the observation's commit on both branches;
+        then every denoise step of every session and both branches is one program
+        (:data:`cfg_step_batch`). Model state is staged and installed by the runner only once it
+        has awaited the batch's device work (``batch.defer_publish``; all or nothing).
+        """
+        batch = self._bound_batch()
+        outputs, staged = self._calls(Lane.batch(batch), requests)
         batch.defer_publish(functools.partial(self._publish_staged, staged),
                             [session.device_arrays() for session in staged.values()])
         return outputs
 
     @staticmethod
     def _cfg_parallel(view: Any) -> bool:
-        """Whether the pools put the two branches on two ``"cfg"`` device groups (then: one call for both)."""
+        """Whether a view's pools put the two branches on two ``"cfg"`` device groups (then: one call for both)."""
         return view.sharding is not None and view.sharding.cfg == 2
+
+    def _on_cfg_groups(self) -> bool:
+        """Whether the model sits on a mesh with two ``"cfg"`` device groups: the runtime splits the pools over the
+        mesh the model is placed on (``EngineConfig(mesh=...)``), so then the branches' pages are on one group
+        each. Asked before a commit, when no view is in hand (:meth:`_cfg_parallel` asks a view)."""
+        mesh = self.device.mesh if isinstance(self.device, jax.sharding.NamedSharding) else None
+        return mesh is not None and int(mesh.shape.get("cfg", 1)) == 2
 
     def _commit_observation(self, state: Any, latents: jax.Array) -> None:
         """Prefill: the observed latent frames, clean (t = 0), committed on each branch."""
+        lane = Lane.single(state)
         seq_len = latents.shape[0] * self.config.tokens_per_frame
-        frame_starts = [np.int32(state.adapter(self._branch(neg)).committed_frames) for neg in (False, True)]
-        pos = self._kv_get(state, False, seq_len, update_kv_cache=True)
+        branches = (POSITIVE, NEGATIVE)
+        starts = [np.int32(state.adapter(branch).committed_frames) for branch in branches]
+        cross = [self._kv_get_cross(state, branch == NEGATIVE) for branch in branches]
         # Both branches commit the same observations, so they share a frame position.
-        if self._cfg_parallel(pos) and frame_starts[0] == frame_starts[1]:
-            neg = self._kv_get(state, True, seq_len, update_kv_cache=True)
-            k, v = cfg_commit_parallel(self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), latents,
-                                       frame_starts[0], self._kv_get_cross(state, False),
-                                       self._kv_get_cross(state, True))
-            self._kv_commit(state, False, (k[0], v[0]))
-            self._kv_commit(state, True, (k[1], v[1]))
-            return
-        for is_negative in (False, True):
-            # Each view after the previous commit: a commit replaces (donates) the pools a view holds.
-            caches = pos if not is_negative else self._kv_get(state, True, seq_len, update_kv_cache=True)
-            text_kv, image_kv = self._kv_get_cross(state, is_negative)
-            k, v = cfg_commit(self._graphdef, self._params, caches, latents, frame_starts[is_negative], text_kv,
-                              image_kv)
-            self._kv_commit(state, is_negative, (k, v))
+        if self._on_cfg_groups() and starts[0] == starts[1]:
+            def both(views: tuple[Any, Any]) -> tuple[tuple[tuple[jax.Array, jax.Array], ...], None]:
+                pos, neg = views
+                if not self._cfg_parallel(pos):
+                    raise RuntimeError("CFGWorldActionPipeline: the model is on two 'cfg' device groups but the KV "
+                                       "pools are not; place both on the same mesh (EngineConfig(mesh=...))")
+                k, v = cfg_commit_parallel(self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]),
+                                           latents, starts[0], cross[0], cross[1])
+                return ((k[0], v[0]), (k[1], v[1])), None
 
-    def _denoise(self, state: Any, session: _CFGSession, robot_state: np.ndarray) -> tuple[jax.Array, jax.Array]:
+            commit_together(lane, branches, seq_len, both)
+            return
+        for branch, start, (text_kv, image_kv) in zip(branches, starts, cross, strict=True):
+            def forward(view: Any, start: Any = start, text_kv: Any = text_kv, image_kv: Any = image_kv
+                        ) -> tuple[tuple[jax.Array, jax.Array], None]:
+                return cfg_commit(self._graphdef, self._params, view, latents, start, text_kv, image_kv), None
+
+            commit_pass(lane, branch, seq_len, forward)  # each view after the previous commit replaced the pools
+
+    def _denoise(self, lane: Lane, rows: Sequence[tuple[Any, ...]]) -> tuple[jax.Array, jax.Array]:
+        """The next video block and action chunk of the lane's sessions: the guided step in the shared loop
+        (:func:`~ardiff_jax.models._loop.denoise`).
+
+        ``rows``: per session ``(noise video, noise actions, state features, key, block index, start frame,
+        positive cross K/V, negative cross K/V)``. Every step reads both branches without writing and runs
+        one program: every row's two branches on a batch lane (:data:`cfg_step_batch`), a session's two
+        branches in sequence (:data:`cfg_step`) or, with its pools on two ``"cfg"`` device groups, at once
+        (:data:`cfg_step_parallel`). Returns ``(video, actions)`` of the last step: ``f32[f, C, H, W],
+        f32[A, action_dim]``, with a leading bucket axis on a batch lane.
+        """
         cfg = self.config
-        seq_len = cfg.frames_per_block * cfg.tokens_per_frame
-        block_index = np.int32(session.block_index)
-        x, a = initial_noise(session.key, block_index, cfg.block_shape,
-                             (self.num_action_tokens, self.pipeline_config.action_dim))
-        state_features = np.zeros((self.pipeline_config.num_state_tokens, cfg.register_dim), np.float32)
-        state_features[:, : robot_state.shape[0]] = robot_state
-        state_features = self._to_device(state_features)
-        frame_start = np.int32(state.adapter(POSITIVE).committed_frames)
-        pos_cross, neg_cross = self._kv_get_cross(state, False), self._kv_get_cross(state, True)
+        x, a, features, keys, block_index, frame_start, pos_cross, neg_cross = lane.stack(rows)
         scale = np.float32(self.pipeline_config.guidance_scale)
-        x0 = a0 = None
-        for step in range(self.schedule.num_steps):
-            pos = self._kv_get(state, False, seq_len, update_kv_cache=False)
-            neg = self._kv_get(state, True, seq_len, update_kv_cache=False)
+
+        def step_program(views: tuple[Any, Any], sample: tuple[Any, ...], step: int) -> tuple[jax.Array, ...]:
+            pos, neg = views
             t, sigma, sigma_next = self.schedule.step_args(step)
-            if self._cfg_parallel(pos):
-                x, x0, a, a0 = cfg_step_parallel(
-                    self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), x, a, state_features, t,
-                    sigma, sigma_next, session.key, block_index, np.int32(step), frame_start,
-                    pos_cross, neg_cross, scale)
-                continue
-            x, x0, a, a0 = cfg_step(self._graphdef, self._params, pos, neg, x, a, state_features, t, sigma,
-                                    sigma_next, session.key, block_index, np.int32(step), frame_start, pos_cross,
-                                    neg_cross, scale)
-        # Denoise contexts never write; clear them so the branches end the request with nothing pending.
-        self._kv_commit(state, False)
-        self._kv_commit(state, True)
-        assert x0 is not None and a0 is not None
+            args = (sample[0], sample[2], features, t, sigma, sigma_next, keys, block_index, np.int32(step),
+                    frame_start, pos_cross, neg_cross, scale)
+            # Looked up per call (module globals): tests wrap them.
+            if self._cfg_parallel(pos):  # a batch view is never split: only a lone session's
+                return cfg_step_parallel(self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]), *args)
+            return lane.pick(cfg_step, cfg_step_batch)(self._graphdef, self._params, pos, neg, *args)
+
+        denoiser = Denoiser(branches=(POSITIVE, NEGATIVE), seq_len=cfg.frames_per_block * cfg.tokens_per_frame,
+                            evaluate=step_program, advance=lambda step, sample, outs, run: outs)
+        # The carry is the step program's (x_next, x0, a_next, a0).
+        _, x0, _, a0 = denoise(lane, denoiser, (x, None, a, None), range(self.schedule.num_steps))
         return x0, a0

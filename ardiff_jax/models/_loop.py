@@ -13,13 +13,16 @@ around them. This module is that loop, once:
   saying which rows run the transformer at a step (``runs``; every row by default);
 * :func:`denoise` runs the steps: per step, the branches' non-committing views, the step
   program, the reads closed, the update; :func:`commit_pass` is the committing forward whose
-  K/V a branch keeps.
+  K/V a branch keeps, :func:`commit_together` the same for several branches in one program
+  (branches whose pools live on separate ``"cfg"`` device groups).
 
 The pipelines keep only what is theirs: the world pipeline's few-step sampler with its commit
 at ``t = 0`` (:meth:`~ardiff_jax.models.WorldPipeline._denoise`), Matrix-Game's rows and its
 action-ring update after the commit (``_block_program``), DreamZero's two branches, two UniPC
 solvers and similarity skip rule (``DreamZeroPipeline._denoise``) after its commit of the
-observed frames. A session's call is the batched loop's code run on a one-session lane: a
+observed frames, the CFG world-action pipeline's guided step on two branches
+(``CFGWorldActionPipeline._denoise``; both branches in one program on a cfg-parallel
+layout) after its commit of the observation. A session's call is the batched loop's code run on a one-session lane: a
 batch of one is never built, since it would be one more compiled program and the unbatched
 one is what ``generate`` runs, bit for bit.
 """
@@ -34,7 +37,7 @@ import numpy as np
 
 from ardiff_jax.models._common import stack_rows, unstack_rows
 
-__all__ = ["Lane", "Denoiser", "denoise", "commit_pass"]
+__all__ = ["Lane", "Denoiser", "denoise", "commit_pass", "commit_together"]
 
 Carry = TypeVar("Carry")
 Row = TypeVar("Row")
@@ -140,4 +143,23 @@ def commit_pass(lane: Lane, branch: str, seq_len: int,
     view = lane.handle.get_kv_caches(branch, seq_len=seq_len, commit_current=True)
     kv, extra = forward(view)
     lane.handle.commit_paged_context(branch, kv=kv)
+    return extra
+
+
+def commit_together(lane: Lane, branches: tuple[str, ...], seq_len: int,
+                    forward: Callable[[tuple[Any, ...]], tuple[tuple[tuple[Any, Any], ...], Any]]) -> Any:
+    """One committing forward of ``seq_len`` tokens on every one of ``branches`` in one program:
+    ``forward(views) -> (kv per branch, extra)``, views and K/V in ``branches`` order; each branch's
+    K/V are written (one donated write each) and ``extra`` returned.
+
+    Only for branches whose pools do not hold each other's pages (one per ``"cfg"`` device group):
+    every view is taken before any commit replaces the pools, so a branch reads the pools as they
+    were before the others' writes.
+    """
+    views = tuple(lane.handle.get_kv_caches(branch, seq_len=seq_len, commit_current=True) for branch in branches)
+    kvs, extra = forward(views)
+    if len(kvs) != len(branches):
+        raise ValueError(f"commit_together: forward returned {len(kvs)} K/V pairs for {len(branches)} branches")
+    for branch, kv in zip(branches, kvs, strict=True):
+        lane.handle.commit_paged_context(branch, kv=kv)
     return extra
