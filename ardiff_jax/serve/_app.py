@@ -7,7 +7,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import enum
 import importlib.resources
 import itertools
 import json
@@ -28,7 +27,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax.realtime import (
     ARDiffusionEventQueueFullError,
-    ARDiffusionSession,
     ARDiffusionSessionError,
     ARDiffusionSessionEvent,
     ARDiffusionSessionManager,
@@ -44,6 +42,12 @@ from ardiff_jax.serve._access import (
     redacted_tokens_in_uvicorn_logs,
     refusal_response,
     websocket_refusal,
+)
+from ardiff_jax.serve._connection import (
+    Connection,
+    ConnectionState,
+    SessionRecord,
+    Stream,
 )
 from ardiff_jax.serve._encode import make_encoder
 from ardiff_jax.serve._metrics import ServerMetrics
@@ -65,8 +69,7 @@ __all__ = ["REALTIME_VIDEO_PATH", "ServerSettings", "create_app"]
 logger = logging.getLogger(__name__)
 
 REALTIME_VIDEO_PATH = "/v1/realtime/video"
-#: Wire event ids a connection remembers to answer repeats as duplicates (older ones count as new).
-REMEMBERED_EVENT_IDS = 4096
+_S = ConnectionState
 
 
 def close_retry_delays(first_s: float = 0.05, max_s: float = 2.0, attempts: int = 40) -> tuple[float, ...]:
@@ -149,75 +152,11 @@ class ServerSettings:
                 raise ValueError(f"ServerSettings {name} must be a bool, got {getattr(self, name)!r}")
 
 
-class _State(enum.Enum):
-    WAITING = "waiting"  # connected, no session yet
-    STREAMING = "streaming"  # the generation loop serves it
-    FINISHING = "finishing"  # stopped or done: no more chunks, session.done on its way
-    CLOSED = "closed"
-
-
-@dataclasses.dataclass
-class _EventRecord:
-    wire_id: str
-    fields: tuple[str, ...]
-
-
-class _Connection:
-    """One WebSocket: its session (once started), its send queue and its event bookkeeping."""
-
-    def __init__(self, websocket: WebSocket, queue: SendQueue, order: int) -> None:
-        self.websocket = websocket
-        self.queue = queue
-        self.order = order  # connection order: breaks ties between sessions due at the same time
-        self.state = _State.WAITING
-        # Start clock while WAITING, stall clock while STREAMING, close clock once the close is queued (see _watch).
-        self.clock = time.monotonic()
-        self.sent_at = self.clock  # when a send to the client last completed (the client took a frame)
-        self.sessions_done = 0  # sessions this connection finished (session.done sent): it may start another
-        self.new_session()
-
-    def new_session(self) -> None:
-        """Forget the last session (after its ``session.done``): the connection may start another."""
-        self.request_id = f"rt-{uuid.uuid4().hex}"
-        self.plan: StartPlan | None = None
-        self.session: ARDiffusionSession | None = None
-        self.encoder: Any = None
-        self.playback: PlaybackClock | None = None
-        self.frames_generated = 0
-        self.tail: asyncio.Task | None = None  # the last chunk's encode-and-queue task (chunks stay in order)
-        self.closing: asyncio.Task | None = None  # the control-plane close, once begun
-        self.finishing = False  # session.done is on its way
-        self.admitted = False
-        # Wire ids: remembered (duplicates), the integer id each became, what each event set.
-        self.wire_ids: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.events: dict[int, _EventRecord] = {}
-        self.pending: set[int] = set()
-        self.owners: dict[str, int] = {}  # field ("prompt" or a control track) -> event in effect
-        self.active: set[int] = set()
-        self.next_event_id = 1
-        self.server_ids = 0
-
-    def remember(self, wire_id: str, event_id: int, fields: tuple[str, ...]) -> None:
-        self.wire_ids[wire_id] = event_id
-        while len(self.wire_ids) > REMEMBERED_EVENT_IDS:
-            self.wire_ids.popitem(last=False)
-        self.events[event_id] = _EventRecord(wire_id, fields)
-        self.pending.add(event_id)
-
-    def chunk_events(self, applied: tuple[int, ...]) -> tuple[list[str], list[str], list[str]]:
-        """``(started, active, completed)`` wire ids after a chunk that applied ``applied`` (see the package doc)."""
-        for event_id in applied:
-            self.pending.discard(event_id)
-            for field in self.events[event_id].fields:
-                self.owners[field] = event_id
-        active = set(self.owners.values())
-        completed = sorted((self.active | set(applied)) - active)
-        started = [self.events[i].wire_id for i in applied]
-        completed_wire = [self.events[i].wire_id for i in completed]
-        for event_id in completed:
-            del self.events[event_id]
-        self.active = active
-        return started, [self.events[i].wire_id for i in sorted(active)], completed_wire
+def _playback(conn: Connection) -> PlaybackClock:
+    """A streaming connection's playback clock (its stream is attached before it streams)."""
+    stream = conn.record.stream
+    assert stream is not None, f"connection {conn.request_id} is {conn.state.value} without a stream"
+    return stream.playback
 
 
 class _EngineHeld:
@@ -265,7 +204,7 @@ class _Server:
                            "%d in its host tier): serving %d", settings.capacity, held, engine.session_capacity,
                            host, held)
         self.capacity = held if settings.capacity is None else min(settings.capacity, held)
-        self.connections: set[_Connection] = set()
+        self.connections: set[Connection] = set()
         self.plans: dict[str, StartPlan] = {}
         # Per session: what the world remembers between ticks (the last frame sent, a camera move's start).
         self.world_states: dict[str, dict[str, Any]] = {}
@@ -343,19 +282,19 @@ class _Server:
         self.queue_depth += delta
         self.metrics.set_send_queue_depth(self.queue_depth)
 
-    async def _error(self, conn: _Connection, code: str, message: str, event_id: str | None = None) -> None:
+    async def _error(self, conn: Connection, code: str, message: str, event_id: str | None = None) -> None:
         """A reply to the connection's own message: waits for room, throttling that client's input only."""
         if await conn.queue.put_control(error_message(code, message, event_id)):
             self.metrics.error(code)
 
-    def _close_queue(self, conn: _Connection, code: int, reason: str, last_message: dict[str, Any] | None) -> bool:
+    def _close_queue(self, conn: Connection, code: int, reason: str, last_message: dict[str, Any] | None) -> bool:
         """Queue ``last_message`` and the close without waiting and start the close clock; False once closing."""
         if not conn.queue.close(code, reason, last_message):
             return False
         conn.clock = time.monotonic()
         return True
 
-    async def _close_with_error(self, conn: _Connection, code: str, message: str, close_code: int) -> None:
+    async def _close_with_error(self, conn: Connection, code: str, message: str, close_code: int) -> None:
         """Report ``code``, close the socket and end the session; never waits for the client (see :meth:`_watch`)."""
         if self._close_queue(conn, close_code, code, error_message(code, message)):
             self.metrics.error(code)
@@ -382,7 +321,7 @@ class _Server:
     # -- one connection -------------------------------------------------------------------------------
     async def serve(self, websocket: WebSocket) -> None:
         await websocket.accept()
-        conn = _Connection(websocket, SendQueue(max_media=self.settings.max_queued_chunks,
+        conn = Connection(websocket, SendQueue(max_media=self.settings.max_queued_chunks,
                                                 max_control=self.settings.max_queued_control,
                                                 on_drop=self.metrics.dropped, on_depth=self._on_depth),
                            next(self.connection_order))
@@ -402,7 +341,7 @@ class _Server:
                     await task
             await asyncio.shield(self._spawn(self._release(conn)))
 
-    async def _read(self, conn: _Connection) -> None:
+    async def _read(self, conn: Connection) -> None:
         limit = self.settings.max_message_bytes
         while True:
             message = await conn.websocket.receive()
@@ -432,7 +371,7 @@ class _Server:
                 await self._close_with_error(conn, "internal_error", "the server failed; see its log",
                                              CLOSE_INTERNAL)
 
-    async def _dispatch(self, conn: _Connection, message: Any) -> None:
+    async def _dispatch(self, conn: Connection, message: Any) -> None:
         if isinstance(message, SessionPing):
             await conn.queue.put_control({"type": "session.pong"})
         elif isinstance(message, SessionStart):
@@ -440,13 +379,13 @@ class _Server:
         elif isinstance(message, SessionInteraction):
             await self._interact(conn, message)
         elif isinstance(message, SessionStop):
-            if conn.state is _State.WAITING:
+            if conn.state in (_S.WAITING, _S.STARTING):
                 raise ProtocolError("not_started", "session.stop before session.start: there is no session to stop")
-            if conn.state is _State.STREAMING:
+            if conn.state is _S.STREAMING:
                 await self._finish(conn, stopped=True)
 
-    async def _start(self, conn: _Connection, start: SessionStart) -> None:
-        if conn.state is not _State.WAITING:
+    async def _start(self, conn: Connection, start: SessionStart) -> None:
+        if conn.state is not _S.WAITING:
             raise ProtocolError("already_started", f"this connection already has session {conn.request_id}; "
                                                    "open another connection for another session")
         plan = self.world.plan_start(start, decode_image=False)  # checks only: a start picture is read below
@@ -456,7 +395,8 @@ class _Server:
             self._retry_unclosed()
             raise ProtocolError("capacity", f"the server is at capacity ({occupied} of {self.capacity} sessions); "
                                             "retry session.start later")
-        conn.admitted = True  # the slot is this start's from here: no other start takes it while the picture decodes
+        conn.transition(_S.STARTING)  # the slot is this start's from here: no other start takes it meanwhile
+        encoder = None
         try:
             if plan.image_url is not None:
                 # Admitted first (a full server decodes nothing), off the event loop (a large picture takes a while,
@@ -464,7 +404,7 @@ class _Server:
                 # header (see decode_image_url).
                 plan = await asyncio.get_running_loop().run_in_executor(
                     self.decode_executor, self.world.decode_start_image, plan)
-            if conn.state is not _State.WAITING:
+            if conn.state is not _S.STARTING:
                 return  # the connection ended (or timed out) while the picture decoded: its close freed the slot
             requested_fps = plan.fps
             limit = self.fps_limit()
@@ -478,53 +418,64 @@ class _Server:
             self.plans[conn.request_id] = plan
             session = await self.manager.create_session(conn.request_id)
         except BaseException:
-            conn.admitted = False
+            if conn.state is _S.STARTING:
+                conn.transition(_S.WAITING)  # the slot is free again; the client may retry
             self.plans.pop(conn.request_id, None)
+            if encoder is not None:
+                self._spawn(self._close_encoder_of(conn.request_id, encoder))
             raise
-        conn.plan, conn.session, conn.encoder = plan, session, encoder
-        conn.playback = PlaybackClock(plan.fps, self.settings.lookahead_chunks, paced=self.settings.paced)
+        if conn.state is not _S.STARTING:
+            # The connection ended (or timed out) while the engine made the session: nobody will stream it, and its
+            # close, which found no session yet, did not close it.
+            self._spawn(self._close_session(conn.request_id))
+            self._spawn(self._close_encoder_of(conn.request_id, encoder))
+            return
+        conn.attach(Stream(plan, session, PlaybackClock(plan.fps, self.settings.lookahead_chunks,
+                                                        paced=self.settings.paced)), encoder)
         config = {**self.world.config(plan), "requested_fps": requested_fps,
                   "fps_limit": None if limit is None else round(limit, 2), "paced": self.settings.paced,
                   "lookahead_chunks": self.settings.lookahead_chunks}
         if not await conn.queue.put_control({"type": "video.start", "request_id": conn.request_id,
-                                             "format": plan.format, "config": config}):
+                                             "format": plan.format, "config": config}) \
+                or conn.state is not _S.STARTING:
             return  # closed while the reply waited for room: the close ended the session
-        conn.state = _State.STREAMING
+        conn.transition(_S.STREAMING)
         conn.clock = time.monotonic()
         assert self.wake is not None
         self.wake.set()
 
-    async def _interact(self, conn: _Connection, interaction: SessionInteraction) -> None:
+    async def _interact(self, conn: Connection, interaction: SessionInteraction) -> None:
         wire_id = interaction.event_id
-        if conn.state is not _State.STREAMING or conn.session is None:
-            if conn.state is _State.WAITING:
+        record = conn.record
+        if conn.state is not _S.STREAMING or record.stream is None:
+            if conn.state in (_S.WAITING, _S.STARTING):
                 raise ProtocolError("not_started", "session.interaction before session.start: there is no session "
                                                    "to change yet", event_id=wire_id)
             raise ProtocolError("session_ended", "session.interaction after the session ended "
                                                  f"(it is {conn.state.value})", event_id=wire_id)
         if wire_id is None:
-            conn.server_ids += 1
-            wire_id = f"server-{conn.server_ids}-{uuid.uuid4().hex[:8]}"
-        elif wire_id in conn.wire_ids:
+            record.server_ids += 1
+            wire_id = f"server-{record.server_ids}-{uuid.uuid4().hex[:8]}"
+        elif wire_id in record.wire_ids:
             self.metrics.interaction("duplicate")
             await conn.queue.put_control({"type": "session.interaction.queued", "request_id": conn.request_id,
                                           "event_id": wire_id, "duplicate": True})
             return
         update = self.world.event_update(dataclasses.replace(interaction, event_id=wire_id))
-        event_id = conn.next_event_id
-        conn.next_event_id += 1
+        event_id = record.next_event_id
+        record.next_event_id += 1
         try:
-            await conn.session.accept_event(ARDiffusionSessionEvent(event_id, update.prompt, update.controls))
+            await record.stream.session.accept_event(ARDiffusionSessionEvent(event_id, update.prompt, update.controls))
         except (ARDiffusionSessionError, ValueError) as error:
             reason = "the event queue is full" if isinstance(error, ARDiffusionEventQueueFullError) else str(error)
             raise ProtocolError("interaction_rejected", f"event {wire_id!r} was not queued: {reason}",
                                 event_id=wire_id) from None
-        conn.remember(wire_id, event_id, update.fields)
+        record.remember(wire_id, event_id, update.fields)
         self.metrics.interaction("queued")
         await conn.queue.put_control({"type": "session.interaction.queued", "request_id": conn.request_id,
                                       "event_id": wire_id, "duplicate": False})
 
-    async def _send(self, conn: _Connection) -> None:
+    async def _send(self, conn: Connection) -> None:
         """Drain the send queue onto the socket; a media item is its metadata frame then its binary frame.
 
         A send completes once the transport takes the frame, so a client that does not read blocks
@@ -555,10 +506,10 @@ class _Server:
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client went away; the reader sees the disconnect too
 
-    async def _watch(self, conn: _Connection) -> None:
+    async def _watch(self, conn: Connection) -> None:
         """The connection's clocks; returns when the connection must be dropped (see ``serve``).
 
-        * waiting: the start clock (``start_timeout``), whatever the client sends;
+        * waiting or starting: the start clock (``start_timeout``), whatever the client sends;
         * streaming: the stall clock, restarted by the session's start and by every frame the client
           takes (a completed send): a client that reads nothing is ``stall``-ed, whatever the server
           produced for it (a ``session.ping`` counts through its pong);
@@ -566,7 +517,7 @@ class _Server:
           by every frame it takes, to take the rest; then the connection is dropped without it.
         """
         settings = self.settings
-        while conn.state is not _State.CLOSED:
+        while conn.state is not _S.CLOSED:
             now = time.monotonic()
             if conn.queue.closed:
                 remaining = max(conn.clock, conn.sent_at) + settings.close_timeout_s - now
@@ -574,7 +525,7 @@ class _Server:
                     logger.info("dropping connection %s: its client took nothing for %g s after the close",
                                 conn.request_id, settings.close_timeout_s)
                     return
-            elif conn.state is _State.WAITING:
+            elif conn.state in (_S.WAITING, _S.STARTING):
                 remaining = conn.clock + settings.start_timeout_s - now
                 if remaining <= 0:
                     if conn.sessions_done:  # idle after a finished session: nothing went wrong
@@ -583,44 +534,51 @@ class _Server:
                         await self._close_with_error(conn, "start_timeout", "no session.start within "
                                                      f"{settings.start_timeout_s:g} s", CLOSE_POLICY)
                     continue
-            elif conn.state is _State.STREAMING:
+            elif conn.state is _S.STREAMING:
                 remaining = max(conn.clock, conn.sent_at) + settings.stall_timeout_s - now
                 if remaining <= 0:
                     await self._close_with_error(conn, "stall", "the client took nothing (no chunk, no reply) for "
                                                  f"{settings.stall_timeout_s:g} s", CLOSE_POLICY)
                     continue
             else:
-                remaining = 1.0  # finishing: the close is queued once the session's last chunk is out
+                remaining = 1.0  # finishing, closing, ended: session.done or the close follows
             await asyncio.sleep(min(remaining, 1.0))
 
     # -- sessions ending ---------------------------------------------------------------------------------
-    async def _finish_session(self, conn: _Connection) -> None:
+    async def _finish_session(self, conn: Connection) -> None:
         """No more chunks; close the control-plane session (engine KV released) and free the slot; idempotent.
 
-        The close runs as a server-owned task, so a cancelled caller cannot leave the session open;
-        it never raises (see :meth:`_close_session`), so the slot is freed whatever the engine did.
+        Any live state moves on: a connection without a session to ``ended``, one with a session to
+        ``closing`` and, once the close returned, ``ended`` (the slot is free). The close runs as a
+        server-owned task, so a cancelled caller cannot leave the session open; it never raises (see
+        :meth:`_close_session`), so the slot is freed whatever the engine did.
         """
-        if conn.state is _State.STREAMING or conn.state is _State.WAITING:
-            conn.state = _State.FINISHING
-        if conn.session is not None and conn.closing is None:
-            conn.closing = self._spawn(self._close_session(conn))
-        if conn.closing is not None:
-            await asyncio.shield(conn.closing)
-        conn.admitted = False
+        record = conn.record
+        if conn.state in (_S.WAITING, _S.STARTING, _S.STREAMING, _S.FINISHING):
+            if record.stream is None:
+                conn.transition(_S.ENDED)
+            else:
+                conn.transition(_S.CLOSING)
+                record.closing = self._spawn(self._close_session(record.request_id))
+        if record.closing is not None:
+            await asyncio.shield(record.closing)
+            # Whoever awaited the close first frees the slot; the record check keeps a later session's close apart.
+            if conn.state is _S.CLOSING and conn.record is record:
+                conn.transition(_S.ENDED)
 
-    async def _close_session(self, conn: _Connection) -> None:
+    async def _close_session(self, request_id: str) -> None:
         """Close the control-plane session. Whatever the engine raises is logged and the close retried in
         the background (the control plane keeps the session as a tombstone meanwhile), so cleanup goes on.
         While the engine still holds the session its slot stays taken (see :meth:`occupied`)."""
         try:
-            await self.manager.close_session(conn.request_id)
+            await self.manager.close_session(request_id)
         except Exception:  # noqa: BLE001 - not only the control plane's own errors: any engine error
-            logger.exception("closing session %s failed; retrying", conn.request_id)
-            self._mark_unclosed(conn.request_id, True)
-            self._retry_close_later(conn.request_id, CLOSE_RETRY_DELAYS_S)
+            logger.exception("closing session %s failed; retrying", request_id)
+            self._mark_unclosed(request_id, True)
+            self._retry_close_later(request_id, CLOSE_RETRY_DELAYS_S)
         finally:
-            self.plans.pop(conn.request_id, None)
-            self.world_states.pop(conn.request_id, None)
+            self.plans.pop(request_id, None)
+            self.world_states.pop(request_id, None)
 
     def _mark_unclosed(self, session_id: str, unclosed: bool) -> None:
         if unclosed:
@@ -665,50 +623,60 @@ class _Server:
             logger.error("session %s could not be closed (%d retries failed); the engine released it, so its slot "
                          "is free", session_id, len(delays))
 
-    async def _finish(self, conn: _Connection, *, stopped: bool) -> None:
-        """``session.done`` after the session's last chunk, then a normal close (never waits for the client)."""
-        if conn.finishing or conn.state is _State.CLOSED:
-            return
-        conn.finishing = True
+    async def _finish(self, conn: Connection, *, stopped: bool) -> None:
+        """``session.done`` after the session's last chunk, then a normal close (never waits for the client).
+
+        Streaming (a stop) or finishing (the last chunk was made) -> closing -> ended -> waiting with a
+        fresh session record; a session ended otherwise (an error, a disconnect) gets no ``session.done``.
+        """
+        if conn.state is _S.STREAMING:
+            conn.transition(_S.FINISHING)
+        elif conn.state is not _S.FINISHING:
+            return  # ended otherwise meanwhile: its close says why
+        record = conn.record
         await self._finish_session(conn)
-        tail = conn.tail
+        tail = record.tail
         if tail is not None and tail is not asyncio.current_task():
             with contextlib.suppress(Exception):
                 await tail
-        await self._close_encoder(conn)
-        if conn.state is _State.CLOSED or conn.queue.closed:
+        await self._close_encoder(record)
+        if conn.state is not _S.ENDED or conn.queue.closed:
             return  # the connection ended meanwhile: nobody to tell
-        done = {"type": "session.done", "request_id": conn.request_id, "chunks": 0, "stopped": stopped}
-        self.metrics.session_ended(conn.request_id)
+        done = {"type": "session.done", "request_id": record.request_id, "chunks": 0, "stopped": stopped}
+        self.metrics.session_ended(record.request_id)
         # The socket stays open: the client may start another session on it (or close it). The start
         # clock runs again; a connection left idle after its session.done is closed normally (see _watch).
         conn.sessions_done += 1
-        conn.new_session()
-        conn.state = _State.WAITING
+        conn.transition(_S.WAITING)  # a fresh session record
         conn.clock = time.monotonic()
         conn.queue.put_final(done)
 
-    async def _close_encoder(self, conn: _Connection) -> None:
-        encoder, conn.encoder = conn.encoder, None
-        if encoder is None:
-            return
+    async def _close_encoder(self, record: SessionRecord) -> None:
+        encoder, record.encoder = record.encoder, None  # closed once; nothing more is delivered (see _deliver)
+        if encoder is not None:
+            await self._close_encoder_of(record.request_id, encoder)
+
+    async def _close_encoder_of(self, request_id: str, encoder: Any) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(self.encode_executor, encoder.close)
         except Exception:  # noqa: BLE001 - logged; the slot and the socket are freed all the same
-            logger.exception("closing the encoder of session %s failed", conn.request_id)
+            logger.exception("closing the encoder of session %s failed", request_id)
 
-    async def _release(self, conn: _Connection) -> None:
+    async def _release(self, conn: Connection) -> None:
         """The connection is gone: its session is closed and every resource dropped (idempotent)."""
-        if conn.state is _State.CLOSED:
-            return
-        await self._finish_session(conn)
-        conn.state = _State.CLOSED
-        if conn.tail is not None and not conn.tail.done():
-            conn.tail.cancel()
+        # Until ended: a session.done racing this may have started the connection over (waiting) meanwhile.
+        while conn.state is not _S.ENDED and conn.state is not _S.CLOSED:
+            await self._finish_session(conn)
+        if conn.state is _S.CLOSED:
+            return  # released by another caller meanwhile (a disconnect during shutdown)
+        conn.transition(_S.CLOSED)
+        record = conn.record
+        if record.tail is not None and not record.tail.done():
+            record.tail.cancel()
             with contextlib.suppress(BaseException):
-                await conn.tail
-        await self._close_encoder(conn)
-        self.metrics.session_ended(conn.request_id)
+                await record.tail
+        await self._close_encoder(record)
+        self.metrics.session_ended(record.request_id)
         conn.queue.discard()
         if conn in self.connections:
             self.connections.discard(conn)
@@ -730,19 +698,18 @@ class _Server:
         assert self.wake is not None
         while True:
             self.wake.clear()  # before looking: a wake-up from here on is seen by the wait below
-            ready = [conn for conn in self.connections
-                     if conn.state is _State.STREAMING and conn.playback is not None and not conn.queue.media_full]
+            ready = [conn for conn in self.connections if conn.state is _S.STREAMING and not conn.queue.media_full]
             if not ready:
                 await self.wake.wait()
                 continue
             now = time.monotonic()
-            due = [conn for conn in ready if conn.playback.due_at() <= now]  # type: ignore[union-attr]
+            due = [conn for conn in ready if _playback(conn).due_at() <= now]
             if not due:
-                next_due = min(conn.playback.due_at() for conn in ready)  # type: ignore[union-attr]
+                next_due = min(_playback(conn).due_at() for conn in ready)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), timeout=max(0.0, next_due - now))
                 continue
-            due.sort(key=lambda c: (c.playback.deadline(), c.order))  # type: ignore[union-attr]
+            due.sort(key=lambda c: (_playback(c).deadline(), c.order))
             group = due[:self.batch_limit]
             self.busy_since = time.monotonic()
             try:
@@ -753,7 +720,7 @@ class _Server:
             finally:
                 self.busy_since = None
 
-    async def _guarded_next_chunk(self, conn: _Connection) -> None:
+    async def _guarded_next_chunk(self, conn: Connection) -> None:
         try:
             await self._next_chunk(conn)
         except asyncio.CancelledError:
@@ -762,7 +729,7 @@ class _Server:
             logger.exception("chunk of session %s failed unexpectedly", conn.request_id)
             await self._close_with_error(conn, "internal_error", "the server failed; see its log", CLOSE_INTERNAL)
 
-    async def _next_chunks_batched(self, group: list[_Connection]) -> None:
+    async def _next_chunks_batched(self, group: list[Connection]) -> None:
         """The next chunk of every session of ``group`` in one engine call (``engine.generate_batch``).
 
         Each session runs its own ``next_chunk`` (control plane, metadata, events, encoding) as a
@@ -784,65 +751,77 @@ class _Server:
                 raise
         self.metrics.observe_batch(len(group))
 
-    async def _next_chunk(self, conn: _Connection) -> None:
-        if conn.tail is not None and not conn.tail.done():
+    async def _next_chunk(self, conn: Connection) -> None:
+        tail = conn.record.tail
+        if tail is not None and not tail.done():
             # At most one chunk per session waits for its encoder. asyncio.wait, not await: a
             # disconnect cancels the tail, and awaiting a cancelled task would cancel this
             # loop, ending every other session's stream.
-            await asyncio.wait({conn.tail})
-        if conn.state is not _State.STREAMING or conn.session is None or conn.queue.media_full:
+            await asyncio.wait({tail})
+        record = conn.record
+        if conn.state is not _S.STREAMING or conn.queue.media_full:
             return
-        applying = tuple(sorted(conn.pending))
-        session = conn.session
+        stream = record.stream
+        assert stream is not None  # attached while starting, before streaming
+        applying = tuple(sorted(record.pending))
         started = time.perf_counter()
         try:
-            output = await session.next_chunk()
+            output = await stream.session.next_chunk()
         except Exception as error:  # noqa: BLE001 - whatever failed the chunk is reported to its client
-            if conn.state is _State.STREAMING and conn.session is session:
-                wire_ids = [conn.events[i].wire_id for i in applying if i in conn.events]
+            if conn.state is _S.STREAMING and conn.record is record:
+                wire_ids = [record.events[i].wire_id for i in applying if i in record.events]
                 await self._chunk_failed(conn, wire_ids, "generating", error)
             return
         engine_s = time.perf_counter() - started
-        if conn.state is not _State.STREAMING or conn.session is not session:
+        if conn.state is not _S.STREAMING or conn.record is not record:
             return  # stopped (or gone) while the chunk was made: it is not sent, as after the stop
         metadata = self.consumer.chunk_metadata(output)
-        started_ids, active_ids, completed_ids = conn.chunk_events(metadata.applied_event_ids)
-        plan, playback = conn.plan, conn.playback
-        assert plan is not None and playback is not None
+        started_ids, active_ids, completed_ids = record.chunk_events(metadata.applied_event_ids)
+        plan, playback = stream.plan, stream.playback
         generated = self.world.chunk_frames(metadata.chunk_index)
         if generated > 0:
             self.frame_seconds.append(engine_s / generated)
         keep = generated
         if plan.num_frames is not None:
-            keep = min(keep, plan.num_frames - conn.frames_generated)
-        conn.frames_generated += keep
-        last = plan.num_frames is not None and conn.frames_generated >= plan.num_frames
+            keep = min(keep, plan.num_frames - record.frames_generated)
+        record.frames_generated += keep
+        last = plan.num_frames is not None and record.frames_generated >= plan.num_frames
         if last:
-            conn.state = _State.FINISHING
+            conn.transition(_S.FINISHING)
         late_s = playback.record(time.monotonic(), keep)
         real_fps, real_time_factor = playback.real_fps(), playback.real_time_factor()
-        self.metrics.observe_playback(conn.request_id, late_s, real_time_factor)
-        message = {"type": "video.chunk_metadata", "request_id": conn.request_id, "kind": "media",
+        self.metrics.observe_playback(record.request_id, late_s, real_time_factor)
+        message = {"type": "video.chunk_metadata", "request_id": record.request_id, "kind": "media",
                    "generation_chunk_index": metadata.chunk_index, "num_frames": keep,
                    "started_event_ids": started_ids, "active_event_ids": active_ids,
                    "completed_event_ids": completed_ids, "fps": plan.fps,
                    "real_fps": None if real_fps is None else round(real_fps, 3),
                    "real_time_factor": None if real_time_factor is None else round(real_time_factor, 4),
                    "underruns": playback.underruns}
-        conn.tail = asyncio.create_task(self._deliver(conn, output, message, keep, engine_s, last))
+        record.tail = asyncio.create_task(self._guarded_deliver(conn, record, output, message, keep, engine_s, last))
 
-    async def _deliver(self, conn: _Connection, output: Any, message: dict[str, Any], keep: int, engine_s: float,
-                       last: bool) -> None:
+    async def _guarded_deliver(self, conn: Connection, record: SessionRecord, output: Any, message: dict[str, Any],
+                               keep: int, engine_s: float, last: bool) -> None:
+        try:
+            await self._deliver(conn, record, output, message, keep, engine_s, last)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug (an illegal state move included) ends this connection only, never silently
+            logger.exception("delivering a chunk of session %s failed unexpectedly", record.request_id)
+            await self._close_with_error(conn, "internal_error", "the server failed; see its log", CLOSE_INTERNAL)
+
+    async def _deliver(self, conn: Connection, record: SessionRecord, output: Any, message: dict[str, Any],
+                       keep: int, engine_s: float, last: bool) -> None:
         """Encode one chunk off the event loop and queue it (then, after the last chunk, finish the session).
 
         An encode failure is a chunk failure: reported, and the session ends.
         """
-        encoder = conn.encoder
+        encoder = record.encoder
         if encoder is None:
-            return
+            return  # the session's encoder is closed: it ended
         started = time.perf_counter()
 
-        state = self.world_states.get(conn.request_id)
+        state = self.world_states.get(record.request_id)
 
         def encode() -> bytes:
             frames = self.world.frames(output)[:keep]
@@ -864,7 +843,7 @@ class _Server:
         if last:
             await self._finish(conn, stopped=False)
 
-    async def _chunk_failed(self, conn: _Connection, wire_ids: list[str], stage: str, error: Exception) -> None:
+    async def _chunk_failed(self, conn: Connection, wire_ids: list[str], stage: str, error: Exception) -> None:
         """A chunk failed (``stage``: generating or encoding it): report it and end the session.
 
         Runs in the shared generation loop (or a chunk's delivery), so it never waits for the client:
@@ -935,7 +914,7 @@ def create_app(engine: Any, *, world: ServedWorld, settings: ServerSettings | No
 
     async def healthz(request: Request) -> JSONResponse:
         connected = len(server.connections)
-        streaming = sum(1 for c in server.connections if c.state is _State.STREAMING)
+        streaming = sum(1 for c in server.connections if c.state is _S.STREAMING)
         return JSONResponse({"status": server.status(), "model": world.name,
                              "sessions": {"connected": connected, "streaming": streaming,
                                           "admitted": sum(1 for c in server.connections if c.admitted),
