@@ -613,3 +613,32 @@ def test_healthz_says_stalled_while_one_chunk_holds_the_generation_loop(engine, 
         wait_for(lambda: live.health()["status"] == "stalled", 10, "/healthz status stalled")
         spy.gate.set()
         wait_for(lambda: live.health()["status"] == "ok", 10, "/healthz status ok")
+
+
+# -- 8. the connection's state machine inside the server ---------------------------------------------------
+
+
+def test_an_illegal_state_move_inside_the_server_closes_that_connection_1011_and_no_other(engine, spy, caplog,
+                                                                                          monkeypatch):
+    interact = _app._Server._interact
+
+    async def buggy(self: Any, conn: Any, interaction: Any) -> None:
+        if interaction.prompt == "bug":
+            conn.transition(_app.ConnectionState.WAITING)  # streaming -> waiting: no move of the table
+        await interact(self, conn, interaction)
+
+    monkeypatch.setattr(_app._Server, "_interact", buggy)
+    with LiveServer(engine) as live:
+        bystander = live.bystander()
+        since = time.monotonic()
+        ws = live.reader()
+        request_id = start(ws, format="jpeg")["request_id"]
+        with caplog.at_level(logging.ERROR, logger="ardiff_jax.serve"):
+            ws.send(json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "bug"}}}))
+            reply = until(ws, "error")
+            assert reply["code"] == "internal_error", reply
+            assert close_code(ws) == 1011
+        assert "illegal move streaming -> waiting" in caplog.text
+        wait_for(lambda: spy.closes[request_id] == 1, 10, "its session's close")  # closed all the same
+        live.assert_serving([bystander], since)
+
