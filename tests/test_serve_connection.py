@@ -141,3 +141,18 @@ def test_a_stream_is_attached_once_and_only_while_starting():
     assert conn.record.encoder == "enc"
     with pytest.raises(AttributeError):
         stream.plan = None  # type: ignore[misc]
+
+
+def test_the_architecture_docs_table_is_the_transition_table():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text("utf-8")
+    rows = text.split("| from | to |\n|---|---|\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    names = {state.value for state in S}
+    documented = {}
+    for row in rows:
+        source, targets = row.strip("|").split("|")
+        documented[S(re.findall(r"`([^`]+)`", source)[0])] = frozenset(
+            S(name) for name in re.findall(r"`([^`]+)`", targets) if name in names)
+    assert documented == dict(TRANSITIONS)

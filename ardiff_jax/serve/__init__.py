@@ -33,6 +33,15 @@ Design
 * **One asyncio task per connection reads** its messages (plus a sender task and a watchdog
   task per connection). Parsing (:mod:`~ardiff_jax.serve._protocol`) yields frozen values or an
   ``error`` reply; what a field means for the model is :class:`ServedWorld`'s business.
+* **One state machine per connection** (:mod:`~ardiff_jax.serve._connection`): ``waiting`` ->
+  ``starting`` (a start holds a slot) -> ``streaming`` -> ``finishing`` (last chunk made, or
+  ``session.stop``) -> ``closing`` (the engine close runs) -> ``ended`` -> ``waiting`` again after
+  ``session.done`` (a fresh session record), or ``closed`` once the connection is released; an
+  error, a timeout or a disconnect goes from any live state to ``closing`` (a session exists)
+  or ``ended`` (none yet). ``/healthz`` counts ``streaming`` and ``admitted`` (``starting``
+  through ``closing``) from these states alone. A move outside the table is a server bug: it
+  is logged and that connection is closed with ``internal_error`` (1011); no other connection
+  notices.
 * **One generation loop per app, paced.** Each session plays at its frame rate (``fps``), and its
   chunks are generated just in time for playback: at most ``lookahead_chunks`` (default 1)
   beyond the one playing (:mod:`ardiff_jax.serve._pacing`: playback starts when the first
