@@ -425,8 +425,8 @@ class _Server:
                 self._spawn(self._close_encoder_of(conn.request_id, encoder))
             raise
         if conn.state is not _S.STARTING:
-            # The connection ended (or timed out) while the engine made the session: nobody will stream it, and its
-            # close, which found no session yet, did not close it.
+            # The connection ended (or timed out) while a control plane whose creation yields made the session:
+            # nobody will stream it, and the connection's close, which found no session yet, did not close it.
             self._spawn(self._close_session(conn.request_id))
             self._spawn(self._close_encoder_of(conn.request_id, encoder))
             return
