@@ -680,8 +680,9 @@ class CFGWorldActionPipeline(PipelineBase):
 
     def _on_cfg_groups(self) -> bool:
         """Whether the model sits on a mesh with two ``"cfg"`` device groups: the runtime splits the pools over the
-        mesh the model is placed on (``EngineConfig(mesh=...)``), so then the branches' pages are on one group
-        each. Asked before a commit, when no view is in hand (:meth:`_cfg_parallel` asks a view)."""
+        mesh the model is placed on (``EngineConfig(mesh=...)``; a program cannot mix a model and pools placed
+        apart), so then the branches' pages are on one group each. Asked before a commit, when no view is in
+        hand (:meth:`_cfg_parallel` asks a view)."""
         mesh = self.device.mesh if isinstance(self.device, jax.sharding.NamedSharding) else None
         return mesh is not None and int(mesh.shape.get("cfg", 1)) == 2
 
@@ -696,9 +697,6 @@ class CFGWorldActionPipeline(PipelineBase):
         if self._on_cfg_groups() and starts[0] == starts[1]:
             def both(views: tuple[Any, Any]) -> tuple[tuple[tuple[jax.Array, jax.Array], ...], None]:
                 pos, neg = views
-                if not self._cfg_parallel(pos):
-                    raise RuntimeError("CFGWorldActionPipeline: the model is on two 'cfg' device groups but the KV "
-                                       "pools are not; place both on the same mesh (EngineConfig(mesh=...))")
                 k, v = cfg_commit_parallel(self._graphdef, self._params, pos, np.stack([pos.cursor, neg.cursor]),
                                            latents, starts[0], cross[0], cross[1])
                 return ((k[0], v[0]), (k[1], v[1])), None

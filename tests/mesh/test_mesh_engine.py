@@ -131,11 +131,18 @@ def test_cfg_step_runs_both_branches_in_one_call_and_exchanges_only_the_combine(
     monkeypatch.setattr(_cfg, "cfg_step_parallel", recording)
     sequential = []
     monkeypatch.setattr(_cfg, "cfg_step", lambda *args: sequential.append(args) or pytest.fail("sequential step ran"))
+    # The observation's commit too: both branches in one program through the loop's commit_together.
+    together = []
+    original_together = _cfg.commit_together
+    monkeypatch.setattr(_cfg, "commit_together",
+                        lambda *args: together.append(args[1]) or original_together(*args))
+    monkeypatch.setattr(_cfg, "commit_pass", lambda *args: pytest.fail("a branch committed alone"))
     _, modules = baselines["cfg"]
     mesh = make_mesh((2, 2))
     outputs, engine = _run("cfg", mesh, modules)
     try:
         assert calls and not sequential
+        assert together == [("positive", "negative")] * len(SESSIONS) * ROUNDS
         args = calls[-1]
         hlo = original.lower(*args).compile().as_text()
         num_pages = engine.runner.kv_cache.layout.num_pages
