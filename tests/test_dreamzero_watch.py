@@ -216,11 +216,11 @@ def test_a_viewer_gets_each_inference_of_its_robot_decoded_as_our_vae_decodes_th
 def test_a_robot_nobody_watches_is_never_decoded(policy, monkeypatch) -> None:
     """Two robots, one watched: the VAE decodes only the watched robot's chunks, the other's predicted video is
     never taken; after session.stop (session.done counts the chunks sent) nothing is decoded any more."""
-    from ardiff_jax.models.wan import _vae
+    from ardiff_jax.models import wan  # the watcher decodes with the package's decode_step
 
     decodes, taken = [], []
-    decode_step, take_video = _vae.decode_step, policy.take_video
-    monkeypatch.setattr(_vae, "decode_step", lambda *a, **k: decodes.append(1) or decode_step(*a, **k))
+    decode_step, take_video = wan.decode_step, policy.take_video
+    monkeypatch.setattr(wan, "decode_step", lambda *a, **k: decodes.append(1) or decode_step(*a, **k))
     monkeypatch.setattr(policy, "take_video", lambda key: taken.append(key) or take_video(key))
     watched_calls, unwatched_calls = _episode(seed=4, calls=3), _episode(seed=5, calls=2)
     with serving(policy) as port, _robot(port) as watched, _robot(port) as unwatched, _viewer(port) as viewer:
