@@ -62,7 +62,7 @@ from ardiff_jax import ARDiffusionEngine, ARDiffusionKVBranchSpec, ARDiffusionKV
 from ardiff_jax.kv import PagedKVCaches
 from ardiff_jax.runtime import ARDiffusionBatchError, branch_cursor_array
 from ardiff_jax.runtime._batch import SessionRestoreError
-from ardiff_jax.runtime import _runner as runner_module
+from ardiff_jax.runtime import _session_files as session_files_module
 from ardiff_jax.types import StepResult, StepSchedulerOutput
 
 EXAMPLES = int(os.environ.get("ARDIFF_STATE_MACHINE_EXAMPLES", "200"))
@@ -826,13 +826,13 @@ class HostTierMachine(RuleBasedStateMachine):
             def failing_write(*args, **kwargs):
                 raise InjectedFault("disk full")
 
-            real_write = runner_module.write_session_file
-            runner_module.write_session_file = failing_write
+            real_write = session_files_module.write_session_file
+            session_files_module.write_session_file = failing_write
             try:
                 with pytest.raises(InjectedFault):
                     self.engine.save_session(session_id, path)
             finally:
-                runner_module.write_session_file = real_write
+                session_files_module.write_session_file = real_write
             assert not path.exists()
             return
         self.engine.save_session(session_id, path)  # invisible to the session: it is not hit

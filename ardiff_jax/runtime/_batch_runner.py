@@ -15,12 +15,15 @@ the runner's own entry points, so warmup runs exactly the code a request runs.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+import jax  # noqa: F401 - imported before the atexit registration below (see stop_every_compiler)
 
 from ardiff_jax.runtime._batch import ARDiffusionKVBatch, batch_buckets, bucket_for
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID
@@ -42,9 +45,17 @@ _COMPILING: weakref.WeakSet[Warmup] = weakref.WeakSet()
 
 
 def stop_every_compiler() -> None:
-    """Stop every background bucket compiler and wait for it (the runner module registers it at exit)."""
+    """At interpreter exit: stop every background bucket compiler and wait for it.
+
+    A daemon thread still inside an XLA compile when the interpreter tears the backend down
+    aborts the process (SIGABRT). Registered after ``import jax`` above, so it runs before
+    jax's own exit handlers (atexit runs last-registered first).
+    """
     for warmup in list(_COMPILING):
         warmup.stop()
+
+
+atexit.register(stop_every_compiler)
 
 
 class BatchRunner:

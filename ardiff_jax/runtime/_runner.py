@@ -18,19 +18,22 @@ batched forward, for a pipeline that implements ``SupportsARDiffusionBatch``. Li
 called after the lock is released, so a slow or re-entrant listener cannot stall or
 deadlock the runner.
 
-Policy and execution are apart: :class:`~ardiff_jax.runtime.SessionTable` decides (LRU
-order, capacity, which session an admission evicts, pins); this shell executes (binds,
-runs, releases KV, calls hooks, waits for the device).
+The runner is a shell: it keeps the lock, the entry points, the fail-closed policy and
+construction, and composes collaborators that each own one thing (``docs/architecture.md``,
+"The runner as a shell"): :class:`~ardiff_jax.runtime._gate.PipelineGate` (the only caller of
+pipeline code), :class:`~ardiff_jax.runtime._events.EventLog`,
+:class:`~ardiff_jax.runtime._residency.Residency` (session table, host tier and every move),
+:class:`~ardiff_jax.runtime._batch_runner.BatchRunner` and ``Warmup``, and
+:class:`~ardiff_jax.runtime._session_files.SessionFiles`. Every refusal of a call is checked
+before anything moves.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,25 +51,17 @@ from ardiff_jax.runtime._batch import (
     ARDiffusionBatchError,
     SessionRestoreError,
 )
-from ardiff_jax.runtime._batch_runner import BatchRunner, Warmup, stop_every_compiler
+from ardiff_jax.runtime._batch_runner import BatchRunner, Warmup
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
 from ardiff_jax.runtime._gate import PipelineGate, committing, kv_cache_spec, shard_model
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import (
     HostSessionTier,
-    OffloadedSession,
     to_device,
 )
-from ardiff_jax.runtime._persist import (
-    SessionFileError,
-    check_weights_fingerprint,
-    pipeline_name,
-    read_session_file,
-    session_fingerprint,
-    write_session_file,
-)
 from ardiff_jax.runtime._residency import Residency, repeated_sessions
+from ardiff_jax.runtime._session_files import SessionFiles
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import (
@@ -96,18 +91,6 @@ _BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = wea
 #: Exclusive bound of a fork's ``noise_seed``: the request seeds' (``inputs["seed"]`` in the
 #: pipelines, ``seed`` in the server protocol), so a fork's seed is one a request could give.
 _MAX_NOISE_SEED = 2**31
-
-def _stop_bucket_compilers() -> None:
-    """At interpreter exit: stop every background bucket compiler and wait for it.
-
-    A daemon thread still inside an XLA compile when the interpreter tears the backend down
-    aborts the process (SIGABRT). Registered after ``import jax`` above, so it runs before
-    jax's own exit handlers (atexit runs last-registered first).
-    """
-    stop_every_compiler()
-
-
-atexit.register(_stop_bucket_compilers)
 
 
 class ARDiffusionModelRunner:
@@ -176,6 +159,7 @@ class ARDiffusionModelRunner:
                 raise
         # Batched forwards need the pipeline's protocol and pools on one device (a mesh runs batches one by one).
         self._gate = PipelineGate(pipeline, self._kv_cache, batched=config.mesh is None)
+        self._files = SessionFiles(self._gate, self._kv_cache)
         self._batches = BatchRunner(self._gate, self._kv_cache, run_one=self._execute_admitted,
                                     fail_closed=self._fail_closed)
         self._residency = Residency(self._kv_cache, self._gate, self._events,
@@ -605,19 +589,6 @@ class ARDiffusionModelRunner:
         return True
 
     # -- sessions on disk ------------------------------------------------------------------------
-    def _file_identity(self) -> dict[str, Any]:
-        """What a session file must match here: geometry, pipeline class and (when reported) the weights."""
-        weights = self._gate.weights_fingerprint()
-        if weights is not None:
-            weights = check_weights_fingerprint(weights, f"{self._gate.name}.ar_diffusion_weights_fingerprint()")
-        return {"fingerprint": session_fingerprint(self._kv_cache.spec, self._kv_cache.layout),
-                "pipeline": pipeline_name(self._pipeline), "weights": weights}
-
-    def _require_exporter(self, what: str) -> None:
-        if not self._gate.can_export:
-            raise TypeError(f"{what} needs a pipeline that implements SupportsARDiffusionSessionExport; "
-                            f"{type(self._pipeline).__name__} does not")
-
     def fork_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
         """Start session ``new_id`` from exactly where ``source_id`` stands, copying nothing.
 
@@ -713,8 +684,8 @@ class ARDiffusionModelRunner:
         """
         check_session_id(session_id)
         self._check_open()
-        self._require_exporter("save_session")
-        identity = self._file_identity()  # outside the lock: the first call may hash the weights
+        self._files.require_exporter("save_session")
+        identity = self._files.identity()  # outside the lock: the first call may hash the weights
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("save_session")
@@ -731,22 +702,7 @@ class ARDiffusionModelRunner:
                     self._residency.release(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
                     raise
         # Outside the lock: the record is an immutable host value; writing it may take a while.
-        return write_session_file(path, record, fingerprint=identity["fingerprint"], pipeline=identity["pipeline"],
-                                  layout=self._kv_cache.layout, weights=identity["weights"])
-
-    def _check_importable(self, record: OffloadedSession, path: Any) -> None:
-        """SessionFileError unless the pipeline accepts the file's model state, checked before anything changes.
-
-        The pipeline validates on import, so the state is imported under a throwaway id and
-        exported straight back: nothing is evicted or written for a file whose state is bad.
-        """
-        probe = f"__ardiff_load_check_{uuid.uuid4().hex}__"
-        try:
-            self._gate.import_session(probe, record.pipeline_state)
-        except Exception as error:
-            raise SessionFileError(f"the pipeline state in session file {path} is not one "
-                                   f"{self._gate.name} could have exported: {error}") from None
-        self._gate.export_session(probe)
+        return self._files.write(path, record, identity)
 
     def load_session(self, path: Any, session_id: str | None = None, *, allow_other_weights: bool = False) -> str:
         """Load a saved session (as ``session_id``, default the saved id) and make it resident; returns its id.
@@ -762,15 +718,9 @@ class ARDiffusionModelRunner:
             check_session_id(session_id)
         allow_other_weights = check_flag("allow_other_weights", allow_other_weights)
         self._check_open()
-        self._require_exporter("load_session")
-        identity = self._file_identity()
-        cache = self._kv_cache
-        record = read_session_file(path, spec=cache.spec, layout=cache.layout, fingerprint=identity["fingerprint"],
-                                   pipeline=identity["pipeline"], session_pages=cache.session_pages,
-                                   device=cache.state_placement, weights=identity["weights"],
-                                   allow_other_weights=allow_other_weights)
-        if session_id is not None and session_id != record.session_id:
-            record = record.renamed(session_id)
+        self._files.require_exporter("load_session")
+        identity = self._files.identity()
+        record = self._files.read(path, identity, session_id=session_id, allow_other_weights=allow_other_weights)
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("load_session")
@@ -778,7 +728,7 @@ class ARDiffusionModelRunner:
             if target in self._table or target in self._host:
                 raise ValueError(f"AR-Diffusion session {target!r} already exists here; close it first or load "
                                  "under another session_id")
-            self._check_importable(record, path)
+            self._files.check_importable(record, path)
             self._residency.restore_making_room(record, reason="load")
         return target
 
