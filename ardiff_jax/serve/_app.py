@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import importlib.resources
 import itertools
-import json
 import logging
 import math
 import statistics
@@ -61,7 +60,7 @@ from ardiff_jax.serve._protocol import (
     error_message,
     parse_client_message,
 )
-from ardiff_jax.serve._send_queue import SendQueue
+from ardiff_jax.serve._send_queue import SendQueue, drain_to_websocket
 from ardiff_jax.serve._world import ServedWorld, StartPlan
 
 __all__ = ["REALTIME_VIDEO_PATH", "ServerSettings", "create_app"]
@@ -476,33 +475,15 @@ class _Server:
                                       "event_id": wire_id, "duplicate": False})
 
     async def _send(self, conn: Connection) -> None:
-        """Drain the send queue onto the socket; a media item is its metadata frame then its binary frame.
-
-        A send completes once the transport takes the frame, so a client that does not read blocks
-        it here, in its own task: :meth:`_watch` sees that no send completes.
-        """
-        transport_index = 0
-        websocket = conn.websocket
+        """Drain the send queue onto the socket (:func:`drain_to_websocket`); a client that does not read blocks
+        it here, in its own task: :meth:`_watch` sees that no send completes."""
         assert self.wake is not None
-        try:
-            while True:
-                item = await conn.queue.get()
-                if item.kind == "close":
-                    await websocket.close(item.code, item.reason)
-                    return
-                assert item.message is not None
-                if item.kind == "media":
-                    self.wake.set()  # the queue has room: the generation loop may serve this session again
-                    await websocket.send_text(json.dumps({**item.message, "transport_chunk_index": transport_index}))
-                    await websocket.send_bytes(item.payload)
-                    transport_index += 1
-                else:
-                    message = item.message
-                    if message.get("type") == "session.done":
-                        message = {**message, "chunks": transport_index}
-                        transport_index = 0  # a next session on this socket counts its chunks from 0
-                    await websocket.send_text(json.dumps(message))
-                conn.sent_at = time.monotonic()
+
+        def sent() -> None:
+            conn.sent_at = time.monotonic()
+
+        try:  # a media item leaving the queue makes room: the generation loop may serve this session again
+            await drain_to_websocket(conn.queue, conn.websocket, before_media=self.wake.set, after_send=sent)
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client went away; the reader sees the disconnect too
 

@@ -599,7 +599,7 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
     from starlette.websockets import WebSocket
 
     from ardiff_jax.serve._app import REALTIME_VIDEO_PATH
-    from ardiff_jax.serve._watch import DEFAULT_MAX_VIEWERS, RobotRecord, VideoHub, WatchablePolicy
+    from ardiff_jax.serve._watch import DEFAULT_MAX_VIEWERS, RobotRecord, VideoHub
 
     for method in ("validate", "infer_batch", "reset", "close"):
         if not callable(getattr(policy, method, None)):
@@ -702,16 +702,24 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
             if hub is not None:  # after the reply: a viewer's decode never delays it
                 hub.inferred(key)
 
-    async def policy_websocket(websocket: WebSocket) -> None:
-        # Decided from the handshake alone, before accept and before a session key exists.
+    async def admitted_address(websocket: WebSocket) -> str | None:
+        """The client's address, counted as one more open connection, or None (refused and told why).
+
+        Decided from the handshake alone, before accept: robots and viewers pass the same rules (API key,
+        Origin) and share the per-address connection count."""
         address = client_address(access, client=websocket.client, headers=websocket.headers)
         refusal = websocket_refusal(access, headers=websocket.headers, query=websocket.query_params,
                                     scheme=websocket.url.scheme, server=websocket.scope.get("server"),
                                     open_connections=open_by_address.open_connections(address))
         if refusal is not None:
             await deny_websocket(websocket, refusal)
-            return
+            return None
         open_by_address.acquire(address)  # no await since the check: the count cannot have moved
+        return address
+
+    async def policy_websocket(websocket: WebSocket) -> None:
+        if (address := await admitted_address(websocket)) is None:
+            return
         number = next(keys)
         key = f"robot-{number}"
         robots[key] = RobotRecord(key, number)
@@ -731,15 +739,8 @@ def create_policy_app(policy: RobotPolicy, *, config: PolicyServerConfig | None 
             dispatcher.control_later(policy.close, key)
 
     async def watch_websocket(websocket: WebSocket) -> None:
-        # The robot socket's rules, decided from the handshake alone; a viewer counts as a connection of its address.
-        address = client_address(access, client=websocket.client, headers=websocket.headers)
-        refusal = websocket_refusal(access, headers=websocket.headers, query=websocket.query_params,
-                                    scheme=websocket.url.scheme, server=websocket.scope.get("server"),
-                                    open_connections=open_by_address.open_connections(address))
-        if refusal is not None:
-            await deny_websocket(websocket, refusal)
+        if (address := await admitted_address(websocket)) is None:
             return
-        open_by_address.acquire(address)  # no await since the check: the count cannot have moved
         try:
             await hub.serve(websocket)
         except Exception:  # noqa: BLE001 - a server bug: logged, this viewer ends, robots and other viewers go on
@@ -831,7 +832,7 @@ class PolicyClient:
         """Ask for a new episode (``reset_info`` may carry a ``session_id``); the server's text reply."""
         reply = self.send_raw(pack({**(reset_info or {}), "endpoint": "reset"}))
         if reply != RESET_REPLY:
-            raise PolicyServerError(reply if isinstance(reply, str) else f"unexpected binary reply to reset")
+            raise PolicyServerError(reply if isinstance(reply, str) else "unexpected binary reply to reset")
         return reply
 
     def close(self) -> None:

@@ -17,8 +17,8 @@ Two kinds of items share one FIFO, so the client sees them in the order they wer
   stream header) is kept; the bound then allows one more. The server stops generating for a
   connection while :attr:`SendQueue.media_full`, so the drop is only the queue's own backstop.
 
-A ``close`` item ends the stream: the sender sends everything queued before it, then closes
-the socket with its code.
+A ``close`` item ends the stream: the sender (:func:`drain_to_websocket`) sends everything
+queued before it, then closes the socket with its code.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OutboundItem", "SendQueue"]
+__all__ = ["OutboundItem", "SendQueue", "drain_to_websocket"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,3 +164,37 @@ class SendQueue:
         self._media = self._control = 0
         self._closed = True
         self._control_room.set()
+
+
+async def drain_to_websocket(queue: SendQueue, websocket: Any, *, before_media: Callable[[], None] | None = None,
+                             after_send: Callable[[], None] | None = None) -> None:
+    """Send ``queue``'s items on ``websocket`` until its ``close`` item (then close the socket with its code).
+
+    A media item is its ``video.chunk_metadata`` text frame, with ``transport_chunk_index`` assigned here
+    (consecutive from 0 on the socket), then its binary frame; a ``session.done`` gets ``chunks``, the
+    media items sent since the last one, and restarts the count. ``before_media`` runs as a media item
+    leaves the queue, ``after_send`` once the transport took an item. A send completes once the transport
+    takes the frame, so a client that does not read blocks here, in its own task. A send that fails
+    raises (the client went away): the caller decides what that means.
+    """
+    transport_index = 0
+    while True:
+        item = await queue.get()
+        if item.kind == "close":
+            await websocket.close(item.code, item.reason)
+            return
+        assert item.message is not None
+        if item.kind == "media":
+            if before_media is not None:
+                before_media()
+            await websocket.send_text(json.dumps({**item.message, "transport_chunk_index": transport_index}))
+            await websocket.send_bytes(item.payload)
+            transport_index += 1
+        else:
+            message = item.message
+            if message.get("type") == "session.done":
+                message = {**message, "chunks": transport_index}
+                transport_index = 0  # a next session on this socket counts its chunks from 0
+            await websocket.send_text(json.dumps(message))
+        if after_send is not None:
+            after_send()

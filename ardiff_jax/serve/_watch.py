@@ -54,7 +54,7 @@ from ardiff_jax.serve._protocol import (
     error_message,
     parse_client_message,
 )
-from ardiff_jax.serve._send_queue import SendQueue
+from ardiff_jax.serve._send_queue import SendQueue, drain_to_websocket
 
 __all__ = ["DEFAULT_MAX_VIEWERS", "WATCH_FORMATS", "RobotRecord", "VideoHub", "WatchStart", "WatchablePolicy",
            "parse_watch_message"]
@@ -354,26 +354,10 @@ class VideoHub:
             viewer.decoded += 1
 
     async def _send(self, viewer: _Viewer) -> None:
-        """Drain the viewer's queue onto its socket (a chunk: its metadata text frame, then its binary frame)."""
-        transport_index = 0
-        websocket = viewer.websocket
+        """Drain the viewer's queue onto its socket (:func:`drain_to_websocket`: a chunk is its metadata text
+        frame, then its binary frame)."""
         try:
-            while True:
-                item = await viewer.queue.get()
-                if item.kind == "close":
-                    await websocket.close(item.code, item.reason)
-                    return
-                assert item.message is not None
-                if item.kind == "media":
-                    await websocket.send_text(json.dumps({**item.message, "transport_chunk_index": transport_index}))
-                    await websocket.send_bytes(item.payload)
-                    transport_index += 1
-                else:
-                    message = item.message
-                    if message.get("type") == "session.done":
-                        message = {**message, "chunks": transport_index}
-                        transport_index = 0  # a next stream on this socket counts its chunks from 0
-                    await websocket.send_text(json.dumps(message))
+            await drain_to_websocket(viewer.queue, viewer.websocket)
         except Exception:  # noqa: BLE001 - the viewer went away (several exception types, by server); the reader sees it
             return
 
