@@ -484,3 +484,44 @@ def test_admission_refusal_is_pure_and_made_before_anything_moves():
     assert (runner.sessions, runner.session_table.is_pinned("a"), runner.kv_cache.num_free_slots) == before
     runner.session_table.unpin("a")
     engine.close()
+
+
+_MUTATORS = frozenset({"pop", "popitem", "clear", "update", "setdefault", "append", "extend", "add", "discard",
+                       "remove", "insert"})
+
+
+def _foreign_private_writes(source: str) -> list[str]:
+    """Each write of another object's private field (``x._f = ...``, ``x._f[k] = ...``, ``del``, ``x._f.pop()``)."""
+    def foreign(node: ast.expr) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found.extend(ast.unparse(target) for target in targets if foreign(target))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
+                and foreign(node.func.value)):
+            found.append(ast.unparse(node.func))
+    return found
+
+
+def test_the_checker_of_private_writes_bites():
+    # What the runner, the batch and the batch runner did before the state wrote its own fields.
+    assert _foreign_private_writes("state._bound = True") == ["state._bound"]
+    assert _foreign_private_writes("state._pending[b] = p") == ["state._pending[b]"]
+    assert _foreign_private_writes("del state._pending[b]") == ["state._pending[b]"]
+    assert _foreign_private_writes("state._pending.pop(b, None)") == ["state._pending.pop"]
+    assert _foreign_private_writes("self._x = 1\nself._d[k] = 2\nstate._set_bound(True)") == []
+
+
+def test_nothing_outside_the_state_module_writes_a_state_s_private_fields():
+    """The runtime (and the rollouts) write only their own objects' private fields; a state's are written by
+    ``runtime/_state.py`` alone (the residency, the gate, the batch and the batch runner ask it)."""
+    paths = sorted(RUNTIME.glob("*.py")) + [PACKAGE / "rollout.py"]
+    offenders = {path.name: writes for path in paths if path.name != "_state.py"
+                 for writes in [_foreign_private_writes(path.read_text(encoding="utf-8"))] if writes}
+    assert offenders == {}

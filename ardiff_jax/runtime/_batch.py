@@ -162,6 +162,10 @@ class ARDiffusionKVBatch:
     __deepcopy__ = _refuse_copy
     __reduce_ex__ = _refuse_copy
 
+    def _set_bound(self, bound: bool) -> None:
+        """Bound to (``True``) or unbound from (``False``) the one ``forward_batch`` now running."""
+        self._bound = bound
+
     def _check_bound(self) -> None:
         if not self._bound:
             raise RuntimeError("ARDiffusionKVBatch was used outside its runner invocation; pipelines must not "
@@ -215,10 +219,7 @@ class ARDiffusionKVBatch:
                 views.append(state.get_kv_caches(kv_branch, seq_len, commit_current))
         except BaseException:
             for state, pending in zip(self._states, previous, strict=True):
-                if pending is None:
-                    state._pending.pop(kv_branch, None)
-                else:
-                    state._pending[kv_branch] = pending
+                state._set_pending(kv_branch, pending)
             raise
         layout = self._cache.layout
         padding = make_table_cursor(0, 0, 0, (layout.null_page,) * layout.run_pages)  # committed 0: nothing visible
@@ -255,7 +256,7 @@ class ARDiffusionKVBatch:
                 raise ValueError(f"AR-Diffusion branch {kv_branch!r}: the pending batched context is non-committing "
                                  "(commit_current=False); it cannot be committed with kv")
             for state in self._states:
-                del state._pending[kv_branch]
+                state._set_pending(kv_branch, None)
             return
         if kv is None:
             raise ValueError(f"AR-Diffusion branch {kv_branch!r}: a committing batched context must be committed with "
@@ -276,7 +277,7 @@ class ARDiffusionKVBatch:
         cache._write_blocks(pages, k, v)
         for state, value, (local, plan) in zip(self._states, committed, plans, strict=True):  # after the device call
             state._publish(with_run_table(spec, layout, value, local, plan.new))
-            del state._pending[kv_branch]
+            state._set_pending(kv_branch, None)
 
     def discard_paged_context(self, kv_branch: str) -> None:
         """Drop the pending context of ``kv_branch`` of every session without writing."""

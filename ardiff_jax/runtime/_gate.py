@@ -184,13 +184,13 @@ class PipelineGate:
         """Bind ``state`` to the pipeline for exactly one invocation, then check what the pipeline left."""
         # No pin needed here: while pipeline code runs, every runner entry point is refused, so
         # nothing can evict the bound session (pins are for a serving layer's own use).
-        state._bound = True
+        state._set_bound(True)
         previous, self.executing = self.executing, _ForwardCall(session_id)
         try:
             with self.pipeline.bind_ar_diffusion_state(session_id, state):
                 yield
         finally:
-            state._bound = False
+            state._set_bound(False)
             self.executing = previous
         where = _find_retained(self.pipeline, state)
         if where is not None:
@@ -212,16 +212,16 @@ class PipelineGate:
                      batch: ARDiffusionKVBatch) -> Iterator[None]:
         """Bind the batch (and every state in it) for exactly one ``forward_batch``, then check what was left."""
         for state in states:
-            state._bound = True
-        batch._bound = True
+            state._set_bound(True)
+        batch._set_bound(True)
         previous, self.executing = self.executing, _BatchCall(tuple(session_ids))
         try:
             with self.pipeline.bind_ar_diffusion_batch(batch):
                 yield
         finally:
             for state in states:
-                state._bound = False
-            batch._bound = False
+                state._set_bound(False)
+            batch._set_bound(False)
             self.executing = previous
         for held, name in [(batch, "ARDiffusionKVBatch")] + [(state, f"ARDiffusionKVState of session "
                                                                        f"{state.session_id!r}") for state in states]:

@@ -125,7 +125,7 @@ class Residency:
             with contextlib.suppress(Exception):
                 self._gate.hook(new_id, reset=False)
             raise
-        state._runner_managed = True
+        state._adopt()
         self.table.add(new_id, state)
         self.table.touch(source_id)
         self._events.emit("created", new_id, "fork")
@@ -142,7 +142,7 @@ class Residency:
             return self.restore_making_room(record, reason="offload")
         self._make_room()
         state = self._kv_cache.create_state(session_id)
-        state._runner_managed = True
+        state._adopt()
         self.table.add(session_id, state)
         logger.info("AR-Diffusion session %r created (slot %s; %d resident)", session_id, state.slot,
                     len(self.table))
@@ -342,7 +342,7 @@ class Residency:
             if hold_on_failure:
                 self._hold_offloaded(record)
             raise
-        state._runner_managed = True
+        state._adopt()
         self.table.add(session_id, state)
         self._events.emit("restored", session_id, reason)
         logger.info("AR-Diffusion session %r restored (%s; slot %s)", session_id, reason, state.slot)

@@ -263,6 +263,10 @@ class ARDiffusionModelRunner:
         """
         self._events.add_listener(listener)
 
+    def _forget_e2e_times(self) -> None:
+        """Drop the recorded wall times (the warmup's are no request's)."""
+        self._perf_e2e_times.clear()
+
     # -- locking and events ----------------------------------------------------------------------
     def _locked(self) -> _RunnerLock:
         """The runner lock; events queued inside are delivered once the outermost holder let go."""

@@ -173,6 +173,33 @@ class ARDiffusionKVState(LegacyStateAPI):
         for name, adapter in self._adapters.items():
             adapter._cursor = value.cursors[name]
 
+    # -- the runtime's side (the residency, the gate, the batch, the batch runner; never a pipeline) --------
+    # The state's fields are written here only (tests/test_architecture.py): the runtime asks.
+    def _adopt(self) -> None:
+        """Runner-managed from now on: usable only while bound to an invocation, released only by the runner."""
+        self._runner_managed = True
+
+    def _set_bound(self, bound: bool) -> None:
+        """Bound to (``True``) or unbound from (``False``) the one pipeline invocation now running."""
+        self._bound = bound
+
+    def _set_pending(self, kv_branch: str, context: _PendingContext | None) -> None:
+        """Put back (or, with ``None``, drop) the pending context of ``kv_branch`` (a refused batched prepare)."""
+        if context is None:
+            self._pending.pop(kv_branch, None)
+        else:
+            self._pending[kv_branch] = context
+
+    def _saved(self) -> tuple[SessionKV, dict[str, _PendingContext]]:
+        """The value and pending contexts a failed batched forward rolls back to (:meth:`_roll_back`)."""
+        return self._value, dict(self._pending)
+
+    def _roll_back(self, saved: tuple[SessionKV, dict[str, _PendingContext]]) -> None:
+        """Reinstall what :meth:`_saved` returned (the batch's pages lie where the restored cursors do not read)."""
+        value, pending = saved
+        self._pending = dict(pending)
+        self._publish(value)
+
     def _drop_pages(self) -> None:
         """Forget every page table (a reset or a release): the cache's counts drop with them."""
         value = self._value
