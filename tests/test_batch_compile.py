@@ -9,15 +9,11 @@ then never again.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
 
-import jax
 import numpy as np
 import pytest
-from helpers import BACKEND_COMPILE_EVENT
+from helpers import compiles_by_thread
 
 from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.envs import SpriteWorld
@@ -33,22 +29,6 @@ PLAYERS = ("a", "b")
 @pytest.fixture(scope="module")
 def modules():
     return DiTModules.create(dit_preset("sprite_world"), 1)
-
-
-@contextlib.contextmanager
-def compiles_by_thread() -> Iterator[list[tuple[int, str]]]:
-    """``(thread id, program name)`` of every XLA compile inside the block."""
-    found: list[tuple[int, str]] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            found.append((threading.get_ident(), str(kwargs.get("fun_name", "?"))))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield found
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _engine(modules, mode: str, capacity: int = 4) -> tuple[SpriteWorldPipeline, ARDiffusionEngine]:

@@ -614,21 +614,26 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @contextlib.contextmanager
     def _failing_page_write(self, armed: bool, *, once: bool = False):
-        """While armed, a restore's page write raises (``once``: only the first write, later ones run)."""
+        """While armed, a restore's page write raises (``once``: only the first write, later ones run).
+
+        Hooked where every restore and load writes its pages (``restore_session_pages``), whichever way it
+        writes them: into the slot's own runs in one write, or into free pages when a fork of the slot's
+        previous occupant still reads some of them (hooking only the first way let a load into such a slot
+        pass the fault by)."""
         cache = self.engine.runner.kv_cache
         if armed:
-            real_write = cache.write_slot
+            real_write = cache.restore_session_pages
 
             def failing_write(slot, pages):
                 if once:
-                    cache.write_slot = real_write
+                    cache.restore_session_pages = real_write
                 raise InjectedFault("page write failed")
 
-            cache.write_slot = failing_write
+            cache.restore_session_pages = failing_write
         try:
             yield
         finally:
-            cache.__dict__.pop("write_slot", None)
+            cache.__dict__.pop("restore_session_pages", None)
 
     # -- rules ---------------------------------------------------------------------------------------
     @initialize()
