@@ -89,7 +89,7 @@ def served_url():
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         app = create_app(engine, world=ServedWorld.for_pipeline(pipeline))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         try:
@@ -261,7 +261,7 @@ def keyed_server():
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
         thread = threading.Thread(target=server.run, daemon=True)
         page = (FOREIGN_PAGE % {"port": port, "key": ACCESS_KEY}).encode()
 
@@ -339,7 +339,7 @@ def matrix_game_url():
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         app = create_app(engine, world=ServedWorld.for_pipeline(pipeline, start_image=start_image))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         try:
