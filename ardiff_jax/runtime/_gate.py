@@ -107,13 +107,13 @@ class PipelineGate:
         """The pipeline's host-side check of a request (nothing when it has none)."""
         if self._validator is None:
             return
-        with self._running(_ValidationCall(session_id)):
+        with self._running(_SessionCall("request validation", session_id)):
             self._validator(session_id, request)
 
     def hook(self, session_id: str, *, reset: bool) -> None:
         """The reset or close hook of ``session_id``; its error is raised."""
         hook = self.pipeline.reset_ar_diffusion_session if reset else self.pipeline.close_ar_diffusion_session
-        previous, self.executing = self.executing, _HookCall(reset, session_id)
+        previous, self.executing = self.executing, _SessionCall("reset hook" if reset else "close hook", session_id)
         try:
             hook(session_id)
         finally:
@@ -121,12 +121,12 @@ class PipelineGate:
 
     def import_session(self, session_id: str, pipeline_state: Any) -> None:
         """Hand the pipeline a session's model state (it validates it)."""
-        with self._running(_ImportCall(session_id)):
+        with self._running(_SessionCall("import", session_id)):
             self.pipeline.import_ar_diffusion_session(session_id, pipeline_state)
 
     def export_session(self, session_id: str) -> Any:
         """Take a session's model state out of the pipeline (it no longer holds it)."""
-        with self._running(_ExportCall(session_id)):
+        with self._running(_SessionCall("export", session_id)):
             return self.pipeline.export_ar_diffusion_session(session_id)
 
     def export_to_host(self, session_id: str, device: Any, *, keep: bool) -> Any:
@@ -135,7 +135,7 @@ class PipelineGate:
         With ``keep`` it is imported straight back (the pipeline's only way to hand over its
         state is to move it), also when the host copy fails.
         """
-        with self._running(_ExportCall(session_id)):
+        with self._running(_SessionCall("export", session_id)):
             exported = self.pipeline.export_ar_diffusion_session(session_id)
             try:
                 return to_host(exported, device)
@@ -185,7 +185,7 @@ class PipelineGate:
         # No pin needed here: while pipeline code runs, every runner entry point is refused, so
         # nothing can evict the bound session (pins are for a serving layer's own use).
         state._set_bound(True)
-        previous, self.executing = self.executing, _ForwardCall(session_id)
+        previous, self.executing = self.executing, _SessionCall("forward", session_id)
         try:
             with self.pipeline.bind_ar_diffusion_state(session_id, state):
                 yield
@@ -289,39 +289,12 @@ class _BatchCall(NamedTuple):
         return f"the batched forward of sessions {list(self.session_ids)}"
 
 
-class _ForwardCall(NamedTuple):
-    """What pipeline code is running, named lazily (formatting a string on every tick costs time)."""
+class _SessionCall(NamedTuple):
+    """What pipeline code is running for one session (``what``: "forward", "reset hook", "export", ...), named
+    lazily (formatting a string on every tick costs time)."""
 
+    what: str
     session_id: str
 
     def __str__(self) -> str:
-        return f"the forward of session {self.session_id!r}"
-
-
-class _HookCall(NamedTuple):
-    reset: bool
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the {'reset' if self.reset else 'close'} hook of session {self.session_id!r}"
-
-
-class _ExportCall(NamedTuple):
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the export of session {self.session_id!r}"
-
-
-class _ImportCall(NamedTuple):
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the import of session {self.session_id!r}"
-
-
-class _ValidationCall(NamedTuple):
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"the request validation of session {self.session_id!r}"
+        return f"the {self.what} of session {self.session_id!r}"
