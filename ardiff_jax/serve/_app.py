@@ -60,7 +60,7 @@ from ardiff_jax.serve._protocol import (
     error_message,
     parse_client_message,
 )
-from ardiff_jax.serve._send_queue import SendQueue, drain_to_websocket
+from ardiff_jax.serve._send_queue import SendQueue, drain_to_websocket, until_first_ends
 from ardiff_jax.serve._world import ServedWorld, StartPlan
 
 __all__ = ["REALTIME_VIDEO_PATH", "ServerSettings", "create_app"]
@@ -328,16 +328,9 @@ class _Server:
         self.metrics.connected(1)
         # The reader ends at a disconnect, the sender after the close, the watchdog when the client takes
         # nothing of a closing connection: whichever comes first ends the connection.
-        tasks = [asyncio.create_task(self._read(conn)), asyncio.create_task(self._send(conn)),
-                 asyncio.create_task(self._watch(conn))]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await until_first_ends(self._read(conn), self._send(conn), self._watch(conn))
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
             await asyncio.shield(self._spawn(self._release(conn)))
 
     async def _read(self, conn: Connection) -> None:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["OutboundItem", "SendQueue", "drain_to_websocket"]
+__all__ = ["OutboundItem", "SendQueue", "drain_to_websocket", "until_first_ends"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,3 +199,17 @@ async def drain_to_websocket(queue: SendQueue, websocket: Any, *, before_media: 
             await websocket.send_text(json.dumps(message))
         if after_send is not None:
             after_send()
+
+
+async def until_first_ends(*coroutines: Coroutine[Any, Any, Any]) -> None:
+    """Run one socket's tasks (its reader, its sender, ...) until the first of them ends, then cancel the others
+    and wait for them: whichever ends first (a disconnect, a close sent, a watchdog) ends the connection."""
+    tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task

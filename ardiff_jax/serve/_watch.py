@@ -54,7 +54,7 @@ from ardiff_jax.serve._protocol import (
     error_message,
     parse_client_message,
 )
-from ardiff_jax.serve._send_queue import SendQueue, drain_to_websocket
+from ardiff_jax.serve._send_queue import SendQueue, drain_to_websocket, until_first_ends
 
 __all__ = ["DEFAULT_MAX_VIEWERS", "WATCH_FORMATS", "RobotRecord", "VideoHub", "WatchStart", "WatchablePolicy",
            "parse_watch_message"]
@@ -205,15 +205,9 @@ class VideoHub:
         """Serve one accepted-to-be viewer connection until it ends (the access checks were made by the caller)."""
         await websocket.accept()
         viewer = _Viewer(websocket)
-        tasks = [asyncio.create_task(self._read(viewer)), asyncio.create_task(self._send(viewer))]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await until_first_ends(self._read(viewer), self._send(viewer))
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
             self._stop_watching(viewer)
             viewer.queue.discard()
 
