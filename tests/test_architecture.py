@@ -525,3 +525,103 @@ def test_nothing_outside_the_state_module_writes_a_state_s_private_fields():
     offenders = {path.name: writes for path in paths if path.name != "_state.py"
                  for writes in [_foreign_private_writes(path.read_text(encoding="utf-8"))] if writes}
     assert offenders == {}
+
+
+def _state_private_uses(source: str) -> list[str]:
+    """Each use (read, call or write) of a state handle's private member: ``state._value``, ``states[i]._x``,
+    ``table.get(sid)._pending``: a receiver named as a state (or a session table's lookup), never ``self``."""
+    def names_a_state(node: ast.expr) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Name):
+            return "state" in node.id.lower()
+        if isinstance(node, ast.Attribute):
+            return "state" in node.attr.lower()
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            return node.func.attr in ("get", "remove", "touch") and "table" in ast.unparse(node.func.value).lower()
+        return False
+
+    return [ast.unparse(node) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and names_a_state(node.value)]
+
+
+#: The private members of a state the runtime still uses outside ``_state.py``, by module: the slot's lifecycle
+#: (``_adopt`` / ``_release``, which the cache's own release path shares), the binding and the batch's commit path.
+#: A ceiling: a module may drop a name, never add one; a module not named here uses none (the runner, the batch
+#: runner, the stepwise bookkeeping: they go through ``checkpoint`` / ``rollback`` and the residency).
+STATE_PRIVATE_USES_ALLOWED = {
+    "_batch.py": {"_pending", "_publish", "_set_pending", "_value"},
+    "_gate.py": {"_pending", "_set_bound"},
+    "_kv_cache.py": {"_cache", "_release", "_runner_managed"},
+    "_residency.py": {"_adopt", "_release"},
+    "rollout.py": {"_own_pages_for", "_publish"},
+}
+
+
+def test_the_checker_of_state_private_uses_bites():
+    # What the batch runner, the runner and the residency did before the public checkpoint / rollback pair.
+    assert _state_private_uses("before = [state._saved() for state in states]") == ["state._saved"]
+    assert _state_private_uses("state._roll_back(saved)") == ["state._roll_back"]
+    assert _state_private_uses("if self._table.get(source_id)._pending:\n    pass") == [
+        "self._table.get(source_id)._pending"]
+    assert _state_private_uses("record = copy_out(sid, states[sid]._value)") == ["states[sid]._value"]
+    assert _state_private_uses("self._states[sid]._release()") == ["self._states[sid]._release"]
+    # Its own fields, public members and other objects' private members are not a state's private members.
+    assert _state_private_uses("self._value = v\nstate.checkpoint()\nbatch._set_bound(True)\nrunner._gate") == []
+
+
+def test_outside_the_state_module_only_the_named_private_members_of_a_state_are_used():
+    """No runtime module (nor the rollouts) reads, calls or writes a state's private members beyond
+    :data:`STATE_PRIVATE_USES_ALLOWED`; the batch runner rolls a failed batch back with the public pair."""
+    paths = sorted(RUNTIME.glob("*.py")) + [PACKAGE / "rollout.py"]
+    used = {path.name: {use.rsplit(".", 1)[1] for use in _state_private_uses(path.read_text(encoding="utf-8"))}
+            for path in paths if path.name != "_state.py"}
+    beyond = {name: sorted(names - STATE_PRIVATE_USES_ALLOWED.get(name, set()))
+              for name, names in used.items() if names - STATE_PRIVATE_USES_ALLOWED.get(name, set())}
+    assert beyond == {}
+    assert used["_runner.py"] == used["_batch_runner.py"] == set()
+
+
+def test_checkpoint_and_rollback_reinstall_the_value_and_the_pending_contexts():
+    cache = make_cache(SHARED)
+    state = cache.create_state("s")
+    commit(state, "positive", seed=7)
+    state.get_kv_caches("negative", seq_len=2 * T, commit_current=False)  # a pending probe: snapshot() refuses
+    checkpoint = state.checkpoint()
+    assert checkpoint.session_id == "s" and checkpoint.pending_branches == ("negative",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checkpoint.value = None  # type: ignore[misc]
+    state.discard_paged_context("negative")
+    commit(state, "positive", seed=8)
+    assert state.checkpoint() != checkpoint  # the checkpoint did not follow the state
+    state.rollback(checkpoint)
+    assert state.checkpoint() == checkpoint and state.adapter("positive").committed_frames == 2
+    assert state.has_pending_context("negative")
+    state.discard_paged_context("negative")
+    # Refused, changing nothing: another session's checkpoint, a value of the wrong type, a closed state.
+    other = cache.create_state("t")
+    before = state.checkpoint()
+    with pytest.raises(ValueError, match="checkpoint of session 't' cannot roll back session 's'"):
+        state.rollback(other.checkpoint())
+    with pytest.raises(TypeError, match="StateCheckpoint"):
+        state.rollback(state.snapshot())
+    assert state.checkpoint() == before
+    other.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        other.checkpoint()
+    with pytest.raises(RuntimeError, match="closed"):
+        other.rollback(before)
+
+
+def test_a_checkpoint_of_another_slot_of_the_same_session_is_refused():
+    cache = make_cache(capacity=2)
+    blocker = cache.create_state("blocker")
+    first = cache.create_state("s")
+    checkpoint = first.checkpoint()
+    first.close()
+    blocker.close()
+    again = cache.create_state("s")  # the lowest free slot: not the one the checkpoint names
+    assert again.slot != checkpoint.value.slot
+    with pytest.raises(ValueError, match="was taken in slot"):
+        again.rollback(checkpoint)

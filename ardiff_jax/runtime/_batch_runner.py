@@ -102,7 +102,7 @@ class BatchRunner:
         """``(outputs, errors)``: one batched forward, or one by one when it cannot run or raised."""
         if not self._gate.can_batch or len(requests) == 1:
             return self.run_one_by_one(session_ids, requests)
-        before = [state._saved() for state in states]
+        before = [state.checkpoint() for state in states]
         bucket = self.forced_bucket or self.bucket_to_run(len(states))
         if bucket is None:  # background mode: no compiled bucket holds it yet, and one session's program is built
             return self.run_one_by_one(session_ids, requests)
@@ -119,9 +119,9 @@ class BatchRunner:
             if self._kv_cache.pools.is_deleted():  # nothing to rerun on: every session's KV is gone
                 self._fail_closed(session_ids[0], error)  # releases every resident session ("pools_lost")
                 return [None] * len(requests), dict.fromkeys(session_ids, error)
-            for state, saved in zip(states, before, strict=True):
+            for state, checkpoint in zip(states, before, strict=True):
                 if not state.closed:  # resident still: pipeline code cannot release a session
-                    state._roll_back(saved)
+                    state.rollback(checkpoint)
             return self.run_one_by_one(session_ids, requests)
         except BaseException as error:  # KeyboardInterrupt and the like: fail every session of the batch closed
             for session_id in session_ids:

@@ -109,7 +109,7 @@ class Residency:
             self.offload(victims, reason="lru_eviction", what=f"fork {source_id!r}")
         if source_id in self.host:
             self.restore(self.host.pop(source_id), reason="offload", hold_on_failure=True)
-        value = self.table.get(source_id)._value
+        value = self.table.get(source_id).checkpoint().value
         state = self._kv_cache.create_state(new_id)
         try:
             self._gate.fork(source_id, new_id, noise_seed)
@@ -276,7 +276,7 @@ class Residency:
     def _offload_record(self, session_id: str) -> OffloadedSession | None:
         """The host record of a resident session, its model state moved out; ``None`` (nothing moved) if impossible."""
         state = self.table.get(session_id)
-        value = state._value
+        value = state.checkpoint().value
         estimate = self._kv_cache.plan.offload_bytes_per_session
         if committing(state) or not self.host.fits(estimate):
             logger.info("AR-Diffusion session %r cannot be offloaded (%s); releasing it", session_id,

@@ -634,7 +634,7 @@ class ARDiffusionModelRunner:
                 raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
             if new_id == source_id or new_id in self._table or new_id in self._host:
                 raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
-            if not offloaded and (self._table.get(source_id)._pending
+            if not offloaded and (self._table.get(source_id).checkpoint().pending
                                   or source_id in self._residency.stepwise_started):
                 raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
             needed = 2 if offloaded else 1
@@ -701,7 +701,7 @@ class ARDiffusionModelRunner:
                 if committing(state):
                     raise RuntimeError(f"AR-Diffusion session {session_id!r} has a committing forward context pending")
                 try:
-                    record = self._residency.copy_out(session_id, state._value, keep=True)
+                    record = self._residency.copy_out(session_id, state.checkpoint().value, keep=True)
                 except BaseException:
                     self._residency.release(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
                     raise

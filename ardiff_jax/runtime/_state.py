@@ -42,7 +42,7 @@ from ardiff_jax.runtime._session import (
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 
-__all__ = ["ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV", "plan_batch_writes"]
+__all__ = ["ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV", "StateCheckpoint", "plan_batch_writes"]
 
 
 class ARDiffusionRequestAdapter:
@@ -98,6 +98,25 @@ class _PendingContext:
     seq_len: int
     num_frames: int
     commit_current: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCheckpoint:
+    """What :meth:`ARDiffusionKVState.rollback` reinstalls: a session's value and its pending forward contexts.
+
+    ``value`` is the session's :class:`~ardiff_jax.runtime.SessionKV` (slot and page tables
+    included), ``pending`` the pending contexts as ``(kv_branch, context)`` pairs sorted by
+    branch. Immutable: the state it came from changes after it, the checkpoint does not.
+    """
+
+    session_id: str
+    value: SessionKV
+    pending: tuple[tuple[str, _PendingContext], ...]
+
+    @property
+    def pending_branches(self) -> tuple[str, ...]:
+        """The branches with a forward context pending when the checkpoint was taken."""
+        return tuple(name for name, _ in self.pending)
 
 
 def _shape_of(name: str, x: Any) -> tuple[int, ...]:
@@ -189,16 +208,6 @@ class ARDiffusionKVState(LegacyStateAPI):
             self._pending.pop(kv_branch, None)
         else:
             self._pending[kv_branch] = context
-
-    def _saved(self) -> tuple[SessionKV, dict[str, _PendingContext]]:
-        """The value and pending contexts a failed batched forward rolls back to (:meth:`_roll_back`)."""
-        return self._value, dict(self._pending)
-
-    def _roll_back(self, saved: tuple[SessionKV, dict[str, _PendingContext]]) -> None:
-        """Reinstall what :meth:`_saved` returned (the batch's pages lie where the restored cursors do not read)."""
-        value, pending = saved
-        self._pending = dict(pending)
-        self._publish(value)
 
     def _drop_pages(self) -> None:
         """Forget every page table (a reset or a release): the cache's counts drop with them."""
@@ -324,6 +333,41 @@ class ARDiffusionKVState(LegacyStateAPI):
         self._publish(SessionKV(session_id=checked.session_id, slot=self._value.slot, cursors=checked.cursors,
                                 cross_attention=checked.cross_attention, run_owners=checked.run_owners,
                                 pages=pages))
+
+    # -- checkpoint and rollback (the runtime's pair: a failed batched forward rolls back) ----------
+    def checkpoint(self) -> StateCheckpoint:
+        """The session's bookkeeping now, pending forward contexts included, as a frozen value.
+
+        Unlike :meth:`snapshot` it may be taken while a context is pending and while the
+        state is not bound to an invocation: the runtime takes one before a batched forward
+        and hands it to :meth:`rollback` when that forward fails. RuntimeError when closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"AR-Diffusion session {self._session_id!r} is closed")
+        return StateCheckpoint(session_id=self._session_id, value=self._value,
+                               pending=tuple(sorted(self._pending.items())))
+
+    def rollback(self, checkpoint: StateCheckpoint) -> None:
+        """Reinstall ``checkpoint`` (from this state's :meth:`checkpoint`): its value and pending contexts.
+
+        Only bookkeeping moves: pages written since the checkpoint lie where the restored
+        cursors do not read (a failed batch's). Refused, changing nothing: anything but a
+        :class:`StateCheckpoint` (TypeError), a checkpoint of another session or of another
+        slot (ValueError: its pages are not this slot's), a closed state (RuntimeError).
+        """
+        if not isinstance(checkpoint, StateCheckpoint):
+            raise TypeError(f"rollback expects a StateCheckpoint (from state.checkpoint()), got "
+                            f"{type(checkpoint).__name__}")
+        if self._closed:
+            raise RuntimeError(f"AR-Diffusion session {self._session_id!r} is closed; it cannot be rolled back")
+        if checkpoint.session_id != self._session_id:
+            raise ValueError(f"checkpoint of session {checkpoint.session_id!r} cannot roll back session "
+                             f"{self._session_id!r}")
+        if checkpoint.value.slot != self._value.slot:
+            raise ValueError(f"checkpoint of session {self._session_id!r} was taken in slot {checkpoint.value.slot}, "
+                             f"the session is in slot {self._value.slot} now; it cannot be rolled back")
+        self._publish(checkpoint.value)  # counts first, all or nothing: a refused table changes nothing
+        self._pending = dict(checkpoint.pending)
 
     # -- guards --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
