@@ -1,10 +1,11 @@
-"""The models the command line knows, in one registry that ``generate``, ``serve`` and ``rollout`` share.
+"""The models the command line knows, in one registry that ``generate``, ``serve``, ``rollout`` and ``plan`` share.
 
 One :class:`ModelEntry` per model says everything a command needs to know about it: how the command line
 names it (``--model wan``, ``--pipeline world``), its presets (the tiny one that runs on a CPU marked), the
 commands it supports, its argument check (run before any work), the optional modules it imports per command
-(:func:`ardiff_jax.cli.required_modules` reads them) and its builders: the pipeline classes that ``rollout``
-plans memory with and builds, the pipeline or policy app ``serve`` serves, the run ``generate`` makes. The
+(:func:`ardiff_jax.cli.required_modules` reads them) and its builders: the pipeline classes that ``plan`` and
+``rollout`` plan memory with (``rollout`` also builds them, and makes its requests with ``rollout_requests``), the
+pipeline or policy app ``serve`` serves, the run ``generate`` makes. The
 commands look a model up here and call its entry; they hold no list of models or presets of their own, so a
 model added here appears in each command's ``--model``/``--pipeline`` choices, ``--preset`` list and errors.
 
@@ -31,8 +32,9 @@ __all__ = ["COMMANDS", "FLAGS", "MAX_ACTIONS_BYTES", "MODELS", "BuildRefused", "
            "preset_groups", "read_image", "selected", "wrong_preset"]
 
 #: The commands that take a model from this registry.
-COMMANDS = ("generate", "serve", "rollout")
-#: How a command line names a model: ``--model wan``, ``--pipeline world``, ``--pretrained sprite_world``.
+COMMANDS = ("generate", "serve", "rollout", "plan")
+#: How a command line names a model: ``--model wan``, ``--pipeline world``, ``--pretrained sprite_world``
+#: (``rollout`` names every model with ``--pipeline``, ``plan`` with ``--model``).
 FLAGS = ("--model", "--pipeline", "--pretrained")
 
 #: WorldPipeline (rollout --pipeline world, serve --pipeline world): random-weights reference geometries.
@@ -67,15 +69,19 @@ class ModelEntry:
     Attributes:
       name: its value on the command line (``wan`` in ``--model wan``).
       flag: how ``generate`` and ``serve`` name it (``--model``, ``--pipeline`` or ``--pretrained``); ``rollout``
-        names every model with ``--pipeline``.
+        names every model with ``--pipeline``, ``plan`` with ``--model``.
       commands: the commands it supports, of :data:`COMMANDS`.
       presets: the ``--preset`` values it takes (``dit_preset`` names); none for shipped weights.
       tiny_preset: the preset small enough for a CPU (one of ``presets``), None without presets.
       checks: ``(command, check)``: ``check(args)`` is the first problem with the arguments, or None; host only,
         run before any work (it may fill in a default the build needs, e.g. the preset).
       modules: ``(command, module, what for)``: optional modules it imports beyond the command's own.
-      pipeline_classes: ``() -> (pipeline class, its config class)`` (rollout: the plan from ``kv_spec_for``
-        before any weight, then the build).
+      pipeline_classes: ``() -> (pipeline class, its config class)``: ``plan`` and ``rollout`` plan memory with the
+        class's static ``kv_spec_for`` before any weight (:meth:`kv_spec`); ``rollout`` then builds it.
+      rollout_requests: ``rollout``: ``(pipeline, seed) -> make_request``, where ``make_request(session, block)`` is
+        the :class:`~ardiff_jax.types.DiffusionRequest` of that session's block (inputs made up from ``seed``).
+      rollout_checkpoints: ``rollout``: ``(path, config, pipeline_config) -> pipeline`` loading a checkpoint; None:
+        the model runs on random weights only.
       build_served: ``serve``: ``(args) -> pipeline`` that a ``ServedWorld`` plays; :class:`BuildRefused` for a
         problem with the arguments.
       build_policy_app: ``serve``: ``(args, access, say) -> (app, policy, what is served)``, a robot-policy server.
@@ -92,6 +98,8 @@ class ModelEntry:
     checks: tuple[tuple[str, Check], ...] = ()
     modules: tuple[tuple[str, str, str], ...] = ()
     pipeline_classes: Callable[[], tuple[type, type]] | None = None
+    rollout_requests: Callable[[Any, int], Callable[[int, int], Any]] | None = None
+    rollout_checkpoints: Callable[[str, Any, Any], Any] | None = None
     build_served: Callable[[argparse.Namespace], Any] | None = None
     build_policy_app: Callable[..., tuple[Any, Any, str]] | None = None
     generate: Callable[[argparse.Namespace], int] | None = None
@@ -114,17 +122,25 @@ class ModelEntry:
                 raise ValueError(f"model {self.name!r}: a check or module for {command!r}, which it does not support")
         needs = {"generate": self.generate is not None,
                  "serve": (self.build_served is None) != (self.build_policy_app is None),
-                 "rollout": self.pipeline_classes is not None}
+                 "rollout": self.pipeline_classes is not None and self.rollout_requests is not None,
+                 "plan": self.pipeline_classes is not None}
         missing = [command for command in self.commands if not needs[command]]
         if missing:
             raise ValueError(f"model {self.name!r}: no builder for {', '.join(missing)} (generate: generate; serve: "
-                             "build_served or build_policy_app, one of them; rollout: pipeline_classes)")
-        if self.flag == "--pretrained" and "rollout" in self.commands:
-            raise ValueError(f"model {self.name!r}: rollout names models with --pipeline and builds from presets")
+                             "build_served or build_policy_app, one of them; rollout: pipeline_classes and "
+                             "rollout_requests; plan: pipeline_classes)")
+        if self.flag == "--pretrained" and {"rollout", "plan"} & set(self.commands):
+            raise ValueError(f"model {self.name!r}: rollout names models with --pipeline and plan with --model, both "
+                             "building from presets")
+        if "plan" in self.commands and not self.presets:
+            raise ValueError(f"model {self.name!r}: plan plans a preset's spec, and it has no presets")
+        if self.rollout_checkpoints is not None and "rollout" not in self.commands:
+            raise ValueError(f"model {self.name!r}: rollout_checkpoints, but it does not support rollout")
 
     def flag_for(self, command: str) -> str:
-        """The flag ``command`` names this model with (``rollout`` has one selector, ``--pipeline``)."""
-        return "--pipeline" if command == "rollout" else self.flag
+        """The flag ``command`` names this model with (``rollout`` has one selector, ``--pipeline``; ``plan`` has
+        ``--model``)."""
+        return {"rollout": "--pipeline", "plan": "--model"}.get(command, self.flag)
 
     def selector(self, command: str) -> str:
         """``--model wan``: the model as ``command``'s arguments and errors name it."""
@@ -140,11 +156,13 @@ class ModelEntry:
         return None
 
     def kv_spec(self, preset: str, session_capacity: int) -> Any:
-        """The KV spec this model's pipeline reports on ``preset``, from the preset alone (no weights)."""
+        """The KV spec this model's pipeline class gives for ``preset`` (its static ``kv_spec_for``: no weights, so
+        without the per-session state a built pipeline adds beside it, e.g. a VAE's streaming caches); ValueError
+        if the pipeline cannot run the preset."""
         from ardiff_jax.models import dit_preset
 
         if self.pipeline_classes is None:
-            raise ValueError(f"{self.selector('rollout')} has no pipeline to plan")
+            raise ValueError(f"model {self.name!r} has no pipeline to plan")
         pipeline_cls, config_cls = self.pipeline_classes()
         return pipeline_cls.kv_spec_for(dit_preset(preset), config_cls(session_capacity=session_capacity))
 
@@ -243,6 +261,38 @@ def _cfg_classes() -> tuple[type, type]:
     return CFGWorldActionPipeline, CFGPipelineConfig
 
 
+def _world_requests(pipeline: Any, seed: int) -> Callable[[int, int], Any]:
+    """Rollout's requests to a WorldPipeline: a prompt per session, random actions if it has register tokens."""
+    import numpy as np
+
+    from ardiff_jax.types import DiffusionRequest
+
+    cfg = pipeline.config
+    rng = np.random.default_rng(seed)
+
+    def make_request(session: int, block: int) -> Any:
+        inputs: dict[str, Any] = {}
+        if cfg.num_register_tokens:
+            inputs["action"] = rng.standard_normal((cfg.num_register_tokens, cfg.register_dim)).astype(np.float32)
+        return DiffusionRequest(f"s{session}-b{block}", prompt=f"session {session}: a drive through the city",
+                                extra_args={"session_id": f"session-{session}"}, inputs=inputs)
+
+    return make_request
+
+
+def _cfg_requests(pipeline: Any, seed: int) -> Callable[[int, int], Any]:
+    """Rollout's requests to a CFGWorldActionPipeline: observations from its schema, seeded per session and block."""
+    from ardiff_jax.types import DiffusionRequest
+
+    def make_request(session: int, block: int) -> Any:
+        # DreamZero's convention: the conditioning frame first, then 4-frame observation chunks.
+        observation = pipeline.schema.example(1 if block == 0 else 4, seed=seed + 1000 * session + block)
+        return DiffusionRequest(f"s{session}-b{block}", prompt=f"session {session}: pick up the cup",
+                                extra_args={"session_id": f"session-{session}"}, inputs={"observation": observation})
+
+    return make_request
+
+
 def _serve_world(args: argparse.Namespace) -> Any:
     from ardiff_jax.models import WorldPipeline, WorldPipelineConfig
 
@@ -256,6 +306,33 @@ def _wan_classes() -> tuple[type, type]:
     from ardiff_jax.models.wan import CausalWanPipeline, CausalWanPipelineConfig
 
     return CausalWanPipeline, CausalWanPipelineConfig
+
+
+def _wan_requests(pipeline: Any, seed: int) -> Callable[[int, int], Any]:
+    """Rollout's requests to a causal Wan: stand-in umT5 features per session, with its first block only."""
+    import numpy as np
+
+    from ardiff_jax.types import DiffusionRequest
+
+    cfg = pipeline.config
+
+    def make_request(session: int, block: int) -> Any:
+        # Stand-in umT5 features: one fixed random prompt per session, sent with its first block
+        # only (the session keeps it; resending would time the host-side check of the features).
+        inputs: dict[str, Any] = {}
+        if block == 0:
+            inputs["prompt_embeds"] = np.random.default_rng(seed + session).standard_normal(
+                (min(32, cfg.text_len), cfg.text_dim)).astype(np.float32)
+        return DiffusionRequest(f"s{session}-b{block}", extra_args={"session_id": f"session-{session}"},
+                                inputs=inputs)
+
+    return make_request
+
+
+def _wan_checkpoint(path: str, config: Any, pipeline_config: Any) -> Any:
+    from ardiff_jax.models.wan import CausalWanPipeline
+
+    return CausalWanPipeline.from_checkpoint(path, config, pipeline_config=pipeline_config)
 
 
 def _check_wan_arguments(command: str, args: argparse.Namespace, *, embeds_allowed: bool) -> str | None:
@@ -613,6 +690,12 @@ def _check_matrix_game_serve(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _matrix_game_classes() -> tuple[type, type]:
+    from ardiff_jax.models.matrix_game import MatrixGamePipeline, MatrixGamePipelineConfig
+
+    return MatrixGamePipeline, MatrixGamePipelineConfig
+
+
 def _serve_matrix_game(args: argparse.Namespace) -> Any:
     from ardiff_jax.models.matrix_game import build_matrix_game
 
@@ -653,6 +736,12 @@ def _check_dreamzero_serve(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _dreamzero_classes() -> tuple[type, type]:
+    from ardiff_jax.models.dreamzero import DreamZeroPipeline, DreamZeroPipelineConfig
+
+    return DreamZeroPipeline, DreamZeroPipelineConfig
+
+
 def _serve_dreamzero(args: argparse.Namespace, access: Any, say: Callable[[str], None]) -> tuple[Any, Any, str]:
     """The robot-policy server app over DreamZero, its policy, and what it serves in words."""
     from ardiff_jax.serve import DreamZeroServeOptions, build_dreamzero_app
@@ -673,23 +762,26 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("sprite_world", "--pretrained", ("serve",),
                checks=(("serve", _first_problem(_weights_flags, _dreamzero_flags, _matrix_game_flags)),),
                build_served=_serve_pretrained),
-    ModelEntry("world", "--pipeline", ("serve", "rollout"), WORLD_PRESETS, "tiny",
+    ModelEntry("world", "--pipeline", ("serve", "rollout", "plan"), WORLD_PRESETS, "tiny",
                checks=(("serve", _first_problem(_weights_flags, _dreamzero_flags, _matrix_game_flags,
                                                 _default_world_preset)),),
-               pipeline_classes=_world_classes, build_served=_serve_world),
-    ModelEntry("cfg", "--pipeline", ("rollout",), CFG_PRESETS, "tiny", pipeline_classes=_cfg_classes),
-    ModelEntry("wan", "--model", ("generate", "serve", "rollout"), WAN_PRESETS, "wan-tiny",
+               pipeline_classes=_world_classes, rollout_requests=_world_requests, build_served=_serve_world),
+    ModelEntry("cfg", "--pipeline", ("rollout", "plan"), CFG_PRESETS, "tiny", pipeline_classes=_cfg_classes,
+               rollout_requests=_cfg_requests),
+    ModelEntry("wan", "--model", ("generate", "serve", "rollout", "plan"), WAN_PRESETS, "wan-tiny",
                checks=(("generate", _check_wan_generate),
                        ("serve", _first_problem(_dreamzero_flags, _matrix_game_flags, _check_wan_serve))),
-               pipeline_classes=_wan_classes, build_served=_serve_wan, generate=_generate_wan, takes_dtype=True),
-    ModelEntry("matrix-game", "--model", ("generate", "serve"), MATRIX_GAME_PRESETS, "matrix-game-tiny",
+               pipeline_classes=_wan_classes, rollout_requests=_wan_requests, rollout_checkpoints=_wan_checkpoint,
+               build_served=_serve_wan, generate=_generate_wan, takes_dtype=True),
+    ModelEntry("matrix-game", "--model", ("generate", "serve", "plan"), MATRIX_GAME_PRESETS, "matrix-game-tiny",
                checks=(("generate", _check_matrix_game_generate),
                        ("serve", _first_problem(_dreamzero_flags, _text_encoder_flag, _check_matrix_game_serve))),
-               build_served=_serve_matrix_game, generate=_generate_matrix_game, takes_dtype=True,
+               pipeline_classes=_matrix_game_classes, build_served=_serve_matrix_game,
+               generate=_generate_matrix_game, takes_dtype=True,
                # its session.start may carry the start picture
                max_message_bytes=16 * 2**20),
-    ModelEntry("dreamzero", "--model", ("serve",), DREAMZERO_PRESETS, "dreamzero-tiny",
+    ModelEntry("dreamzero", "--model", ("serve", "plan"), DREAMZERO_PRESETS, "dreamzero-tiny",
                checks=(("serve", _check_dreamzero_serve),),
                modules=(("serve", "msgpack", "the robot-policy protocol"),),
-               build_policy_app=_serve_dreamzero, takes_dtype=True),
+               pipeline_classes=_dreamzero_classes, build_policy_app=_serve_dreamzero, takes_dtype=True),
 )

@@ -20,20 +20,17 @@ import dataclasses
 import numbers
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any, TextIO
 
 import jax
-import numpy as np
 
 from ardiff_jax import _registry
 from ardiff_jax._checks import check_non_negative_int, check_positive_int
 from ardiff_jax._compile_events import recording_compiles
 from ardiff_jax.capability import ARDiffusionKVCacheSpec, spec_summary
 from ardiff_jax.models import DIT_PRESETS, dit_preset
-from ardiff_jax.models.wan import CausalWanPipeline
 from ardiff_jax.runtime import ARDiffusionEngine, MemoryPlan, free_memory_bytes, plan_memory
-from ardiff_jax.types import DiffusionRequest, EngineConfig, check_kv_dtype
+from ardiff_jax.types import EngineConfig, check_kv_dtype
 
 __all__ = ["TimedGenerationOptions", "plan_timed_generation", "run_timed_generation"]
 
@@ -80,13 +77,14 @@ class TimedGenerationOptions:
             raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
         if self.available_memory_bytes is not None:
             check_positive_int("available_memory_bytes", self.available_memory_bytes)
-        if self.pipeline == "wan":
+        loaders = [entry.name for entry in _registry.models("rollout") if entry.rollout_checkpoints is not None]
+        if self.pipeline in loaders:
             if (self.checkpoint is None) == (not self.random_weights):
-                raise ValueError("pipeline 'wan' needs exactly one of a checkpoint to load or random_weights=True "
-                                 "(the real geometry without a checkpoint)")
+                raise ValueError(f"pipeline {self.pipeline!r} needs exactly one of a checkpoint to load or "
+                                 "random_weights=True (the real geometry without a checkpoint)")
         elif self.checkpoint is not None:
             raise ValueError(f"pipeline {self.pipeline!r} has no checkpoints (it runs on random weights); "
-                             "checkpoints load with pipeline 'wan'")
+                             f"checkpoints load with pipeline {' or '.join(repr(name) for name in loaders)}")
 
     def kv_spec(self) -> ARDiffusionKVCacheSpec:
         """The KV spec the run's pipeline will report, from the preset alone (no weights)."""
@@ -120,48 +118,19 @@ def _progress_bar(stream: TextIO, done: int, total: int, latency_ms: float, fps:
     stream.flush()
 
 
-def _make_requests(options: TimedGenerationOptions, pipeline: Any) -> Callable[[int, int], DiffusionRequest]:
-    cfg = pipeline.config
-    rng = np.random.default_rng(options.seed)
-
-    def world(session: int, block: int) -> DiffusionRequest:
-        inputs: dict[str, Any] = {}
-        if cfg.num_register_tokens:
-            inputs["action"] = rng.standard_normal((cfg.num_register_tokens, cfg.register_dim)).astype(np.float32)
-        return DiffusionRequest(f"s{session}-b{block}", prompt=f"session {session}: a drive through the city",
-                                extra_args={"session_id": f"session-{session}"}, inputs=inputs)
-
-    def cfg_request(session: int, block: int) -> DiffusionRequest:
-        # DreamZero's convention: the conditioning frame first, then 4-frame observation chunks.
-        observation = pipeline.schema.example(1 if block == 0 else 4, seed=options.seed + 1000 * session + block)
-        return DiffusionRequest(f"s{session}-b{block}", prompt=f"session {session}: pick up the cup",
-                                extra_args={"session_id": f"session-{session}"}, inputs={"observation": observation})
-
-    def wan(session: int, block: int) -> DiffusionRequest:
-        # Stand-in umT5 features: one fixed random prompt per session, sent with its first block
-        # only (the session keeps it; resending would time the host-side check of the features).
-        inputs: dict[str, Any] = {}
-        if block == 0:
-            inputs["prompt_embeds"] = np.random.default_rng(options.seed + session).standard_normal(
-                (min(32, cfg.text_len), cfg.text_dim)).astype(np.float32)
-        return DiffusionRequest(f"s{session}-b{block}", extra_args={"session_id": f"session-{session}"},
-                                inputs=inputs)
-
-    return {"world": world, "cfg": cfg_request, "wan": wan}[options.pipeline]
-
-
 def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | None = None,
                          progress: TextIO | None = None) -> dict[str, Any]:
     """Check the plan, build the pipeline and engine, generate, and return the JSON-ready summary."""
     plan_timed_generation(options)  # fails before any weight is built
     config = dit_preset(options.preset)
-    pipeline_cls, config_cls = _registry.model(options.pipeline, "rollout").pipeline_classes()
+    entry = _registry.model(options.pipeline, "rollout")
+    pipeline_cls, config_cls = entry.pipeline_classes()
     compile_seconds: list[float] = []  # a load from jax's persistent cache counts its load time
     with recording_compiles(lambda program: compile_seconds.append(program.seconds)):
         load_start = time.perf_counter()
         if options.checkpoint is not None:
-            pipeline = CausalWanPipeline.from_checkpoint(options.checkpoint, config,
-                                                         pipeline_config=config_cls(session_capacity=options.sessions))
+            pipeline = entry.rollout_checkpoints(options.checkpoint, config,
+                                                 config_cls(session_capacity=options.sessions))
         else:
             pipeline = pipeline_cls(config, config_cls(session_capacity=options.sessions))
         engine = ARDiffusionEngine(pipeline, EngineConfig(
@@ -172,7 +141,7 @@ def run_timed_generation(options: TimedGenerationOptions, *, stdout: TextIO | No
         if stdout is not None:
             print(f"{options.pipeline} pipeline, preset {options.preset} on {jax.devices()[0]}", file=stdout)
             print(engine.memory_plan, file=stdout)
-        make_request = _make_requests(options, pipeline)
+        make_request = entry.rollout_requests(pipeline, options.seed)
         frames_per_block = config.frames_per_block
         total = options.sessions * options.blocks
         records = []

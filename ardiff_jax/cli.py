@@ -1,8 +1,9 @@
 """The ``ardiff-jax`` command line.
 
-``ardiff-jax plan`` prints the memory plan of a shipped example geometry against the
-free memory of this machine (or an explicit budget), without allocating anything. With
-``--tp``/``--cfg`` the plan is one device's of that mesh; ``--devices`` adds how many
+``ardiff-jax plan`` prints the memory plan of a shipped example geometry (``--geometry``), or of a
+model's preset (``--model wan --preset wan2.1-t2v-1.3b``: the spec its pipeline gives from the preset,
+no weights built), against the free memory of this machine (or an explicit budget), without allocating
+anything. With ``--tp``/``--cfg`` the plan is one device's of that mesh; ``--devices`` adds how many
 replicas of the mesh fit and their sessions.
 
 ``ardiff-jax demo`` plays the trained SpriteWorld model in several sessions through the
@@ -327,7 +328,7 @@ def missing_dependencies(args: argparse.Namespace) -> str | None:
     return f"not installed: {names}; install: pip install {install}"
 
 
-# -- models and presets: one registry (ardiff_jax._registry) that generate, serve and rollout share ---------
+# -- models and presets: one registry (ardiff_jax._registry) that generate, serve, rollout and plan share ----
 # Each command's --model/--pipeline choices, --preset list, checks and builders come from the registry's
 # entries; importing it imports no model code, so building the parser stays cheap.
 
@@ -387,10 +388,26 @@ def _available_bytes(args: argparse.Namespace) -> int | None:
 # -- plan ----------------------------------------------------------------------------------------
 
 
+#: What ``plan`` plans when it is given neither --geometry nor --model.
+_DEFAULT_GEOMETRY = "medium"
+#: plan --model: the sessions asked for when --sessions is not given (serve's --capacity default).
+_DEFAULT_PLAN_SESSIONS = 4
+
+
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser("plan", **_about("plan"))
-    plan.add_argument("--geometry", default="medium", choices=sorted(EXAMPLE_GEOMETRIES),
-                      help="shipped example geometry (default: medium)")
+    plan.add_argument("--geometry", default=None, choices=sorted(EXAMPLE_GEOMETRIES),
+                      help=f"shipped example geometry (default: {_DEFAULT_GEOMETRY}, unless --model is given)")
+    plan.add_argument("--model", default=None, choices=_model_choices("plan", "--model"),
+                      help="plan this model's --preset instead of a geometry: the KV spec its pipeline gives from "
+                           "the preset alone (no weights; per-session state a built pipeline adds beside it, such "
+                           "as a VAE's streaming caches, is not counted)")
+    presets = _registry.preset_groups("plan")
+    plan.add_argument("--preset", default=None, type=_preset_argument(presets), metavar="PRESET",
+                      help=f"with --model: the preset to plan; {_preset_choices(presets)}")
+    plan.add_argument("--sessions", type=_positive_int, default=None,
+                      help=f"with --model: the sessions asked for (the spec's session_capacity; the plan keeps as "
+                           f"many as fit) (default: {_DEFAULT_PLAN_SESSIONS})")
     _add_budget_arguments(plan)
     plan.add_argument("--host-offload-bytes", type=_host_bytes, default=0,
                       help="host memory for evicted sessions (EngineConfig.host_offload_bytes; 0: off)")
@@ -401,8 +418,36 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--devices", type=_positive_int, default=None,
                       help="devices available: also print the replicas of the tp x cfg mesh that fit and their "
                            "total sessions")
-    plan.add_argument("--json", action="store_true", help="print the geometry and plan as JSON")
+    plan.add_argument("--json", action="store_true",
+                      help="print the geometry (or the model and preset), its spec and the plan as JSON")
     plan.set_defaults(run=_run_plan)
+
+
+def _plan_subject(args: argparse.Namespace) -> tuple[str, Any] | int:
+    """``(what is planned, its KV spec)`` from --geometry or --model/--preset, or the refusal's exit code.
+
+    ``--model`` plans the spec the model's pipeline class gives for the preset (``ModelEntry.kv_spec``, what
+    ``rollout`` plans with before building anything): no weights are built.
+    """
+    if args.model:
+        if args.geometry:
+            return _refuse("plan", "give --geometry or --model with --preset, not both")
+        entry = _registry.model(args.model, "plan")
+        if not args.preset:
+            return _refuse("plan", f"{entry.selector('plan')} needs --preset; choose from {', '.join(entry.presets)}")
+        refused = _refuse_preset("plan", entry, args.preset)
+        if refused is not None:
+            return refused
+        try:
+            spec = entry.kv_spec(args.preset, args.sessions or _DEFAULT_PLAN_SESSIONS)
+        except ValueError as error:
+            return _refuse("plan", f"{entry.selector('plan')} cannot run --preset {args.preset}: {error}")
+        return f"{entry.selector('plan')} --preset {args.preset}", spec
+    for flag, value in (("--preset", args.preset), ("--sessions", args.sessions)):
+        if value:
+            return _refuse("plan", f"argument {flag}: only with --model (a geometry is planned as shipped)")
+    args.geometry = args.geometry or _DEFAULT_GEOMETRY
+    return f"--geometry {args.geometry}", example_spec(args.geometry)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -410,7 +455,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices < devices_per_replica:
         return _refuse("plan", f"--devices {args.devices} cannot hold one tp={args.tp} x cfg={args.cfg} replica "
                                f"({devices_per_replica} devices)")
-    spec = example_spec(args.geometry)
+    subject = _plan_subject(args)
+    if isinstance(subject, int):
+        return subject
+    planned, spec = subject
     available = _available_bytes(args)
     source = "explicit"
     if available is None:
@@ -422,18 +470,19 @@ def _run_plan(args: argparse.Namespace) -> int:
                            host_offload_bytes=args.host_offload_bytes, tp=args.tp, cfg=args.cfg)
     except ValueError as error:
         where = f" on a tp={args.tp} x cfg={args.cfg} mesh" if devices_per_replica > 1 else ""
-        return _refuse("plan", f"--geometry {args.geometry}{where} does not fit: {error}")
+        return _refuse("plan", f"{planned}{where} does not fit: {error}")
     replicas = None if args.devices is None else args.devices // devices_per_replica
     if args.json:
         mesh = {"tp": args.tp, "cfg": args.cfg, "devices_per_replica": devices_per_replica,
                 "sessions_per_replica": plan.session_capacity}
         if replicas is not None:
             mesh.update(devices=args.devices, replicas=replicas, total_sessions=replicas * plan.session_capacity)
-        print(json.dumps({"geometry": args.geometry, "spec": spec_summary(spec), "plan": plan.as_dict(),
-                          "mesh": mesh}, indent=2))
+        what = {"model": args.model, "preset": args.preset} if args.model else {"geometry": args.geometry}
+        print(json.dumps({**what, "spec": spec_summary(spec), "plan": plan.as_dict(), "mesh": mesh}, indent=2))
         return 0
     geometry = ", ".join(f"{key}={value}" for key, value in spec_summary(spec).items())
-    print(f"geometry {args.geometry}: {geometry}")
+    heading = planned if args.model else f"geometry {args.geometry}"  # the geometry's line as it always was
+    print(f"{heading}: {geometry}")
     print(plan)
     if devices_per_replica > 1:
         print(f"per device: page {plan.page_bytes_per_device:,} B, cross-attention per session "
@@ -1219,9 +1268,11 @@ COMMAND_HELP = {
                 "Run a timed multi-session generation with a reference pipeline (random weights, or a causal-Wan "
                 "checkpoint) through the engine, round-robin, one block per request; print the memory plan, "
                 "per-block latency and frames/s, and write a JSON summary with --out."),
-    "plan": ("print the KV memory plan of a geometry",
-             "Print the KV memory plan of a shipped example geometry against this machine's free memory (or an "
-             "explicit budget), without allocating anything; --tp/--cfg plan one device of a mesh."),
+    "plan": ("print the KV memory plan of a geometry or of a model's preset",
+             "Print the KV memory plan of a shipped example geometry (--geometry), or of a model's preset (--model "
+             "with --preset: the spec its pipeline gives from the preset, no weights built), against this machine's "
+             "free memory (or an explicit budget), without allocating anything; --tp/--cfg plan one device of a "
+             "mesh."),
 }
 
 
