@@ -625,3 +625,40 @@ def test_a_checkpoint_of_another_slot_of_the_same_session_is_refused():
     assert again.slot != checkpoint.value.slot
     with pytest.raises(ValueError, match="was taken in slot"):
         again.rollback(checkpoint)
+
+
+def test_fork_and_offload_refusals_are_pure_and_name_the_exception_the_call_raises():
+    """``Residency.fork_refusal`` / ``offload_refusal`` read only; the entry points raise exactly what they name."""
+    engine = ARDiffusionEngine(RecordingPipeline(), EngineConfig(dtype="float32", available_memory_bytes=10**7,
+                                                                 gpu_memory_fraction=1.0))
+    runner = engine.runner
+    residency = runner._residency
+    for sid in ("a", "b"):
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": sid}, inputs={"commit": False}))
+    while runner.kv_cache.num_free_slots:  # a full engine without host offload: a fork has no slot
+        engine.generate(DiffusionRequest("r", extra_args={"session_id": f"f{runner.kv_cache.num_free_slots}"},
+                                         inputs={"commit": False}))
+    before = (runner.sessions, runner.offloaded_sessions, runner.kv_cache.num_free_slots,
+              dict(residency.stepwise_started))
+    cases = {
+        ("fork", "ghost", "x"): (KeyError, "'ghost' is neither resident nor offloaded"),
+        ("fork", "a", "b"): (ValueError, "id 'b' is taken; a fork needs a new id"),
+        ("fork", "a", "a"): (ValueError, "id 'a' is taken"),
+        ("fork", "a", "x"): (RuntimeError, "free slot(s) needed"),
+        ("offload", "a", None): (RuntimeError, "host offload is off"),
+    }
+    for (call, source, new), (error, words) in cases.items():
+        refusal = residency.fork_refusal(source, new) if call == "fork" else residency.offload_refusal(source)
+        assert refusal is not None and refusal.error is error and words in refusal.message, (call, source, new)
+        assert type(refusal.exception()) is error and refusal.message in str(refusal.exception())
+        with pytest.raises(error) as raised:
+            runner.fork_session(source, new) if call == "fork" else runner.offload_session(source)
+        assert refusal.message in str(raised.value)
+    residency.stepwise_started["a"] = 0.0  # a stepwise chunk in flight: the source cannot fork
+    assert residency.fork_refusal("a", "x").message.endswith("has a block in flight; fork it between blocks")
+    del residency.stepwise_started["a"]
+    assert (runner.sessions, runner.offloaded_sessions, runner.kv_cache.num_free_slots,
+            dict(residency.stepwise_started)) == before
+    engine.close_session("b")  # one free slot: the fork is no longer refused
+    assert residency.fork_refusal("a", "x") is None and residency.fork_victims("a") == []
+    engine.close()

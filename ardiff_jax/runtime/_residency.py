@@ -11,7 +11,12 @@ first, then the pipeline hook). Pipeline code (hooks, export, import) runs throu
 
 :meth:`Residency.admission_refusal` is the pure "can these be resident together" check,
 made before anything moves; a page budget can replace it without touching the moves.
-The runner holds the lock and decides when; this decides nothing about requests.
+:meth:`Residency.fork_refusal` and :meth:`Residency.offload_refusal` are the same for a
+fork and an offload on request: they read, change nothing, and name the exception a
+refused call raises (a :class:`Refusal`). :meth:`Residency.validate_request` runs the
+pipeline's check of a request, against an offloaded session's model state where the session
+is on the host (imported for the call and exported straight back). The runner holds the
+lock and decides when; this decides nothing about requests.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from ardiff_jax.runtime._offload import (
 from ardiff_jax.runtime._session import SessionKV, check_session_kv
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
+from ardiff_jax.types import DiffusionRequest
 
-__all__ = ["Residency", "repeated_sessions"]
+__all__ = ["Refusal", "Residency", "repeated_sessions"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
 
@@ -45,6 +51,17 @@ def repeated_sessions(session_ids: Sequence[str]) -> list[str]:
     """The session ids that appear more than once, sorted."""
     seen: set[str] = set()
     return sorted({sid for sid in session_ids if sid in seen or seen.add(sid)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a call is refused, and as what: ``error(message)`` is what the refused call raises."""
+
+    error: type[Exception]
+    message: str
+
+    def exception(self) -> Exception:
+        return self.error(self.message)
 
 
 class Residency:
@@ -97,14 +114,154 @@ class Residency:
                     f"{pinned} (capacity {capacity})")
         return None
 
-    def fork(self, source_id: str, new_id: str, noise_seed: int | None, *, victims: list[str]) -> None:
-        """Start ``new_id`` from where ``source_id`` stands, sharing its pages (the runner checked every refusal).
+    def offload_refusal(self, session_id: str) -> Refusal | None:
+        """Why resident ``session_id`` cannot move to the host tier now (``None``: it can). Pure: reads only.
 
-        ``victims`` move to the host tier first (refused, nothing moved, if any cannot go); an
-        offloaded source is restored; the pipeline forks its model state. A failing fork
-        leaves no trace of ``new_id``: its slot is freed and the pipeline's close hook drops
-        whatever model state the fork hook imported.
+        Host offload off (RuntimeError), an offloaded id (ValueError), an unknown one
+        (KeyError), then what :meth:`moving_refusal` refuses (RuntimeError).
         """
+        if not self.host.capacity_bytes:
+            return Refusal(RuntimeError,
+                           f"AR-Diffusion cannot offload {session_id!r}: host offload is off (EngineConfig("
+                           "host_offload_bytes=0), or the pipeline does not implement SupportsARDiffusionSessionExport)")
+        if session_id in self.host:
+            return Refusal(ValueError, f"AR-Diffusion session {session_id!r} is offloaded already")
+        if session_id not in self.table:
+            return Refusal(KeyError, f"AR-Diffusion session {session_id!r} is not resident")
+        return self.moving_refusal([session_id], what=f"offload {session_id!r}")
+
+    def moving_refusal(self, session_ids: Sequence[str], *, what: str) -> Refusal | None:
+        """Why the resident ``session_ids`` cannot all move to the host tier, losing none (``None``: they can).
+
+        A session in use (a block in flight, a pin), or a tier that holds them only by
+        dropping sessions it holds (the per-session estimate of the memory plan). Pure.
+        """
+        for session_id in session_ids:
+            if self.in_use(session_id):
+                return Refusal(RuntimeError,
+                               f"AR-Diffusion cannot {what}: session {session_id!r} has a block in flight")
+        needed = len(session_ids) * self._kv_cache.plan.offload_bytes_per_session
+        free = self.host.capacity_bytes - self.host.bytes_used
+        if needed > free:
+            return Refusal(RuntimeError,
+                           f"AR-Diffusion cannot {what}: moving {len(session_ids)} session(s) to the host tier needs "
+                           f"about {needed} bytes and {free} of its {self.host.capacity_bytes} are free (it would drop "
+                           "sessions it holds; close one)")
+        return None
+
+    def fork_victims(self, source_id: str) -> list[str]:
+        """The resident sessions a fork of ``source_id`` moves to the host tier to find its slots (LRU first).
+
+        As many as the fork is short of free slots (two for an offloaded source: its own and
+        the fork's), never the source nor a pinned session; fewer when too few may go. Pure.
+        """
+        short = (2 if source_id in self.host else 1) - self._kv_cache.num_free_slots
+        if short <= 0:
+            return []
+        return [sid for sid in self.table.lru_order if sid != source_id and not self.table.is_pinned(sid)][:short]
+
+    def fork_refusal(self, source_id: str, new_id: str) -> Refusal | None:
+        """Why ``new_id`` cannot be forked from ``source_id`` now (``None``: it can). Pure: reads only.
+
+        An unknown source (KeyError); ``new_id`` taken (ValueError); a resident source with a
+        forward context pending or a stepwise chunk in flight (RuntimeError); too few free
+        slots without host offload, too few sessions that may move, or victims that cannot
+        move (:meth:`moving_refusal`) (RuntimeError).
+        """
+        offloaded = source_id in self.host
+        if source_id not in self.table and not offloaded:
+            return Refusal(KeyError, f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
+        if new_id == source_id or new_id in self:
+            return Refusal(ValueError, f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
+        if not offloaded and (self.table.get(source_id).checkpoint().pending or source_id in self.stepwise_started):
+            return Refusal(RuntimeError,
+                           f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
+        needed = 2 if offloaded else 1
+        short = needed - self._kv_cache.num_free_slots
+        if short <= 0:
+            return None
+        if not self.host.capacity_bytes:
+            return Refusal(RuntimeError,
+                           f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed, "
+                           f"{self._kv_cache.num_free_slots} free of {self._kv_cache.session_capacity} (without host "
+                           "offload a fork never evicts a session; close one or turn host offload on)")
+        victims = self.fork_victims(source_id)
+        if len(victims) < short:
+            return Refusal(RuntimeError, f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed and "
+                           "every other resident session is in use")
+        return self.moving_refusal(victims, what=f"fork {source_id!r}")
+
+    def validate_request(self, session_id: str, request: DiffusionRequest,
+                         restore_failures: dict[str, BaseException] | None = None, *, dry_run: bool = False) -> None:
+        """The pipeline's optional host-side check of ``request``, before any session or KV changes.
+
+        An offloaded session is checked against its model state: the state is imported for
+        the call and exported straight back (a copy of the small model state, no pages), so
+        a refused request leaves the session offloaded and every other session where it was.
+        If that import or export fails, the session cannot be restored: it is released
+        (``"restore_failed"``, close hook) and the error raised, as a failed restore's.
+
+        With ``restore_failures`` (a batch) such a failure is recorded there instead of
+        raised: only that request fails. With ``dry_run`` (``validate_batch``) a failed import
+        is ignored and nothing released: nothing was imported, and the batch that follows
+        probes again and reports it as that request's failure.
+        """
+        gate = self._gate
+        record = self.host.get(session_id) if gate.validates else None
+        if record is None:
+            gate.validate(session_id, request)
+            return
+        try:
+            gate.import_session(session_id, to_device(record.pipeline_state, self._kv_cache.state_placement))
+        except Exception as error:
+            if dry_run:
+                logger.info("AR-Diffusion validation of offloaded session %r could not import its model state "
+                            "(%r); its request will fail when it runs", session_id, error)
+                return
+            self.release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            if restore_failures is None:
+                raise
+            restore_failures[session_id] = error
+            return
+        try:
+            gate.validate(session_id, request)
+        except BaseException:
+            if self._export_validated(session_id, restore_failures, dry_run):
+                raise
+            return  # the session is gone: its request fails as a restore, its refusal is moot
+        self._export_validated(session_id, restore_failures, dry_run)
+
+    def _export_validated(self, session_id: str, restore_failures: dict[str, BaseException] | None,
+                          dry_run: bool) -> bool:
+        """Export the state imported for a validation back out (the record keeps its own copy); whether it could.
+
+        If the pipeline fails at it, it may hold the session's state beside the record: the
+        session is released (``"restore_failed"``) and the error raised, or recorded in
+        ``restore_failures`` (a batch), or logged (``dry_run``).
+        """
+        try:
+            self._gate.export_session(session_id)
+        except Exception as error:
+            self.release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
+            if restore_failures is not None:
+                restore_failures[session_id] = error
+            elif dry_run:
+                logger.warning("AR-Diffusion validation of offloaded session %r could not export its model state back "
+                               "(%r); the session was released", session_id, error)
+            else:
+                raise
+            return False
+        return True
+
+    def fork(self, source_id: str, new_id: str, noise_seed: int | None) -> None:
+        """Start ``new_id`` from where ``source_id`` stands, sharing its pages (after :meth:`fork_refusal`).
+
+        The :meth:`fork_victims` move to the host tier first; an offloaded source is restored;
+        the pipeline forks its model state. A failing fork leaves no trace of ``new_id``: its
+        slot is freed and the pipeline's close hook drops whatever model state the fork hook
+        imported.
+        """
+        victims = self.fork_victims(source_id)
         if victims:
             self.offload(victims, reason="lru_eviction", what=f"fork {source_id!r}")
         if source_id in self.host:
@@ -360,16 +517,9 @@ class Residency:
         in use, or a tier that would have to drop the sessions it holds, refuses before any
         copy; a copy that fails leaves its session resident (and those before it offloaded).
         """
-        for session_id in session_ids:
-            if self.in_use(session_id):
-                raise RuntimeError(f"AR-Diffusion cannot {what}: session {session_id!r} has a block in flight")
-        needed = len(session_ids) * self._kv_cache.plan.offload_bytes_per_session
-        free = self.host.capacity_bytes - self.host.bytes_used
-        if needed > free:
-            raise RuntimeError(
-                f"AR-Diffusion cannot {what}: moving {len(session_ids)} session(s) to the host tier needs about "
-                f"{needed} bytes and {free} of its {self.host.capacity_bytes} are free (it would drop sessions it "
-                "holds; close one)")
+        refusal = self.moving_refusal(session_ids, what=what)
+        if refusal is not None:
+            raise refusal.exception()
         for session_id in session_ids:
             record = self._offload_record(session_id)
             if record is None:  # nothing moved: the session stays resident

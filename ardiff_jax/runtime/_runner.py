@@ -56,10 +56,7 @@ from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
 from ardiff_jax.runtime._gate import PipelineGate, committing, kv_cache_spec, shard_model
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
-from ardiff_jax.runtime._offload import (
-    HostSessionTier,
-    to_device,
-)
+from ardiff_jax.runtime._offload import HostSessionTier
 from ardiff_jax.runtime._residency import Residency, repeated_sessions
 from ardiff_jax.runtime._session_files import SessionFiles
 from ardiff_jax.runtime._session_table import SessionTable
@@ -299,7 +296,7 @@ class ARDiffusionModelRunner:
             self._check_open()
             self._gate.check_not_reentrant("execute_model")
             session_id, reset, close_after, _ = self._request_session(request)
-            self._validate_request(session_id, request)
+            self._residency.validate_request(session_id, request)
             if reset:
                 self._residency.release(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
@@ -409,7 +406,7 @@ class ARDiffusionModelRunner:
 
         An offloaded session whose model state cannot be imported for its validation is a
         restore failure of that request only (recorded in ``restore_failures``; see
-        :meth:`_validate_request`), never a refusal of the batch.
+        :meth:`~ardiff_jax.runtime._residency.Residency.validate_request`), never a refusal of the batch.
         """
         parsed = [self._request_session(request) for request in requests]
         session_ids = [entry[0] for entry in parsed]
@@ -417,7 +414,7 @@ class ARDiffusionModelRunner:
         if refusal is not None:
             raise ValueError(refusal)
         for session_id, request in zip(session_ids, requests, strict=True):
-            self._validate_request(session_id, request, restore_failures, dry_run=dry_run)
+            self._residency.validate_request(session_id, request, restore_failures, dry_run=dry_run)
         return parsed
 
     def _execute_admitted(self, session_id: str, request: DiffusionRequest) -> Any:
@@ -458,7 +455,7 @@ class ARDiffusionModelRunner:
                 )
             for request in scheduler_output.scheduled:
                 check_not_traced("engine.step / execute_stepwise", *_request_values(request))
-                self._validate_request(request.request_id, request)  # a refused tick changes nothing
+                self._residency.validate_request(request.request_id, request)  # a refused tick changes nothing
             for request_id in sorted(scheduler_output.finished_req_ids):
                 self._residency.stepwise_started.pop(request_id, None)
                 if request_id in self._table or request_id in self._host:
@@ -529,69 +526,6 @@ class ARDiffusionModelRunner:
         if self._closed:
             raise RuntimeError("ARDiffusionModelRunner is closed")
 
-    # -- internals -----------------------------------------------------------------------------
-    def _validate_request(self, session_id: str, request: DiffusionRequest,
-                          restore_failures: dict[str, BaseException] | None = None, *, dry_run: bool = False) -> None:
-        """The pipeline's optional host-side check, before any session or KV changes.
-
-        An offloaded session is checked against its model state: the state is imported for
-        the call and exported straight back (a copy of the small model state, no pages), so
-        a refused request leaves the session offloaded and every other session where it was.
-        If that import or export fails, the session cannot be restored: it is released
-        (``"restore_failed"``, close hook) and the error raised, as a failed restore's.
-
-        With ``restore_failures`` (a batch) such a failure is recorded there instead of
-        raised: only that request fails. With ``dry_run`` (``validate_batch``) a failed import
-        is ignored and nothing released: nothing was imported, and the batch that follows
-        probes again and reports it as that request's failure.
-        """
-        gate = self._gate
-        record = self._host.get(session_id) if gate.validates else None
-        if record is None:
-            gate.validate(session_id, request)
-            return
-        try:
-            gate.import_session(session_id, to_device(record.pipeline_state, self._kv_cache.state_placement))
-        except Exception as error:
-            if dry_run:
-                logger.info("AR-Diffusion validation of offloaded session %r could not import its model state "
-                            "(%r); its request will fail when it runs", session_id, error)
-                return
-            self._residency.release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
-            if restore_failures is None:
-                raise
-            restore_failures[session_id] = error
-            return
-        try:
-            gate.validate(session_id, request)
-        except BaseException:
-            if self._export_validated(session_id, restore_failures, dry_run):
-                raise
-            return  # the session is gone: its request fails as a restore, its refusal is moot
-        self._export_validated(session_id, restore_failures, dry_run)
-
-    def _export_validated(self, session_id: str, restore_failures: dict[str, BaseException] | None,
-                          dry_run: bool) -> bool:
-        """Export the state imported for a validation back out (the record keeps its own copy); whether it could.
-
-        If the pipeline fails at it, it may hold the session's state beside the record: the
-        session is released (``"restore_failed"``) and the error raised, or recorded in
-        ``restore_failures`` (a batch), or logged (``dry_run``).
-        """
-        try:
-            self._gate.export_session(session_id)
-        except Exception as error:
-            self._residency.release(session_id, reset_model=False, reason="restore_failed", suppress_errors=True)
-            if restore_failures is not None:
-                restore_failures[session_id] = error
-            elif dry_run:
-                logger.warning("AR-Diffusion validation of offloaded session %r could not export its model state back "
-                               "(%r); the session was released", session_id, error)
-            else:
-                raise
-            return False
-        return True
-
     # -- sessions on disk ------------------------------------------------------------------------
     def fork_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
         """Start session ``new_id`` from exactly where ``source_id`` stands, copying nothing.
@@ -629,31 +563,10 @@ class ARDiffusionModelRunner:
             self._gate.check_not_reentrant("fork_session")
             if self._config.mesh is not None:
                 raise RuntimeError("AR-Diffusion forks need pools on one device (EngineConfig(mesh=None))")
-            offloaded = source_id in self._host
-            if source_id not in self._table and not offloaded:
-                raise KeyError(f"AR-Diffusion session {source_id!r} is neither resident nor offloaded")
-            if new_id == source_id or new_id in self._table or new_id in self._host:
-                raise ValueError(f"AR-Diffusion session id {new_id!r} is taken; a fork needs a new id")
-            if not offloaded and (self._table.get(source_id).checkpoint().pending
-                                  or source_id in self._residency.stepwise_started):
-                raise RuntimeError(f"AR-Diffusion session {source_id!r} has a block in flight; fork it between blocks")
-            needed = 2 if offloaded else 1
-            short = needed - self._kv_cache.num_free_slots
-            if short > 0 and not self._host.capacity_bytes:
-                raise RuntimeError(
-                    f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed, "
-                    f"{self._kv_cache.num_free_slots} free of {self.session_capacity} (without host offload a fork "
-                    "never evicts a session; close one or turn host offload on)")
-            if short > 0:
-                # Every check is made before anything moves: a refused fork changes nothing.
-                victims = [sid for sid in self._table.lru_order if sid != source_id
-                           and not self._table.is_pinned(sid)][:short]
-                if len(victims) < short:
-                    raise RuntimeError(f"AR-Diffusion cannot fork {source_id!r}: {needed} free slot(s) needed and "
-                                       "every other resident session is in use")
-            else:
-                victims = []
-            self._residency.fork(source_id, new_id, noise_seed, victims=victims)
+            refusal = self._residency.fork_refusal(source_id, new_id)  # every check before anything moves
+            if refusal is not None:
+                raise refusal.exception()
+            self._residency.fork(source_id, new_id, noise_seed)
 
     def offload_session(self, session_id: str) -> None:
         """Move resident ``session_id`` to the host tier now; its next request restores it and it continues exactly.
@@ -668,14 +581,9 @@ class ARDiffusionModelRunner:
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("offload_session")
-            if not self._host.capacity_bytes:
-                raise RuntimeError(
-                    f"AR-Diffusion cannot offload {session_id!r}: host offload is off (EngineConfig("
-                    "host_offload_bytes=0), or the pipeline does not implement SupportsARDiffusionSessionExport)")
-            if session_id in self._host:
-                raise ValueError(f"AR-Diffusion session {session_id!r} is offloaded already")
-            if session_id not in self._table:
-                raise KeyError(f"AR-Diffusion session {session_id!r} is not resident")
+            refusal = self._residency.offload_refusal(session_id)
+            if refusal is not None:
+                raise refusal.exception()
             self._residency.offload([session_id], reason="requested", what=f"offload {session_id!r}")
 
     def save_session(self, session_id: str, path: Any) -> Any:

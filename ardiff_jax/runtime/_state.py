@@ -42,7 +42,9 @@ from ardiff_jax.runtime._session import (
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 
-__all__ = ["ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV", "StateCheckpoint", "plan_batch_writes"]
+__all__ = [
+    "ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV", "StateCheckpoint", "plan_batch_writes",
+]
 
 
 class ARDiffusionRequestAdapter:
