@@ -61,6 +61,7 @@ from ardiff_jax.runtime._residency import Residency, repeated_sessions
 from ardiff_jax.runtime._session_files import SessionFiles
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
+from ardiff_jax.runtime._stepwise import StepwiseRuns
 from ardiff_jax.types import (
     AR_DIFFUSION_TICK_KEY,
     ARDiffusionTickRequest,
@@ -161,6 +162,8 @@ class ARDiffusionModelRunner:
                                     fail_closed=self._fail_closed)
         self._residency = Residency(self._kv_cache, self._gate, self._events,
                                     config.host_offload_bytes if self._gate.can_export else 0)
+        self._stepwise = StepwiseRuns(self._gate, self._residency, fail_closed=self._fail_closed,
+                                      record_e2e=self._perf_e2e_times.append)
         # The policy objects, read by the entry points (the residency changes them).
         self._table, self._host = self._residency.table, self._residency.host
         if config.host_offload_bytes and not self._gate.can_export:
@@ -456,36 +459,10 @@ class ARDiffusionModelRunner:
             for request in scheduler_output.scheduled:
                 check_not_traced("engine.step / execute_stepwise", *_request_values(request))
                 self._residency.validate_request(request.request_id, request)  # a refused tick changes nothing
-            for request_id in sorted(scheduler_output.finished_req_ids):
-                self._residency.stepwise_started.pop(request_id, None)
-                if request_id in self._table or request_id in self._host:
-                    self._residency.release(request_id, reset_model=False, reason="close", suppress_errors=True)
+            self._stepwise.finish(scheduler_output.finished_req_ids)
             if not scheduler_output.scheduled:
                 return None
-            request = scheduler_output.scheduled[0]
-            session_id = request.request_id
-            started = time.perf_counter()
-            state = self._residency.admit(session_id)
-            self._residency.stepwise_started.setdefault(session_id, started)
-            try:
-                result = self._gate.step(session_id, state, request)
-                if result.chunk_emitted:
-                    self._gate.synchronize(result.output)
-            except BaseException as error:
-                self._residency.stepwise_started.pop(session_id, None)
-                self._fail_closed(session_id, error)
-                raise
-            if result.chunk_emitted:
-                started = self._residency.stepwise_started.pop(session_id, None)
-                if started is not None:
-                    self._perf_e2e_times.append(time.perf_counter() - started)
-            if result.finished or result.error:
-                self._residency.stepwise_started.pop(session_id, None)
-                self._residency.release(
-                    session_id, reset_model=False, reason="forward_exception" if result.error else "close",
-                    suppress_errors=True,
-                )
-            return result
+            return self._stepwise.step(scheduler_output.scheduled[0])
 
     # -- serving-layer lifecycle -------------------------------------------------------------
     def reset_session(self, session_id: str) -> None:
