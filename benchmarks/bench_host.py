@@ -274,7 +274,7 @@ def components(bench: HostBench, calls: int) -> dict[str, float]:
         "_request_session (parse extra_args / typed tick)": _per_call_us(
             lambda: runner._request_session(request), calls),  # noqa: SLF001
         "_validate_request (runtime_checkable Protocol isinstance)": _per_call_us(
-            lambda: runner._validate_request(session_id, request), calls),  # noqa: SLF001
+            lambda: runner._residency.validate_request(session_id, request), calls),  # noqa: SLF001
         "isinstance(pipeline, SupportsARDiffusionRequestValidation)": _per_call_us(
             lambda: isinstance(pipeline, SupportsARDiffusionRequestValidation), calls),
         "_get_or_create_session, hit (OrderedDict move_to_end)": _per_call_us(

@@ -464,6 +464,29 @@ class Residency:
         return OffloadedSession(session=session, pages=pages, pipeline_state=pipeline_state,
                                 nbytes=record_nbytes(session, pages, pipeline_state))
 
+    def host_copy(self, session_id: str) -> OffloadedSession:
+        """A host record of ``session_id`` that leaves it where it is and its LRU position as it was.
+
+        An offloaded session's own record; a resident one's copy (:meth:`copy_out` with
+        ``keep``: its model state exported and imported straight back). Refused before
+        anything moves: an unknown id (KeyError), a committing forward context pending
+        (RuntimeError). A copy that fails releases the session (``"save_failed"``, close hook:
+        the pipeline may no longer hold its model state) and raises.
+        """
+        record = self.host.get(session_id)
+        if record is not None:
+            return record
+        state = self.table.get(session_id)
+        if state is None:
+            raise KeyError(f"AR-Diffusion session {session_id!r} is neither resident nor offloaded")
+        if committing(state):
+            raise RuntimeError(f"AR-Diffusion session {session_id!r} has a committing forward context pending")
+        try:
+            return self.copy_out(session_id, state.checkpoint().value, keep=True)
+        except BaseException:
+            self.release(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
+            raise
+
     def _hold_offloaded(self, record: OffloadedSession) -> None:
         """Put ``record`` in the host tier, first dropping (close hooks) the oldest records it displaces."""
         errors: list[BaseException] = []

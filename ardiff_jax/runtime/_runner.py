@@ -53,25 +53,30 @@ from ardiff_jax.runtime._batch import (
 )
 from ardiff_jax.runtime._batch_runner import BatchRunner, Warmup
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
-from ardiff_jax.runtime._gate import PipelineGate, committing, kv_cache_spec, shard_model
+from ardiff_jax.runtime._gate import PipelineGate, kv_cache_spec, shard_model
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import HostSessionTier
-from ardiff_jax.runtime._residency import Residency, repeated_sessions
+from ardiff_jax.runtime._requests import (
+    check_distinct_sessions,
+    checked_batch_types,
+    request_session,
+    request_values,
+)
+from ardiff_jax.runtime._residency import Residency
 from ardiff_jax.runtime._session_files import SessionFiles
 from ardiff_jax.runtime._session_table import SessionTable
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.runtime._stepwise import StepwiseRuns
 from ardiff_jax.types import (
-    AR_DIFFUSION_TICK_KEY,
-    ARDiffusionTickRequest,
     DiffusionRequest,
     EngineConfig,
     StepResult,
     StepSchedulerOutput,
 )
 
-__all__ = ["ARDiffusionModelRunner", "SessionEvent", "WARMUP_SESSION_ID"]
+#: ``check_distinct_sessions`` (``_requests.py``) is the router's, from here.
+__all__ = ["ARDiffusionModelRunner", "SessionEvent", "WARMUP_SESSION_ID", "check_distinct_sessions"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
 
@@ -273,28 +278,14 @@ class ARDiffusionModelRunner:
         return self._runner_lock
 
     # -- request / tick mode -------------------------------------------------------------------
-    @staticmethod
-    def _request_session(request: DiffusionRequest) -> tuple[str, bool, bool, ARDiffusionTickRequest | None]:
-        """``(session_id, reset, close_session, tick)``; a typed tick is authoritative.
-
-        A missing ``session_id`` means ``"default"``; a present one must be a non-blank
-        ``str`` and the flags real bools (``"false"`` is refused, never coerced).
-        """
-        extra_args = request.extra_args
-        tick = ARDiffusionTickRequest.from_extra_args(extra_args) if AR_DIFFUSION_TICK_KEY in extra_args else None
-        if tick is not None:
-            return tick.session_id, tick.reset, tick.close_session, tick
-        session_id = check_session_id(extra_args["session_id"], "extra_args['session_id']") \
-            if "session_id" in extra_args else "default"
-        reset = check_flag("extra_args['reset']", extra_args.get("reset", False))
-        close_session = check_flag("extra_args['close_session']", extra_args.get("close_session", False))
-        return session_id, reset, close_session, None
+    #: ``(session_id, reset, close_session, tick)`` of a request (the router and the warmup parse with it too).
+    _request_session = staticmethod(request_session)
 
     def execute_model(self, request: DiffusionRequest) -> Any:
         """Run one request on its session; returns what ``pipeline.forward`` returned."""
         if not isinstance(request, DiffusionRequest):
             raise TypeError(f"execute_model expects a DiffusionRequest, got {type(request).__name__}")
-        check_not_traced("engine.generate / execute_model", *_request_values(request))
+        check_not_traced("engine.generate / execute_model", *request_values(request))
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("execute_model")
@@ -391,17 +382,7 @@ class ARDiffusionModelRunner:
             self._gate.check_not_reentrant("validate_batch")
             self._checked_batch(requests, dry_run=True)
 
-    @staticmethod
-    def _checked_batch_types(requests: Any) -> list[DiffusionRequest]:
-        if isinstance(requests, DiffusionRequest) or not isinstance(requests, Sequence):
-            raise TypeError(f"execute_model_batch expects a sequence of DiffusionRequests, got "
-                            f"{type(requests).__name__}")
-        requests = list(requests)
-        for request in requests:
-            if not isinstance(request, DiffusionRequest):
-                raise TypeError(f"execute_model_batch expects DiffusionRequests, got {type(request).__name__}")
-            check_not_traced("engine.generate_batch / execute_model_batch", *_request_values(request))
-        return requests
+    _checked_batch_types = staticmethod(checked_batch_types)
 
     def _checked_batch(self, requests: list[DiffusionRequest], restore_failures: dict[str, BaseException] | None = None,
                        *, dry_run: bool = False) -> list[tuple[Any, ...]]:
@@ -457,7 +438,7 @@ class ARDiffusionModelRunner:
                     f"{len(scheduler_output.scheduled)}"
                 )
             for request in scheduler_output.scheduled:
-                check_not_traced("engine.step / execute_stepwise", *_request_values(request))
+                check_not_traced("engine.step / execute_stepwise", *request_values(request))
                 self._residency.validate_request(request.request_id, request)  # a refused tick changes nothing
             self._stepwise.finish(scheduler_output.finished_req_ids)
             if not scheduler_output.scheduled:
@@ -578,18 +559,7 @@ class ARDiffusionModelRunner:
         with self._locked():
             self._check_open()
             self._gate.check_not_reentrant("save_session")
-            record = self._host.get(session_id)
-            if record is None:
-                state = self._table.get(session_id)
-                if state is None:
-                    raise KeyError(f"AR-Diffusion session {session_id!r} is neither resident nor offloaded")
-                if committing(state):
-                    raise RuntimeError(f"AR-Diffusion session {session_id!r} has a committing forward context pending")
-                try:
-                    record = self._residency.copy_out(session_id, state.checkpoint().value, keep=True)
-                except BaseException:
-                    self._residency.release(session_id, reset_model=False, reason="save_failed", suppress_errors=True)
-                    raise
+            record = self._residency.host_copy(session_id)
         # Outside the lock: the record is an immutable host value; writing it may take a while.
         return self._files.write(path, record, identity)
 
@@ -636,13 +606,6 @@ class ARDiffusionModelRunner:
             logger.error("AR-Diffusion KV pools were lost during session %r; all sessions were released",
                          session_id)
 
-def check_distinct_sessions(session_ids: Sequence[str]) -> None:
-    """ValueError naming the session ids that appear more than once in one batch."""
-    repeated = repeated_sessions(session_ids)
-    if repeated:
-        raise ValueError(f"a batch holds each session at most once; repeated: {repeated}")
-
-
 class _RunnerLock:
     """``with runner._locked():``: the runner lock; queued events are delivered once the outermost holder let go.
 
@@ -668,11 +631,6 @@ class _RunnerLock:
         self._lock.release()
         if pending:
             self._events.deliver()
-
-
-def _request_values(request: DiffusionRequest) -> tuple[Any, ...]:
-    # The requests's mappings are read-only proxies (not pytree nodes): hand over their values.
-    return (*request.inputs.values(), *request.extra_args.values(), request.prompt)
 
 
 def _step_capable(pipeline: Any) -> bool:
