@@ -23,9 +23,12 @@ construction, and composes collaborators that each own one thing (``docs/archite
 "The runner as a shell"): :class:`~ardiff_jax.runtime._gate.PipelineGate` (the only caller of
 pipeline code), :class:`~ardiff_jax.runtime._events.EventLog`,
 :class:`~ardiff_jax.runtime._residency.Residency` (session table, host tier and every move),
-:class:`~ardiff_jax.runtime._batch_runner.BatchRunner` and ``Warmup``, and
-:class:`~ardiff_jax.runtime._session_files.SessionFiles`. Every refusal of a call is checked
-before anything moves.
+:class:`~ardiff_jax.runtime._batch_runner.BatchRunner` and ``Warmup``,
+:class:`~ardiff_jax.runtime._stepwise.StepwiseRuns` (the stepwise path's steps) and
+:class:`~ardiff_jax.runtime._session_files.SessionFiles`; a request's session and flags are
+read by the pure functions of ``_requests.py``. Every refusal of a call is checked before
+anything moves: the residency's ``admission_refusal``, ``fork_refusal`` and
+``offload_refusal`` read only and name what the call raises.
 """
 
 from __future__ import annotations
