@@ -77,3 +77,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         from test_mesh import start_mesh_suite
 
         config.ardiff_mesh_suite = start_mesh_suite()
+
+
+# -- CPU seconds per test (opt-in: ARDIFF_CPU_REPORT=path.tsv) -------------------------------------------------
+# Wall-clock durations swing with the machine's load; CPU seconds (this process and the subprocesses it waited
+# for) do not, so the suite's cost can be measured while other work runs. Each worker appends
+# ``file<TAB>test<TAB>seconds`` rows; a module fixture's setup counts against the first test that uses it.
+_CPU_REPORT = os.environ.get("ARDIFF_CPU_REPORT")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_REPORT:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+        before = _cpu_seconds()
+        yield
+        with open(_CPU_REPORT, "a", encoding="utf-8") as report:
+            report.write(f"{item.path.name}\t{item.name}\t{_cpu_seconds() - before:.2f}\n")
