@@ -54,7 +54,7 @@ BlockFn = Callable[[PagedKVCaches, Any], tuple[Any, jax.Array, jax.Array]]
 def rollout_blocks(
     layout: KVLayout,
     pools: KVPools,
-    cursors: jax.Array,  # i32[num_sessions, 3 or 3+K+W]: (run_base, committed, visible_start[, page table])
+    cursors: jax.Array,  # i32[num_sessions, 3+K+W]: (run_base, committed, visible_start, *page table)
     block_fn: BlockFn,
     xs: Any,  # pytree, leading axis = num_steps: per-step model inputs
     session_index: jax.Array,  # i32[num_steps]: which session each step advances
@@ -112,7 +112,7 @@ def rollout_blocks(
 def rollout_batched_blocks(
     layout: KVLayout,
     pools: KVPools,
-    cursors: jax.Array,  # i32[B, 3 or 3+K+W]: (run_base, committed, visible_start[, page table])
+    cursors: jax.Array,  # i32[B, 3+K+W]: (run_base, committed, visible_start, *page table)
     block_fn: BlockFn,
     xs: Any,  # pytree, leading axes [num_steps, B]: per-step, per-session model inputs
     *,
@@ -143,7 +143,7 @@ def rollout_batched_blocks(
 def scan_batched_blocks(
     layout: KVLayout,
     pools: KVPools,
-    cursors: jax.Array,  # i32[B, 3 or 3+K+W]: (run_base, committed, visible_start[, page table])
+    cursors: jax.Array,  # i32[B, 3+K+W]: (run_base, committed, visible_start, *page table)
     block_fn: Callable[[PagedKVCaches, Any, Any], tuple[Any, Any, jax.Array, jax.Array]],
     xs: Any,  # pytree, leading axis = num_steps
     carry: Any,  # pytree the block function threads from step to step (model-owned state), or None

@@ -1,24 +1,24 @@
 """Cursor forms: does reading pages through the run's page table cost more than ``run_base + slot``?
 
-Issue 48 asks for one cursor form, the table cursor ``i32[3+K+W]``, if the table path costs
-no more than the contiguous arithmetic. This benchmark runs the same jitted program, a
-forward's attention history read for every layer plus the commit of one block (donated
-pools, window full and wrapping), with cursors that all name the same contiguous run
+Issue 48 asked for one cursor form, the table cursor ``i32[3+K+W]``, if the table path costs
+no more than the contiguous arithmetic of the old ``i32[3]`` cursor. This benchmark is that
+measurement. It runs one jitted program, the commit of one block (donated pools, written
+before the reads as ``write_block`` advises) then every layer's attention history read
+reduced by a float32 sum, window full and wrapping, with cursors that all name the same run
 (run 1 of 2, so its pages are a real sub-slice of the pools):
 
-* ``contiguous``: the contiguous ``i32[3]`` cursor, pages ``run_base + slot`` in the core
-  (``cursor_pages``'s contiguous branch);
-* ``arithmetic``: the program receives ``i32[3]`` and builds the run's table from
-  ``run_base`` inside jit (``run_base + arange(K+W)``), then reads through it;
-* ``table``: the table cursor the runtime passes, ``i32[3+K+W]``, its table an argument;
-* ``scattered``: the same, but the run's slots sit on pages in reverse order (a forked or
+* ``contiguous``: the removed ``i32[3]`` form, kept here as the baseline: the program
+  computes the visible pages and the commit's pages as ``run_base + slot`` (the core's
+  ``visible_history`` and ``slot_of_frame``) and gathers them, as the core did for it;
+* ``table``: the one form, ``i32[3+K+W]`` with the run on its home pages
+  (``contiguous_table_cursor``): the core's ``read_visible_history`` and ``cursor_block_pages``;
+* ``scattered``: the same, but the run's slots sit on its pages in reverse order (a forked or
   remapped run is not contiguous), so no lookup can fold into arithmetic.
 
-And, for context, one layer of ``paged_attention`` (the history read, the current block
-and the masked softmax) with the ``arithmetic`` and ``table`` cursors.
-
-Ratios are medians of interleaved repeats in one run (``benchmarks/common.run_interleaved``).
-Run: ``python -m benchmarks.bench_cursor [--geometry tiny medium] [--quick]``; results go to
+Every program reads the same history (``checks.same_read``: the sums agree). Ratios are of
+medians (``ratios``) and of 10th percentiles (``ratios_p10``, steadier on a shared machine) of
+interleaved repeats in one run (``benchmarks/common.run_interleaved``). Run:
+``python -m benchmarks.bench_cursor [--geometry tiny medium] [--quick]``; results go to
 ``benchmarks/results/cursor_<geometry>.json``.
 """
 
@@ -36,7 +36,6 @@ import numpy as np
 from benchmarks.common import (
     RESULTS_DIR,
     Case,
-    Stats,
     bench_spec,
     format_table,
     machine_info,
@@ -48,16 +47,13 @@ from benchmarks.common import (
 
 __all__ = ["CURSORS", "build_layout", "main", "run_geometry"]
 
-#: The cursors compared, in the order they run.
-CURSORS = ("contiguous", "arithmetic", "table", "scattered")
+#: The cursors compared, in the order they run; the first is the baseline of every ratio.
+CURSORS = ("contiguous", "table", "scattered")
 
-# (warmup, rounds, reps_per_round) per geometry and part; --quick uses _QUICK_REPS.
-_REPS = {
-    "tiny": {"step": (20, 40, 10), "attend": (10, 20, 5)},
-    "medium": {"step": (3, 20, 3), "attend": (2, 8, 2)},
-}
-_DEFAULT_REPS = {"step": (3, 10, 3), "attend": (1, 4, 1)}
-_QUICK_REPS = {"step": (1, 3, 1), "attend": (1, 2, 1)}
+# (warmup, rounds, reps_per_round) per geometry; --quick uses _QUICK_REPS.
+_REPS = {"tiny": (20, 40, 10), "medium": (5, 40, 5)}
+_DEFAULT_REPS = (3, 10, 3)
+_QUICK_REPS = (1, 3, 1)
 
 
 def build_layout(geometry: str, dtype: str = "bfloat16") -> Any:
@@ -74,51 +70,60 @@ def build_layout(geometry: str, dtype: str = "bfloat16") -> Any:
     )
 
 
-def _table_cursor(layout: Any, cursor: jax.Array, build_table: bool) -> jax.Array:
-    """The cursor a program reads: with ``build_table``, an ``i32[3]`` cursor gets its table built from ``run_base``."""
-    if not build_table or cursor.shape[-1] != 3:
-        return cursor
-    table = cursor[0] + jnp.arange(layout.run_pages, dtype=jnp.int32)
-    return jnp.concatenate([cursor, table])
+def _contiguous_pages(layout: Any, cursor: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The removed ``i32[3]`` form's pages: ``(visible history pages i32[K+W-f], commit pages i32[f])``.
+
+    ``visible_table`` with ``run_base + slot`` where the core now looks the slot up in the table.
+    """
+    from ardiff_jax.kv import slot_of_frame, visible_history
+
+    f = layout.frames_per_block
+    run_base, committed, visible_start = cursor[0], cursor[1], cursor[2]
+    hist = visible_history(layout, committed, visible_start, f, jnp)
+    index = jnp.arange(layout.run_pages, dtype=jnp.int32)
+    frames = jnp.where(index < hist.num_sink, index, hist.window_start + (index - hist.num_sink))
+    valid = index < hist.num_sink + hist.num_window
+    pages = jnp.where(valid, run_base + slot_of_frame(layout, jnp.maximum(frames, 0), jnp), layout.null_page)
+    block = run_base + slot_of_frame(layout, committed + jnp.arange(f, dtype=jnp.int32), jnp)
+    return pages[:layout.run_pages - f].astype(jnp.int32), block.astype(jnp.int32)
 
 
-def _step(layout: Any, build_table: bool, pools: Any, cursor: jax.Array, k: jax.Array, v: jax.Array
-          ) -> tuple[Any, jax.Array]:
-    """Every layer's attention history read (reduced by a float32 sum), then the commit of one block."""
-    from ardiff_jax.kv import commit_block, cursor_block_pages
+def _step(layout: Any, pools: Any, cursor: jax.Array, k: jax.Array, v: jax.Array) -> tuple[Any, jax.Array]:
+    """Commit one block, then read every layer's visible history (a float32 sum); either cursor form."""
+    from ardiff_jax.kv import commit_block, cursor_block_pages, gather_pages
     from ardiff_jax.kv._attention import read_visible_history
 
-    cursor = _table_cursor(layout, cursor, build_table)
+    f = layout.frames_per_block
+    if cursor.shape[-1] == 3:  # the removed contiguous form: pages by arithmetic
+        history, block = _contiguous_pages(layout, cursor)
+    else:
+        history, block = None, cursor_block_pages(layout, cursor, f, jnp)
+    # Writing first is exact (the block's pages are not visible to this cursor) and keeps the
+    # pools in place: a read before the write would make XLA copy them (write_block's docstring).
+    pools = commit_block(layout, pools, block, k, v)
     total = jnp.float32(0)
     for layer in range(layout.num_layers):
-        hk, hv, _ = read_visible_history(layout, pools, cursor, layer, layout.frames_per_block)
+        if history is None:
+            hk, hv, _ = read_visible_history(layout, pools, cursor, layer, f)
+        else:
+            hk, hv = gather_pages(layout, pools, layer, history)
         total = total + jnp.sum(hk, dtype=jnp.float32) + jnp.sum(hv, dtype=jnp.float32)
-    pages = cursor_block_pages(layout, cursor, layout.frames_per_block, jnp)
-    return commit_block(layout, pools, pages, k, v), total
+    return pools, total
 
 
-def _attend(layout: Any, build_table: bool, pools: Any, cursor: jax.Array, q: jax.Array, k: jax.Array,
-            v: jax.Array) -> jax.Array:
-    from ardiff_jax.kv import paged_attention
-
-    return paged_attention(layout, pools, _table_cursor(layout, cursor, build_table), 0, q, k, v)
-
-
-_step_jit = jax.jit(_step, static_argnums=(0, 1), donate_argnums=2)
-_attend_jit = jax.jit(_attend, static_argnums=(0, 1))
+_step_jit = jax.jit(_step, static_argnums=0, donate_argnums=1)
 
 
 def _cursors(layout: Any, committed: int) -> dict[str, np.ndarray]:
-    """The three cursors of run 1 at ``committed`` frames (sliding window: visible_start 0)."""
-    from ardiff_jax.kv import make_table_cursor
+    """The cursors of run 1 at ``committed`` frames (sliding window: visible_start 0)."""
+    from ardiff_jax.kv import contiguous_table_cursor, make_table_cursor
 
-    base = layout.run_pages  # run 1
-    contiguous = np.arange(base, base + layout.run_pages, dtype=np.int32)
+    base = layout.run_base(1)
+    table = contiguous_table_cursor(layout, base, committed, 0)
     return {
-        "contiguous": np.array([base, committed, 0], np.int32),
-        "arithmetic": np.array([base, committed, 0], np.int32),
-        "table": make_table_cursor(base, committed, 0, contiguous),
-        "scattered": make_table_cursor(base, committed, 0, contiguous[::-1]),
+        "contiguous": table[:3].copy(),
+        "table": table,
+        "scattered": make_table_cursor(base, committed, 0, table[3:][::-1]),
     }
 
 
@@ -127,58 +132,33 @@ def _random(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
 
 
-def run_geometry(geometry: str, *, quick: bool = False, skip_attend: bool = False,
-                 out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+def run_geometry(geometry: str, *, quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     """Time every cursor on one geometry; returns the JSON record (also written to disk)."""
     from ardiff_jax.kv import allocate_pools
 
     reps = _QUICK_REPS if quick else _REPS.get(geometry, _DEFAULT_REPS)
     layout = build_layout(geometry)
-    frames, tokens = layout.frames_per_block, layout.tokens_per_frame
-    seq_len = frames * tokens
-    block = (layout.num_layers, seq_len, layout.num_kv_heads, layout.head_size)
+    frames = layout.frames_per_block
+    block = (layout.num_layers, frames * layout.tokens_per_frame, layout.num_kv_heads, layout.head_size)
     k, v = _random(block, layout.dtype, 0), _random(block, layout.dtype, 1)
     # Steady state: the window has wrapped, every history page is visible and holds real KV.
     committed = 2 * layout.run_pages + frames
     cursors = {name: jnp.asarray(c) for name, c in _cursors(layout, committed).items()}
     pools = {name: allocate_pools(layout) for name in CURSORS}
-    for name in CURSORS:  # fill each pool's run (all of it: every slot once)
+    for name in CURSORS:  # every slot of each pool's run written once
         for start in range(0, layout.run_pages, frames):
-            fill = _cursors(layout, start)[name]
-            pools[name], _ = _step_jit(layout, name == "arithmetic", pools[name], jnp.asarray(fill), k, v)
+            pools[name], _ = _step_jit(layout, pools[name], jnp.asarray(_cursors(layout, start)[name]), k, v)
 
     totals: dict[str, jax.Array] = {}
 
     def step_case(name: str) -> Case:
         def run() -> Any:
-            pools[name], totals[name] = _step_jit(layout, name == "arithmetic", pools[name], cursors[name], k, v)
+            pools[name], totals[name] = _step_jit(layout, pools[name], cursors[name], k, v)
             return pools[name], totals[name]
         return Case(name, run)
 
-    step = run_interleaved([step_case(name) for name in CURSORS], warmup=reps["step"][0], rounds=reps["step"][1],
-                           reps_per_round=reps["step"][2])
-    # Same pages, same bytes: every cursor's program read the same history (the same sum).
-    same_read = len({float(total) for total in totals.values()}) == 1
-
-    attend: dict[str, Stats] = {}
-    same_attend = None
-    if not skip_attend:
-        q = _random((seq_len, layout.num_kv_heads, layout.head_size), layout.dtype, 2)
-        k0, v0 = k[0], v[0]
-        attend_pools = pools["table"]
-        attended = ("contiguous", "arithmetic", "table")
-        cases = [Case(name, functools.partial(_attend_jit, layout, name == "arithmetic", attend_pools, cursors[name],
-                                              q, k0, v0)) for name in attended]
-        attend = run_interleaved(cases, warmup=reps["attend"][0], rounds=reps["attend"][1],
-                                 reps_per_round=reps["attend"][2])
-        outs = [np.asarray(_attend_jit(layout, n == "arithmetic", attend_pools, cursors[n], q, k0, v0), np.float32)
-                for n in attended]
-        same_attend = all(np.array_equal(outs[0], out) for out in outs[1:])
-
-    ratios = {f"step: {name}/contiguous": ratio(step[name], step["contiguous"]) for name in CURSORS[1:]}
-    if attend:
-        ratios.update({f"attend: {name}/contiguous": ratio(attend[name], attend["contiguous"])
-                       for name in ("arithmetic", "table")})
+    step = run_interleaved([step_case(name) for name in CURSORS], warmup=reps[0], rounds=reps[1],
+                           reps_per_round=reps[2])
     record = {
         "benchmark": "bench_cursor",
         "machine": machine_info(),
@@ -187,9 +167,11 @@ def run_geometry(geometry: str, *, quick: bool = False, skip_attend: bool = Fals
                                             "head_size", "sink_frames", "window_frames", "frames_per_block",
                                             "dtype", "storage_dtype")}},
         "step": step,
-        "attend": attend,
-        "ratios": ratios,
-        "checks": {"same_read": same_read, "same_attend": same_attend},
+        "ratios": {f"{name}/{CURSORS[0]}": ratio(step[name], step[CURSORS[0]]) for name in CURSORS[1:]},
+        # The 10th percentiles: less moved by other work on a shared machine than the medians.
+        "ratios_p10": {f"{name}/{CURSORS[0]}": step[name].p10_ms / step[CURSORS[0]].p10_ms for name in CURSORS[1:]},
+        # Same pages, same bytes: every cursor's program read the same history (the same sum).
+        "checks": {"same_read": len({float(total) for total in totals.values()}) == 1},
     }
     path = write_json(out_dir / f"cursor_{geometry}.json", record)
     for p in pools.values():
@@ -205,10 +187,10 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
           f"F={layout['frames_per_block']}, sink {layout['sink_frames']} + window {layout['window_frames']}, "
           f"{layout['dtype']}) ==")
     print(machine_line(record["machine"]))
-    rows = [(part, name, s.median_ms, s.p10_ms, s.p90_ms, s.n)
-            for part in ("step", "attend") for name, s in record[part].items()]
-    print(format_table(("part", "cursor", "median ms", "p10 ms", "p90 ms", "n"), rows))
-    print(format_table(("ratio (medians)", "value"), list(record["ratios"].items())))
+    rows = [(name, s.median_ms, s.p10_ms, s.p90_ms, s.n) for name, s in record["step"].items()]
+    print(format_table(("cursor", "median ms", "p10 ms", "p90 ms", "n"), rows))
+    print(format_table(("ratio", "medians", "p10s"),
+                       [(name, value, record["ratios_p10"][name]) for name, value in record["ratios"].items()]))
     print(f"  checks: {record['checks']}")
     print(f"  wrote {path}")
 
@@ -217,11 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cursor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", nargs="+", default=["tiny", "medium"], help="example geometries")
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke run)")
-    parser.add_argument("--skip-attend", action="store_true", help="skip the one-layer attention context")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
     for geometry in args.geometry:
-        run_geometry(geometry, quick=args.quick, skip_attend=args.skip_attend, out_dir=args.out)
+        run_geometry(geometry, quick=args.quick, out_dir=args.out)
     return 0
 
 

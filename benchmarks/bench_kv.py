@@ -63,7 +63,8 @@ from benchmarks.common import (
     save_figure,
 )
 
-__all__ = ["KVBench", "history_read", "main", "measure_commit", "measure_read", "measure_attend", "run_geometry"]
+__all__ = ["KVBench", "history_read", "main", "measure_commit", "measure_read", "measure_attend", "ring_pages",
+           "run_geometry"]
 
 #: Targets from the performance issue (medians, CPU, measured side by side).
 COMMIT_TARGET = 1.2
@@ -94,6 +95,20 @@ def history_read(layout: Any, pools: Any, cursor: jax.Array, layer: jax.Array, n
     layer = jnp.where(jnp.asarray(layer) < 0, jnp.asarray(layer) + layout.num_layers, layer)
     k, v, _ = read_visible_history(layout, pools, cursor, layer, num_current_frames)
     return k, v
+
+
+def ring_pages(layout: Any, run_base: int, committed: int, num_frames: int) -> np.ndarray:
+    """Pages a commit of ``num_frames`` frames at ``committed`` writes in a run on its home pages (host numpy).
+
+    The core's slot rule (``slot_of_frame``: the sink slots, then the ring) written out here rather
+    than imported: ``compare_revisions`` runs this benchmark against older trees too, which
+    predate the core's table-cursor helpers. ``tests/test_benchmarks_smoke.py`` checks it against
+    ``cursor_block_pages`` of the same run.
+    """
+    sink, window = layout.sink_frames, layout.window_frames
+    frames = committed + np.arange(num_frames)
+    slots = np.where(frames < sink, frames, sink + (frames - sink) % window)
+    return (run_base + slots).astype(np.int32)
 
 
 def _floor_write(layout: Any, pools: Any, start: jax.Array, k: jax.Array, v: jax.Array) -> Any:
@@ -233,7 +248,7 @@ def _hlo_facts(name: str, compiled: Any, dump_dir: Path | None) -> dict[str, Any
 def measure_commit(bench: KVBench, reps: tuple[int, int, int], dump_dir: Path | None = None
                    ) -> tuple[dict[str, Stats], dict[str, Any]]:
     """Commit one block: runtime path, the core's ``commit_block`` alone, and the DUS floor."""
-    from ardiff_jax.kv import allocate_pools, block_pages, commit_block
+    from ardiff_jax.kv import allocate_pools, commit_block
 
     layout, frames = bench.layout, bench.frames
     for _ in range(bench.fill_blocks):
@@ -245,7 +260,7 @@ def measure_commit(bench: KVBench, reps: tuple[int, int, int], dump_dir: Path | 
     committed = {name: bench.fill_blocks * frames for name in own}
 
     def pages_for(name: str) -> np.ndarray:
-        pages = block_pages(layout, bench.run_base, committed[name], frames, np)
+        pages = ring_pages(layout, bench.run_base, committed[name], frames)
         committed[name] += frames
         return pages
 
@@ -276,7 +291,7 @@ def measure_commit(bench: KVBench, reps: tuple[int, int, int], dump_dir: Path | 
     ]
     stats = run_interleaved(cases, warmup=reps[0], rounds=reps[1], reps_per_round=reps[2])
 
-    sample_pages = block_pages(layout, bench.run_base, 0, frames, np)
+    sample_pages = ring_pages(layout, bench.run_base, 0, frames)
     facts = {
         "commit_block": _hlo_facts("commit_block", commit_block.lower(
             layout, own["commit_block"], sample_pages, bench.k, bench.v).compile(), dump_dir),

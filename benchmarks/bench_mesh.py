@@ -59,9 +59,9 @@ from ardiff_jax.kv import (
     advance_cursor,
     allocate_pools,
     attention_backend,
-    block_pages,
     commit_block,
-    make_cursor,
+    contiguous_table_cursor,
+    cursor_block_pages,
     read_pages,
     restore_pages,
     shard_zeros,
@@ -195,12 +195,12 @@ def run(geometry: str = "medium", *, smoke: bool = False, out_dir: Path = RESULT
         return tuple(jnp.asarray(rng.standard_normal(block_shape, np.float32), layout.dtype) for _ in range(2))
 
     # Fill both slots' runs past a full window (the ring wraps) with the same blocks everywhere.
-    cursors = [make_cursor(slot * layout.run_pages, 0, 0) for slot in (0, 1)]
+    cursors = [contiguous_table_cursor(layout, layout.run_base(slot), 0, 0) for slot in (0, 1)]
     fill_blocks = -(-layout.run_pages // frames) + 2
     for _ in range(fill_blocks):
         for slot in (0, 1):
             k, v = block()
-            pages = block_pages(layout, cursors[slot][0], cursors[slot][1], frames, np)
+            pages = cursor_block_pages(layout, cursors[slot], frames, np)
             for case in cases:
                 case.write(pages, case.place_heads(k), case.place_heads(v))
             cursors[slot] = advance_cursor(layout, cursors[slot], frames, np)
@@ -212,7 +212,8 @@ def run(geometry: str = "medium", *, smoke: bool = False, out_dir: Path = RESULT
 
     def commit_step(case: MeshCase, k: Any, v: Any) -> Any:
         def step() -> Any:
-            pages = block_pages(layout, cursors[1][0], committed[case.label], frames, np)
+            cursor = contiguous_table_cursor(layout, layout.run_base(1), committed[case.label], 0)
+            pages = cursor_block_pages(layout, cursor, frames, np)
             committed[case.label] += frames
             return case.write(pages, k, v)
         return step

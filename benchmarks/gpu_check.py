@@ -297,7 +297,7 @@ class KVSetup:
     def __init__(self, geometry: str, seed: int = 0) -> None:
         import jax.numpy as jnp
 
-        from ardiff_jax.kv import allocate_pools, block_pages, commit_block
+        from ardiff_jax.kv import allocate_pools, commit_block, cursor_block_pages
 
         self.layout = layout = _layout(geometry)
         self.frames = layout.frames_per_block
@@ -312,15 +312,15 @@ class KVSetup:
         # so that the attention comparison sees distinct frames.
         self.committed = 0
         for i in range(math.ceil(layout.run_pages / self.frames) + 2):
-            pages = block_pages(layout, self.run_base, self.committed, self.frames, np)
+            pages = cursor_block_pages(layout, self.cursor(), self.frames, np)
             self.pools = commit_block(layout, self.pools, pages, jnp.roll(self.k, i, axis=0),
                                       jnp.roll(self.v, i, axis=0))
             self.committed += self.frames
 
     def cursor(self) -> np.ndarray:
-        from ardiff_jax.kv import make_cursor
+        from ardiff_jax.kv import contiguous_table_cursor
 
-        return make_cursor(self.run_base, self.committed, 0)
+        return contiguous_table_cursor(self.layout, self.run_base, self.committed, 0)
 
     def describe(self) -> dict[str, Any]:
         layout = self.layout
@@ -337,7 +337,7 @@ class KVSetup:
 # -- (a) commit --------------------------------------------------------------------------------------------
 def measure_commit(setup: KVSetup, reps: tuple[int, int, int]) -> dict[str, Any]:
     """``commit_block`` (donated) vs a donated ``dynamic_update_slice`` of the same bytes, interleaved."""
-    from ardiff_jax.kv import allocate_pools, block_pages, commit_block
+    from ardiff_jax.kv import allocate_pools, commit_block, contiguous_table_cursor, cursor_block_pages
     from benchmarks.bench_kv import _floor_write_jit
 
     layout, frames = setup.layout, setup.frames
@@ -345,7 +345,8 @@ def measure_commit(setup: KVSetup, reps: tuple[int, int, int]) -> dict[str, Any]
     committed = {name: setup.committed for name in own}
 
     def next_pages(name: str) -> np.ndarray:
-        pages = block_pages(layout, setup.run_base, committed[name], frames, np)
+        cursor = contiguous_table_cursor(layout, setup.run_base, committed[name], 0)
+        pages = cursor_block_pages(layout, cursor, frames, np)
         committed[name] += frames
         return pages
 

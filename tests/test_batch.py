@@ -25,7 +25,8 @@ from ardiff_jax.kv import (
     KVLayout,
     KVPools,
     PagedKVCaches,
-    make_cursor,
+    contiguous_table_cursor,
+    make_table_cursor,
     paged_attention,
     ref_paged_attention,
     write_block,
@@ -120,7 +121,9 @@ def test_batched_view_attends_each_row_to_its_own_run_and_padding_reads_nothing(
     pools = _pools(2)
     rng = np.random.default_rng(3)
     # Row 0: fresh; row 1: partly filled; row 2: wrapped ring; row 3: padding (reads nothing).
-    cursors = np.stack([make_cursor(0, 0, 0), make_cursor(4, 2, 0), make_cursor(8, 7, 0), make_cursor(0, 0, 0)])
+    padding = make_table_cursor(0, 0, 0, [LAYOUT.null_page] * LAYOUT.run_pages)  # the runtime's padding row
+    cursors = np.stack([contiguous_table_cursor(LAYOUT, 0, 0, 0), contiguous_table_cursor(LAYOUT, 4, 2, 0),
+                        contiguous_table_cursor(LAYOUT, 8, 7, 0), padding])
     q = jnp.asarray(rng.normal(size=(4, 2, 4, 4)), jnp.float32)  # [B, S, Hq, D]
     k = jnp.asarray(rng.normal(size=(4, 2, 2, 4)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(4, 2, 2, 4)), jnp.float32)

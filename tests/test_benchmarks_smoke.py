@@ -57,6 +57,37 @@ def test_bench_kv_quick(tmp_path):
     assert (tmp_path / "kv_tiny.json").is_file()
 
 
+@pytest.mark.parametrize("sink, window, frames", [(0, 3, 1), (1, 5, 2), (3, 9, 3), (2, 7, 3)])
+def test_bench_kv_ring_pages_are_the_cores_pages(sink, window, frames):
+    """bench_kv writes its own slot rule out (it also runs against older trees): it names the core's pages."""
+    import numpy as np
+
+    from ardiff_jax.kv import KVLayout, contiguous_table_cursor, cursor_block_pages
+    from benchmarks.bench_kv import ring_pages
+
+    layout = KVLayout(num_layers=1, num_pages=2 * (sink + window), tokens_per_frame=1, num_kv_heads=1, head_size=1,
+                      sink_frames=sink, window_frames=window, frames_per_block=frames, scratch_pages=1)
+    base = layout.run_base(1)
+    for committed in range(4 * layout.run_pages):
+        want = cursor_block_pages(layout, contiguous_table_cursor(layout, base, committed, 0), frames, np)
+        got = ring_pages(layout, base, committed, frames)
+        assert got.dtype == np.int32 and got.tolist() == want.tolist(), committed
+
+
+def test_bench_cursor_quick(tmp_path):
+    from benchmarks import bench_cursor
+
+    record = bench_cursor.run_geometry("tiny", quick=True, out_dir=tmp_path)
+    assert set(record["step"]) == set(bench_cursor.CURSORS)
+    for stats in record["step"].values():
+        _stats_ok(stats.as_dict())
+    assert set(record["ratios"]) == {"table/contiguous", "scattered/contiguous"}
+    assert set(record["ratios_p10"]) == set(record["ratios"])
+    assert all(_positive(v) for v in [*record["ratios"].values(), *record["ratios_p10"].values()])
+    assert record["checks"]["same_read"] is True
+    assert (tmp_path / "cursor_tiny.json").is_file()
+
+
 def test_bench_peers_quick(tmp_path):
     from benchmarks import bench_peers
 
@@ -108,10 +139,10 @@ def test_bench_host_quick(tmp_path):
 
 @pytest.mark.parametrize("sink, window, frames", [(1, 5, 2), (3, 9, 3), (2, 7, 3), (1, 4, 4), (3, 18, 3)])
 def test_block_wraps_ring_is_the_runtimes_page_rule(sink, window, frames):
-    """bench_host skips exactly the blocks whose runtime pages (kv.block_pages) are not adjacent."""
+    """bench_host skips exactly the blocks whose runtime pages (kv.cursor_block_pages) are not adjacent."""
     import numpy as np
 
-    from ardiff_jax.kv import block_pages
+    from ardiff_jax.kv import contiguous_table_cursor, cursor_block_pages
     from ardiff_jax.runtime import ARDiffusionKVCache
     from benchmarks.bench_host import block_wraps_ring
     from benchmarks.common import bench_spec
@@ -122,7 +153,7 @@ def test_block_wraps_ring_is_the_runtimes_page_rule(sink, window, frames):
         layout = cache.layout
         outcomes = set()
         for committed in range(0, 4 * (sink + window)):
-            pages = block_pages(layout, 0, committed, frames, np)
+            pages = cursor_block_pages(layout, contiguous_table_cursor(layout, 0, committed, 0), frames, np)
             wraps = bool(np.any(np.diff(pages) != 1))
             assert block_wraps_ring(spec, committed) == wraps, (committed, pages)
             outcomes.add(wraps)

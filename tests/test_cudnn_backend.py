@@ -38,9 +38,9 @@ from ardiff_jax.kv import (
     allocate_pools,
     attention_backend,
     attention_backends,
-    block_pages,
+    contiguous_table_cursor,
+    cursor_block_pages,
     gather_pages,
-    make_cursor,
     paged_attention,
     ref_paged_attention,
     to_storage,
@@ -81,9 +81,9 @@ def fill(layout: KVLayout, committed: int, *, seed: int = 0, frames_per_commit: 
     step = frames_per_commit or layout.frames_per_block
     assert committed % step == 0
     pools = allocate_pools(layout)
-    cursor = make_cursor(layout.run_base(1), 0, 0)
+    cursor = contiguous_table_cursor(layout, layout.run_base(1), 0, 0)
     for _ in range(committed // step):
-        pages = block_pages(layout, cursor[0], cursor[1], step)
+        pages = cursor_block_pages(layout, cursor, step)
         pools = write_block(layout, pools, pages, randn(rng, L, step * T, H, D), randn(rng, L, step * T, H, D))
         cursor = advance_cursor(layout, cursor, step)
     return pools, cursor

@@ -266,7 +266,7 @@ def test_a_cursor_that_is_not_an_integer_is_refused(full_target, world_file, tmp
 
 
 def test_the_largest_int32_cursor_still_loads(world_base, world_file, tmp_path):
-    """The bound is the device's: ``2**31 - 1`` itself is a cursor the ``i32[3]`` vector holds."""
+    """The bound is the device's: ``2**31 - 1`` itself is a cursor the ``i32[3+K+W]`` vector holds."""
     path = tmp_path / "session"
     shutil.copytree(world_file, path)
     manifest = _manifest(path)

@@ -18,13 +18,15 @@ import pytest
 
 from ardiff_jax.kv import (
     KVLayout,
+    advance_cursor,
     allocate_pools,
-    block_pages,
     commit_block,
+    contiguous_table_cursor,
+    cursor_block_pages,
+    cursor_pages,
     from_storage,
     gather_pages,
-    make_cursor,
-    page_of_frame,
+    make_table_cursor,
     paged_attention,
     read_run,
     ref_attention,
@@ -55,18 +57,56 @@ LAYOUT_CASES = [  # (sink, window, reset_at_boundary)
 ]
 
 
-# -- page_of_frame -------------------------------------------------------------------------------------
+# -- cursors and the pages they name -----------------------------------------------------------------
 
 
-def test_page_of_frame_hand_values():
+def page_of(layout: KVLayout, run_base: int, frames, xp=np):
+    """Pages of ``frames`` in the run on its home pages from ``run_base`` (the contiguous table)."""
+    return cursor_pages(layout, contiguous_table_cursor(layout, run_base, 0, 0), frames, xp)
+
+
+def test_cursor_pages_hand_values():
     layout = small_layout(2, 3, runs=4)
     frames = np.arange(10)
     expected = [10, 11, 12, 13, 14, 12, 13, 14, 12, 13]  # sink 10, 11; ring 12..14 wraps every 3 frames
-    np.testing.assert_array_equal(page_of_frame(layout, 10, frames, np), expected)
-    got = jax.jit(lambda base, f: page_of_frame(layout, base, f, jnp))(np.int32(10), frames.astype(np.int32))
+    cursor = contiguous_table_cursor(layout, 10, 0, 0)
+    assert cursor.dtype == np.int32 and cursor.tolist() == [10, 0, 0, 10, 11, 12, 13, 14]
+    np.testing.assert_array_equal(cursor_pages(layout, cursor, frames, np), expected)
+    got = jax.jit(lambda cur, f: cursor_pages(layout, cur, f, jnp))(cursor, frames.astype(np.int32))
     np.testing.assert_array_equal(np.asarray(got), expected)
     no_sink = small_layout(0, 1, runs=4)
-    np.testing.assert_array_equal(page_of_frame(no_sink, 3, frames, np), [3] * 10)
+    np.testing.assert_array_equal(page_of(no_sink, 3, frames), [3] * 10)
+    # A table is looked up, not added to: the same slots on pages in another order.
+    table = np.array([7, 2, 19, 0, 5], np.int32)
+    scattered = make_table_cursor(10, 0, 0, table)
+    np.testing.assert_array_equal(cursor_pages(layout, scattered, frames, np), table[[0, 1, 2, 3, 4, 2, 3, 4, 2, 3]])
+
+
+@pytest.mark.parametrize("length", [3, 2 + 5, 4 + 5])
+def test_a_cursor_without_its_whole_table_is_refused(length):
+    """Only ``3 + K + W`` entries is a cursor: the old ``i32[3]`` form would look pages up in an empty table."""
+    layout = small_layout(2, 3, runs=4)
+    cursor = np.zeros(length, np.int32)
+    with pytest.raises(ValueError, match="page table: last axis 8"):
+        cursor_pages(layout, cursor, np.arange(2), np)
+    with pytest.raises(ValueError, match="page table: last axis 8"):
+        cursor_block_pages(layout, cursor, 2, np)
+    with pytest.raises(ValueError, match="page table: last axis 8"):
+        advance_cursor(layout, cursor, 2, np)
+    with pytest.raises(ValueError, match="page table: last axis 8"):
+        jax.jit(lambda cur: visible_table(layout, cur, 1, jnp))(cursor)
+    pools = allocate_pools(layout)
+    q = jnp.zeros((1, 1, 2), jnp.float32)
+    with pytest.raises(ValueError, match="page table: last axis 8"):
+        paged_attention(layout, pools, cursor, 0, q, q, q)
+
+
+def test_advance_cursor_keeps_the_table():
+    layout = small_layout(1, 3, reset=True, runs=2)
+    cursor = make_table_cursor(4, 2, 2, [6, 4, 5, 7])
+    for xp in (np, jnp):
+        advanced = np.asarray(advance_cursor(layout, xp.asarray(cursor), 2, xp))
+        assert advanced.dtype == np.int32 and advanced.tolist() == [4, 4, 4, 6, 4, 5, 7]
 
 
 # -- visible_table / run_visibility ---------------------------------------------------------------------
@@ -75,8 +115,8 @@ def test_page_of_frame_hand_values():
 def _cursor_grid(layout: KVLayout, run_base: int) -> np.ndarray:
     """Every (committed, visible_start) with visible_start <= committed, up to three ring laps."""
     limit = 3 * layout.run_pages + 2
-    rows = [(run_base, c, s) for c in range(limit) for s in range(c + 1)]
-    return np.asarray(rows, dtype=np.int32)
+    rows = [contiguous_table_cursor(layout, run_base, c, s) for c in range(limit) for s in range(c + 1)]
+    return np.stack(rows)
 
 
 @pytest.mark.parametrize("sink,window,reset", LAYOUT_CASES)
@@ -98,7 +138,7 @@ def test_visible_table_and_run_visibility_agree_numpy_and_jit(sink, window, rese
     for f in range(1, window + 1):
         dev_pages, dev_frames, dev_vis = device[f - 1]
         for row, cursor in enumerate(cursors):
-            _, committed, visible_start = (int(x) for x in cursor)
+            committed, visible_start = int(cursor[1]), int(cursor[2])
             pages, frames = visible_table(layout, cursor, f, np)
             vis = run_visibility(layout, committed, visible_start, f, np)
             # The same function, numpy on the host vs jnp inside jit: identical.
@@ -112,7 +152,7 @@ def test_visible_table_and_run_visibility_agree_numpy_and_jit(sink, window, rese
             count = len(want)
             assert frames[:count].tolist() == want
             assert (frames[count:] == -1).all() and (pages[count:] == layout.null_page).all()
-            np.testing.assert_array_equal(pages[:count], page_of_frame(layout, run_base, np.asarray(want), np))
+            np.testing.assert_array_equal(pages[:count], page_of(layout, run_base, np.asarray(want)))
             assert len(set(pages[:count].tolist())) == count  # no page visible twice
             # run_visibility marks exactly the pages of the table, in physical order.
             assert set((np.flatnonzero(vis) + run_base).tolist()) == set(pages[:count].tolist())
@@ -126,40 +166,40 @@ def test_visible_table_worked_example():
     # docs/reference_behaviour.md, "Visible window": sink 1, window 5, 8 committed single frames,
     # 1-frame forward -> sink, frames 4-7.
     layout = small_layout(1, 5)
-    pages, frames = visible_table(layout, make_cursor(0, 8, 0), 1, np)
+    pages, frames = visible_table(layout, contiguous_table_cursor(layout, 0, 8, 0), 1, np)
     assert frames.tolist() == [0, 4, 5, 6, 7, -1]
     assert pages.tolist() == [0, 4, 5, 1, 2, layout.null_page]
     # A 2-frame forward gives up one more history frame (the current frames use window slots).
-    assert visible_table(layout, make_cursor(0, 8, 0), 2, np)[1].tolist() == [0, 5, 6, 7, -1, -1]
+    assert visible_table(layout, contiguous_table_cursor(layout, 0, 8, 0), 2, np)[1].tolist() == [0, 5, 6, 7, -1, -1]
 
 
-# -- block_pages -----------------------------------------------------------------------------------------
+# -- cursor_block_pages -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("sink,window,reset", LAYOUT_CASES)
-def test_block_pages_write_only_evicted_pages(sink, window, reset):
+def test_cursor_block_pages_write_only_evicted_pages(sink, window, reset):
     layout = small_layout(sink, window, reset)
     run_base = 2 * layout.run_pages
     run = set(range(run_base, run_base + layout.run_pages))
     for f in range(1, window + 1):
-        jitted = jax.jit(lambda c, f=f: block_pages(layout, run_base, c, f, jnp))
+        jitted = jax.jit(lambda cur, f=f: cursor_block_pages(layout, cur, f, jnp))
         for committed in range(3 * layout.run_pages):
-            written = block_pages(layout, run_base, committed, f, np)
+            cursor = contiguous_table_cursor(layout, run_base, committed, committed if reset else 0)
+            written = cursor_block_pages(layout, cursor, f, np)
             assert written.dtype == np.int32
-            np.testing.assert_array_equal(written, np.asarray(jitted(np.int32(committed))))
+            np.testing.assert_array_equal(written, np.asarray(jitted(cursor)))
             written_set = set(written.tolist())
             assert len(written_set) == f and written_set <= run
-            assert written.tolist() == page_of_frame(layout, run_base, np.arange(committed, committed + f), np).tolist()
+            assert written.tolist() == page_of(layout, run_base, np.arange(committed, committed + f)).tolist()
             before = contract_resident(sink, window, reset, committed)
             after = contract_resident(sink, window, reset, committed + f)
-            pages_of = lambda frames: set(page_of_frame(layout, run_base, np.asarray(frames, int), np).tolist())
+            pages_of = lambda frames: set(page_of(layout, run_base, np.asarray(frames, int)).tolist())
             evicted = [g for g in before if g not in after]
             surviving = [g for g in before if g in after]
             # No surviving frame is overwritten, every evicted page that gets reused is in the block.
             assert not written_set & pages_of(surviving)
             assert pages_of(evicted) <= written_set or reset
             # None of the written pages is visible to the committing forward itself.
-            cursor = make_cursor(run_base, committed, committed if reset else 0)
             pages, frames = visible_table(layout, cursor, f, np)
             assert not written_set & set(pages[frames >= 0].tolist())
             if not reset and committed >= layout.run_pages:
@@ -442,7 +482,7 @@ def test_paged_attention_reads_only_its_own_run():
     hist_k, hist_v = randn(rng, 1, 8, 2, 4), randn(rng, 1, 8, 2, 4)
     pools = write_block(layout, pools, np.arange(4, 8, dtype=np.int32), hist_k, hist_v)
     q, k, v = randn(rng, 3, 2, 4), randn(rng, 2, 2, 4), randn(rng, 2, 2, 4)
-    cursor = make_cursor(4, 4, 0)  # frames 0..3 committed into run 1: frame g at page 4 + g
+    cursor = contiguous_table_cursor(layout, 4, 4, 0)  # frames 0..3 committed into run 1: frame g at page 4 + g
     pages, frames = visible_table(layout, cursor, 1, np)
     assert frames.tolist() == [0, 2, 3, -1]  # frame 1 (page 5, finite) is masked too: window 3 - 1 current
     rows = np.concatenate([np.arange(2 * g, 2 * g + 2) for g in (0, 2, 3)])
@@ -464,8 +504,9 @@ def test_query_chunking_bounds_scores_and_keeps_results():
     rng = np.random.default_rng(3)
     pools = allocate_pools(layout)
     block = jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32)
-    pools = commit_block(layout, pools, block_pages(layout, 5, 0, 2), block, block)
-    cursor = make_cursor(5, 2, 0)
+    pools = commit_block(layout, pools, cursor_block_pages(layout, contiguous_table_cursor(layout, 5, 0, 0), 2), block,
+                         block)
+    cursor = contiguous_table_cursor(layout, 5, 2, 0)
     q = jnp.asarray(rng.standard_normal((300, 4, 8)), jnp.float32)
     cur = jnp.asarray(rng.standard_normal((16, 2, 8)), jnp.float32)
     attend = jax.jit(fast, static_argnums=0, static_argnames="max_score_bytes")

@@ -163,7 +163,8 @@ def _setup(geometry: Geometry) -> dict[str, Any]:
     pools = kv.write_block(layout, kv.allocate_pools(layout), np.arange(P, dtype=np.int32), randn(L, P * T, H, D),
                            randn(L, P * T, H, D))
     committed = layout.run_pages + 1
-    cursor = kv.make_cursor(layout.run_base(1), committed, committed if layout.reset_at_boundary else 0)
+    cursor = kv.contiguous_table_cursor(layout, layout.run_base(1), committed,
+                                        committed if layout.reset_at_boundary else 0)
     extra = g.num_extra > 0
     # The same run as a page table (its slots in reverse page order, so a table lookup is not run_base + slot).
     table = np.arange(layout.run_base(1), layout.run_base(1) + layout.run_pages, dtype=np.int32)[::-1].copy()
@@ -204,7 +205,7 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
 
     method_args = dict(layer=layer, **attention, scale=scale)
     layer_args = dict(attention, scale=scale)
-    pages = kv.block_pages(layout, s["run_base"], s["committed"], f)
+    pages = kv.cursor_block_pages(layout, s["cursor"], f)
     table, _ = kv.visible_table(layout, s["cursor"], f)
     row_pages = np.stack([pages, np.full_like(pages, layout.null_page)])  # a real row and a padded one
     rows_k, rows_v = np.stack([s["block_k"]] * 2), np.stack([s["block_v"]] * 2)
@@ -283,9 +284,8 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
                                              lambda a, c, xp: {"returns": c.visible_frames()}, caches, jittable=False),
         "LayerKVCache.attend": Case(kv.LayerKVCache.attend, layer_args, layer_method("attend"), caches),
         "LayerKVCache.ref_attend": Case(kv.LayerKVCache.ref_attend, layer_args, layer_method("ref_attend"), caches),
-        "make_cursor": Case(kv.make_cursor, {}, lambda a, c, xp: {"returns": kv.make_cursor(1, 2, 0)}),
-        "page_of_frame": Case(kv.page_of_frame, dict(run_base=s["run_base"], frame=np.arange(7, dtype=np.int32)),
-                              lambda a, c, xp: {"returns": kv.page_of_frame(layout, a["run_base"], a["frame"], xp)}),
+        "contiguous_table_cursor": Case(kv.contiguous_table_cursor, {}, lambda a, c, xp: {
+            "returns": kv.contiguous_table_cursor(layout, layout.run_base(1), 2, 0)}, jittable=False),
         "visible_history": Case(kv.visible_history, dict(committed=s["committed"], visible_start=np.int32(0)),
                                 lambda a, c, xp: {"returns": kv.visible_history(layout, a["committed"],
                                                                                 a["visible_start"], f, xp)}),
@@ -296,8 +296,6 @@ def _cases(geometry: Geometry) -> dict[str, Case]:
         "run_visibility": Case(kv.run_visibility, dict(committed=s["committed"], visible_start=np.int32(0)),
                                lambda a, c, xp: {"returns": kv.run_visibility(layout, a["committed"],
                                                                               a["visible_start"], f, xp)}),
-        "block_pages": Case(kv.block_pages, dict(run_base=s["run_base"], committed=s["committed"]),
-                            lambda a, c, xp: {"returns": kv.block_pages(layout, a["run_base"], a["committed"], f, xp)}),
         "advance_frames": Case(kv.advance_frames, dict(committed=s["committed"], visible_start=np.int32(0)),
                                lambda a, c, xp: {"returns": kv.advance_frames(layout, a["committed"],
                                                                               a["visible_start"], f)}),
@@ -383,7 +381,7 @@ def test_storage_round_trip_and_donated_commit_agree(geometry_name):
     logical = jnp.asarray(s["block_k"]).astype(layout.dtype)
     chex.assert_trees_all_equal(kv.from_storage(layout, kv.to_storage(layout, s["block_k"])), logical)
     # The donated, jitted writer writes exactly what the pure one does.
-    pages = kv.block_pages(layout, s["run_base"], s["committed"], GEOMETRIES[geometry_name].num_frames)
+    pages = kv.cursor_block_pages(layout, s["cursor"], GEOMETRIES[geometry_name].num_frames)
     written = kv.write_block(layout, s["pools"], pages, s["block_k"], s["block_v"])
     committed = kv.commit_block(layout, jax.tree.map(jnp.copy, s["pools"]), pages, s["block_k"], s["block_v"])
     chex.assert_trees_all_equal(written, committed)

@@ -1,7 +1,7 @@
 """Sessions are unbounded: absolute frame indices stay exact far past any old length cap.
 
 The ring stores a bounded window, so nothing about storage limits a session's length. The
-only absolute index that reaches the device is the frame count in the ``i32[3]`` cursor;
+only absolute index that reaches the device is the frame count in the ``i32[3+K+W]`` cursor;
 it is exact up to ``2**31 - 1`` frames (decades of video at 16 frames/s), and the tests
 below check the arithmetic at 10**6 and 10**8 frames and run a real engine session past
 the reference's old default cap of ``2**20`` tokens.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ardiff_jax import ARDiffusionEngine, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec, DiffusionRequest, EngineConfig
-from ardiff_jax.kv import block_pages, ref_paged_attention, visible_table
+from ardiff_jax.kv import contiguous_table_cursor, cursor_block_pages, ref_paged_attention, visible_table
 from ardiff_jax.runtime import ARDiffusionKVCache, BranchCursor, commit_frames
 
 
@@ -76,7 +76,7 @@ def test_cursor_and_page_arithmetic_far_past_the_old_cap(start):
     np.testing.assert_allclose(np.asarray(out)[0, 0, 0], expected, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(caches.attend(0, q, current, current)), np.asarray(out), rtol=1e-6)
     state.discard_paged_context("main")
-    pages = block_pages(layout, 0, np.int32(2**31 - 4), 3, np)
+    pages = cursor_block_pages(layout, contiguous_table_cursor(layout, 0, 2**31 - 4, 0), 3, np)
     assert (pages >= 0).all() and (pages < layout.num_pages).all()
 
 

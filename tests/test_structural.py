@@ -21,9 +21,9 @@ import pytest
 from ardiff_jax import PagedKVCaches
 from ardiff_jax.kv import (
     KVPools,
-    block_pages,
     commit_block,
-    make_cursor,
+    contiguous_table_cursor,
+    cursor_block_pages,
     paged_attention,
     ref_attention,
     write_block,
@@ -220,7 +220,7 @@ def _rollout(layout, pools, cursor, qs, ks, vs):
     def step(carry, xs):
         pools, cursor = carry
         q, k, v = xs
-        pages = block_pages(layout, cursor[0], cursor[1], 2, jnp)
+        pages = cursor_block_pages(layout, cursor, 2, jnp)
         pools = write_block(layout, pools, pages, k, v)
         out = paged_attention(layout, pools, cursor, 0, q, k[0], v[0])
         return (pools, cursor.at[1].add(2)), out
@@ -242,7 +242,7 @@ def _bad_layer_scan(layout, pools, k):
 def test_pools_never_scan_xs_or_ys():
     cache, layout, qs, ks, vs = _rollout_setup()
     pools, shape = cache.pools, layout.pool_shape
-    cursor = make_cursor(0, 0, 0)
+    cursor = contiguous_table_cursor(layout, 0, 0, 0)
     k = ks[0]
     jaxprs = {
         "commit_block": jax.make_jaxpr(commit_block, static_argnums=0)(layout, pools, np.array([1, 2], np.int32), k,
@@ -269,7 +269,7 @@ def test_pools_never_scan_xs_or_ys():
 
 def test_rollout_in_carry_is_in_place_and_matches_the_runtime():
     cache, layout, qs, ks, vs = _rollout_setup()
-    cursor = make_cursor(0, 0, 0)
+    cursor = contiguous_table_cursor(layout, 0, 0, 0)
     rollout = jax.jit(functools.partial(_rollout, layout), donate_argnums=0)
     stats = rollout.lower(cache.pools, cursor, qs, ks, vs).compile().memory_analysis()
     assert stats.alias_size_in_bytes == layout.pool_bytes
@@ -306,7 +306,7 @@ def test_attend_memory_is_bounded_by_window_not_pool(dtype, frames, extra):
     k = jnp.zeros((frames * T, H, D), dtype)
     ek = jnp.zeros((extra, H, D), dtype) if extra else None
     attend = jax.jit(paged_attention, static_argnums=0)
-    stats = attend.lower(layout, cache.pools, make_cursor(0, 3, 0), np.int32(1), q, k, k, ek, ek).compile() \
+    stats = attend.lower(layout, cache.pools, contiguous_table_cursor(layout, 0, 3, 0), np.int32(1), q, k, k, ek, ek).compile() \
         .memory_analysis()
     f32 = 4
     window_tokens = layout.run_pages * T

@@ -303,7 +303,7 @@ def test_recache_keeps_resident_latents_within_the_declared_bound(modules):
 
 
 def test_rewrite_committed_context_writes_resident_frames_only(modules):
-    from ardiff_jax.kv import page_of_frame
+    from ardiff_jax.kv import contiguous_table_cursor, cursor_pages
     from helpers import make_cache, pool_snapshot
 
     spec = _pipeline(modules).ar_diffusion_kv_cache_spec()
@@ -330,7 +330,7 @@ def test_rewrite_committed_context_writes_resident_frames_only(modules):
     state.rewrite_committed_context("main", 0, (new, new))  # the sink block
     after, _ = pool_snapshot(cache)
     assert state.adapter("main").committed_frames == 12  # the cursor did not move
-    pages = page_of_frame(cache.layout, 0, np.arange(3), np)
+    pages = cursor_pages(cache.layout, contiguous_table_cursor(cache.layout, 0, 0, 0), np.arange(3), np)  # slot 0
     assert (after[:, pages] == 7.0).all()
     untouched = np.setdiff1d(np.arange(after.shape[1]), pages)
     assert np.array_equal(after[:, untouched], before[:, untouched])

@@ -144,7 +144,7 @@ MAX_SCORE_BYTES = 256 * 2**20
 def read_visible_history(
     layout: KVLayout,
     pools: KVPools,
-    cursor: jax.Array,  # (run_base, committed, visible_start)
+    cursor: jax.Array,  # (run_base, committed, visible_start, *page table)
     layer: jax.Array | int,  # may be traced
     num_current_frames: int,  # static
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -158,7 +158,7 @@ def read_visible_history(
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       returns: (k, v, token_visible); k, v: dtype[(K+W-f)*T, H, D]; token_visible: bool[(K+W-f)*T]
     """
@@ -171,7 +171,7 @@ def read_visible_history(
 def paged_attention(
     layout: KVLayout,
     pools: KVPools,
-    cursor: jax.Array,  # (run_base, committed, visible_start)
+    cursor: jax.Array,  # (run_base, committed, visible_start, *page table)
     layer: jax.Array | int,  # may be traced; a concrete layer is range-checked
     q: jax.Array,
     k: jax.Array,  # the current block
@@ -191,7 +191,7 @@ def paged_attention(
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       q: float[S, Hq, D]
       k, v: float[f*T, H, D]
@@ -286,7 +286,7 @@ def ref_paged_attention(
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       q: float[S, Hq, D]
       k, v: float[f*T, H, D]

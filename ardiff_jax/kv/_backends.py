@@ -56,7 +56,7 @@ class AttentionBackend(Protocol):
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       q: float[S, Hq, D]
       k, v: float[f*T, H, D]

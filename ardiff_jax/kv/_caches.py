@@ -84,7 +84,8 @@ class PagedKVCaches:
 
     Attributes:
       pools: the runtime's KV pools at the time of ``get_kv_caches``.
-      cursor: (first page of the branch's run, committed frames, first visible non-sink frame).
+      cursor: (first page of the branch's run, committed frames, first visible non-sink frame)
+        followed by the run's page table (:func:`~ardiff_jax.kv.make_table_cursor`).
       layout: static pool geometry.
       seq_len: tokens of the current block (``f*T``) this view was prepared for.
       backend: the registered attention backend :meth:`attend` calls (``"xla"`` by default;
@@ -103,7 +104,7 @@ class PagedKVCaches:
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
     """
 
     pools: KVPools

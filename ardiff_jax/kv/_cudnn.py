@@ -66,7 +66,7 @@ def _static_scale(layout: KVLayout, q: jax.Array, scale: Any) -> tuple[jax.Array
 def ordered_window_attention(
     layout: KVLayout,
     pools: KVPools,
-    cursor: jax.Array,  # (run_base, committed, visible_start)
+    cursor: jax.Array,  # (run_base, committed, visible_start, *page table)
     layer: jax.Array | int,  # may be traced; a concrete layer is range-checked
     q: jax.Array,
     k: jax.Array,  # the current block
@@ -89,7 +89,7 @@ def ordered_window_attention(
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       q: float[S, Hq, D]
       k, v: float[f*T, H, D]
@@ -180,7 +180,7 @@ def cudnn_paged_attention(
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       q: float[S, Hq, D]
       k, v: float[f*T, H, D]

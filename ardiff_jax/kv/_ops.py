@@ -39,7 +39,7 @@ def write_block(
     Inside one jitted program (a device-side rollout), write a block *before* attending to
     the same pools, not after: XLA cannot order an earlier read of a buffer before an
     in-place update of it and copies the whole pool (measured in ``benchmarks/bench_kv.py``).
-    Writing first is exact: :func:`~ardiff_jax.kv.block_pages` are never visible to the
+    Writing first is exact: :func:`~ardiff_jax.kv.cursor_block_pages` are never visible to the
     forward that commits them (its cursor still holds the old committed count).
 
     Shapes:

@@ -337,7 +337,7 @@ def sharded_attention(
     layout: KVLayout,
     sharding: KVSharding,
     pools: KVPools,
-    cursor: jax.Array,  # (global run_base, committed, visible_start)
+    cursor: jax.Array,  # (global run_base, committed, visible_start, *page table of global page ids)
     layer: Any,
     q: jax.Array,
     k: jax.Array,
@@ -351,11 +351,13 @@ def sharded_attention(
 
     ``backend`` is a registered backend function (the signature of
     :func:`~ardiff_jax.kv.paged_attention`); it sees a shard-local layout (``P / cfg``
-    pages, ``H / tp`` KV heads) and a cursor whose run base is shard-local.
+    pages, ``H / tp`` KV heads) and a cursor whose run base and page table are shard-local (a page
+    another group holds becomes the local null page, which reads as zeros; only the group that
+    holds the run's home page answers).
 
     Shapes:
       pools: KVPools; k, v: storage[L, P, T, H, D]
-      cursor: i32[3]
+      cursor: i32[3+K+W]
       layer: i32[]
       q: float[S, Hq, D]
       k, v: float[f*T, H, D]
@@ -381,11 +383,11 @@ def _attention_program(backend: Any, layout: KVLayout, sharding: KVSharding, has
         offset = _group_offset(sharding, local)
         local_base = cursor[0] - offset
         owner = (local_base >= 0) & (local_base < local.num_pages)
-        local_cursor = cursor.at[0].set(jnp.where(owner, local_base, 0))
-        if cursor.shape[-1] > 3:  # a page table (global ids): this group's pages, the local null page elsewhere
-            table = cursor[3:] - offset
-            mine = owner & (table >= 0) & (table < local.num_pages)
-            local_cursor = local_cursor.at[3:].set(jnp.where(mine, table, local.null_page))
+        # The page table holds global ids: this group's pages, the local null page elsewhere.
+        table = cursor[3:] - offset
+        mine = owner & (table >= 0) & (table < local.num_pages)
+        local_cursor = cursor.at[0].set(jnp.where(owner, local_base, 0)).at[3:].set(
+            jnp.where(mine, table, local.null_page))
         extra_k, extra_v = extras if extras else (None, None)
         out = backend(local, pools, local_cursor, layer, q, k, v, extra_k, extra_v, scale=scale)
         return out, owner

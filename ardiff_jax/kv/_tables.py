@@ -5,13 +5,16 @@ One implementation serves the host (``xp=numpy``, the runner path) and device co
 construction. Shapes depend only on the static layout and the number of current frames,
 never on the fill level: filling, wrapping and resetting a window reuse one program.
 
-A branch cursor is ``(run_base, committed, visible_start)``, optionally followed by the run's
-*page table* (``i32[3 + K + W]``, :func:`make_table_cursor`): entry ``s`` is the page that holds
-run slot ``s``. Without a table the run is the contiguous ``[run_base, run_base + K + W)``; with
-one, a run's slots may sit anywhere in the pools and may be shared with another session's run
-(a fork: the runtime remaps a shared slot to a fresh page before it is written, so a shared
-page is never written). Which form a cursor has is its static shape, so each form is one
-program; the runtime always passes tables.
+A branch cursor is one ``i32[3 + K + W]`` vector: ``(run_base, committed, visible_start)``
+(:data:`CURSOR_FIELDS`) followed by the run's *page table* (:func:`make_table_cursor`): entry
+``s`` is the page that holds run slot ``s``. A run's slots may sit anywhere in the pools and may
+be shared with another session's run (a fork: the runtime remaps a shared slot to a fresh page
+before it is written, so a shared page is never written); a run on its home pages
+``[run_base, run_base + K + W)`` is the table :func:`contiguous_table_cursor` builds. One form,
+so one program: a read and commit through the table cost the same as through the removed
+``run_base + slot`` arithmetic, within noise (``benchmarks/bench_cursor.py``, medians of
+table/contiguous: 1.01 tiny, 1.03 medium; 10th percentiles 1.00 and 0.99), since the lookup
+is one gather of at most ``K + W`` ints beside the page gather both forms do.
 
 The cursor fields:
 
@@ -21,7 +24,8 @@ The cursor fields:
   sink survives a boundary).
 
 Frame ``g`` of a run lives in run slot ``g`` if ``g < sink`` else in slot
-``sink + (g - sink) mod window`` (:func:`slot_of_frame`): page ``base + slot``, or ``table[slot]``. For a forward with ``f`` current frames the
+``sink + (g - sink) mod window`` (:func:`slot_of_frame`), on page ``table[slot]``
+(:func:`cursor_pages`). For a forward with ``f`` current frames the
 visible history is the sink ``[0, min(committed, sink))`` followed by the newest
 ``window - f`` non-sink frames ``[lo, committed)`` where
 ``lo = max(sink, visible_start, committed - (window - f))``: the current frames use up
@@ -40,40 +44,28 @@ from ardiff_jax.kv._layout import KVLayout
 __all__ = [
     "CURSOR_FIELDS",
     "VisibleHistory",
-    "make_cursor",
+    "contiguous_table_cursor",
     "make_table_cursor",
     "slot_of_frame",
-    "page_of_frame",
     "cursor_pages",
     "cursor_block_pages",
     "visible_history",
     "visible_table",
     "run_visibility",
-    "block_pages",
     "advance_cursor",
     "advance_frames",
 ]
 
-#: Layout of the ``i32[3]`` cursor vector passed into jitted code.
+#: The leading fields of the ``i32[3 + K + W]`` cursor vector passed into jitted code (the run's page table follows).
 CURSOR_FIELDS = ("run_base", "committed", "visible_start")
 
 
-def make_cursor(run_base: int, committed: int, visible_start: int) -> np.ndarray:
-    """The cursor vector, fields in :data:`CURSOR_FIELDS` order (host numpy).
-
-    One leaf: cheaper to pass into jit than three scalars.
-
-    Shapes:
-      returns: i32[3]
-    """
-    return np.array([run_base, committed, visible_start], dtype=np.int32)
-
-
 def make_table_cursor(run_base: int, committed: int, visible_start: int, table: Any) -> np.ndarray:
-    """The cursor vector with the run's page table: ``(run_base, committed, visible_start, *table)`` (host numpy).
+    """The cursor vector: ``(run_base, committed, visible_start, *table)`` (host numpy).
 
     ``table[s]`` is the page holding run slot ``s`` (the null page for a slot never written);
     ``run_base`` is the run's home (first) page, which a sharded pool uses to find its device group.
+    One leaf: cheaper to pass into jit than separate scalars and a table.
 
     Shapes:
       table: int[K+W]
@@ -81,6 +73,30 @@ def make_table_cursor(run_base: int, committed: int, visible_start: int, table: 
     """
     return np.concatenate([np.array([run_base, committed, visible_start], np.int32),
                            np.asarray(table, np.int32)])
+
+
+def contiguous_table_cursor(layout: KVLayout, run_base: int, committed: int, visible_start: int) -> np.ndarray:
+    """The cursor of a run on its home pages: run slot ``s`` on page ``run_base + s`` (host numpy).
+
+    For callers that own a whole contiguous run (training rollouts, benchmarks, tests); the
+    runtime builds its tables itself (forks remap slots).
+
+    Shapes:
+      returns: i32[3+K+W]
+    """
+    return make_table_cursor(run_base, committed, visible_start,
+                             np.arange(run_base, run_base + layout.run_pages, dtype=np.int32))
+
+
+def _check_cursor(layout: KVLayout, cursor: Any) -> None:
+    """A cursor without its table (the old ``i32[3]`` form) would look pages up in an empty table: refuse it."""
+    expected = len(CURSOR_FIELDS) + layout.run_pages
+    if cursor.shape[-1:] != (expected,):
+        raise ValueError(
+            f"a cursor is (run_base, committed, visible_start) followed by the run's {layout.run_pages}-entry page "
+            f"table: last axis {expected}, got shape {tuple(cursor.shape)} (build one with make_table_cursor or "
+            "contiguous_table_cursor)"
+        )
 
 
 def slot_of_frame(layout: KVLayout, frame: Any, xp: Any = np) -> Any:
@@ -95,24 +111,25 @@ def slot_of_frame(layout: KVLayout, frame: Any, xp: Any = np) -> Any:
 
 
 def cursor_pages(layout: KVLayout, cursor: Any, frame: Any, xp: Any = np) -> Any:
-    """Page id holding absolute frame ``frame`` of the run ``cursor`` describes.
+    """Page id holding absolute frame ``frame`` of the run ``cursor`` describes: a lookup in its table.
 
-    ``cursor`` is the table form (``int[3+K+W]``: a lookup) or the contiguous ``int[3]`` form
-    (``run_base + slot``); which one is its static shape.
+    ValueError if ``cursor`` is not ``3 + K + W`` long (a static shape: checked at trace time).
 
     Shapes:
       cursor: int[3+K+W]
       frame: int[...]
       returns: int[...]
     """
-    if cursor.shape[-1] == 3:
-        return page_of_frame(layout, cursor[0], frame, xp)
+    _check_cursor(layout, cursor)
     table = cursor[3:]
     return xp.take(table, slot_of_frame(layout, frame, xp).astype(np.int32))
 
 
 def cursor_block_pages(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np) -> Any:
-    """Pages a commit of ``num_frames`` frames writes, in frame order (either cursor form, as :func:`cursor_pages`).
+    """Pages a commit of ``num_frames`` (``f``) frames writes, in frame order.
+
+    In the sliding mode these are the ring pages of the oldest resident frames, exactly the
+    ones the commit evicts; none of them is visible to the committing forward itself.
 
     Shapes:
       cursor: int[3+K+W]
@@ -132,17 +149,6 @@ class VisibleHistory(NamedTuple):
     num_sink: Any
     window_start: Any
     num_window: Any
-
-
-def page_of_frame(layout: KVLayout, run_base: Any, frame: Any, xp: Any = np) -> Any:
-    """Page id holding absolute frame ``frame`` of the run starting at ``run_base``.
-
-    Shapes:
-      run_base: int[]
-      frame: int[...]
-      returns: int[...]
-    """
-    return run_base + slot_of_frame(layout, frame, xp)
 
 
 def visible_history(layout: KVLayout, committed: Any, visible_start: Any, num_current_frames: int,
@@ -167,10 +173,8 @@ def visible_table(layout: KVLayout, cursor: Any, num_current_frames: int, xp: An
     padded entries hold the null page ``P`` and frame ``-1``. Appending the current block
     and the extra tokens gives the reference key order ``[sink][history][current][extra]``.
 
-    ``cursor`` may also be the table form ``int[3+K+W]`` (:func:`cursor_pages`).
-
     Shapes:
-      cursor: int[3]
+      cursor: int[3+K+W]
       returns: (pages, frames), each i32[K+W]
     """
     committed, visible_start = cursor[1], cursor[2]
@@ -187,8 +191,9 @@ def run_visibility(layout: KVLayout, committed: Any, visible_start: Any, num_cur
                    xp: Any = np) -> Any:
     """Which pages of a run (in physical order) hold a frame visible to ``f`` current frames.
 
-    The fast attention path reads a run contiguously and masks with this; it selects
-    exactly the frames of :func:`visible_table`, in ring order instead of time order.
+    A contiguous read of a run on its home pages (:func:`~ardiff_jax.kv.read_run`) masks with
+    this; it selects exactly the frames of :func:`visible_table`, in ring order instead of time
+    order.
 
     Shapes:
       committed, visible_start: int[]
@@ -206,35 +211,21 @@ def run_visibility(layout: KVLayout, committed: Any, visible_start: Any, num_cur
     return in_sink | in_ring
 
 
-def block_pages(layout: KVLayout, run_base: Any, committed: Any, num_frames: int, xp: Any = np) -> Any:
-    """Pages a commit of ``num_frames`` (``f``) frames writes, in frame order.
-
-    In the sliding mode these are the ring pages of the oldest resident frames, exactly the
-    ones the commit evicts; none of them is visible to the committing forward itself.
-
-    Shapes:
-      run_base, committed: int[]
-      returns: i32[f]
-    """
-    frames = committed + xp.arange(num_frames, dtype=np.int32)
-    return page_of_frame(layout, run_base, frames, xp).astype(np.int32)
-
-
 def advance_cursor(layout: KVLayout, cursor: Any, num_frames: int, xp: Any = np) -> Any:
     """The cursor after committing ``num_frames`` frames.
 
     Eviction is eager and metadata-only: the new block overwrote the oldest ring pages, and
-    under ``reset_at_boundary`` every non-sink frame stops being visible.
-
-    A table-form cursor (``int[3+K+W]``) keeps its table.
+    under ``reset_at_boundary`` every non-sink frame stops being visible. The run's page table
+    is kept.
 
     Shapes:
-      cursor: int[3]
-      returns: i32[3]
+      cursor: int[3+K+W]
+      returns: i32[3+K+W]
     """
+    _check_cursor(layout, cursor)
     committed, visible_start = advance_frames(layout, cursor[1], cursor[2], num_frames)
     head = xp.stack([xp.asarray(cursor[0]), xp.asarray(committed), xp.asarray(visible_start)]).astype(np.int32)
-    return head if cursor.shape[-1] == 3 else xp.concatenate([head, xp.asarray(cursor[3:]).astype(np.int32)])
+    return xp.concatenate([head, xp.asarray(cursor[3:]).astype(np.int32)])
 
 
 def advance_frames(layout: KVLayout, committed: Any, visible_start: Any, num_frames: int) -> tuple[Any, Any]:

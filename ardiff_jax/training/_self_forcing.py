@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from ardiff_jax._checks import check_flag, check_non_negative_int
-from ardiff_jax.kv import KVLayout, allocate_pools, make_cursor
+from ardiff_jax.kv import KVLayout, allocate_pools, contiguous_table_cursor
 from ardiff_jax.models import (
     ActionInputs,
     FewStepSchedule,
@@ -221,7 +221,7 @@ def self_rollout(
     f = config.frames_per_block
     layout = rollout_layout(config, batch)
     pools = allocate_pools(layout)
-    cursors = jnp.asarray(np.stack([make_cursor(b * layout.run_pages, 0, 0) for b in range(batch)]))
+    cursors = jnp.asarray(np.stack([contiguous_table_cursor(layout, layout.run_base(b), 0, 0) for b in range(batch)]))
     times = jnp.asarray([t / schedule.num_train_timesteps for t in schedule.timesteps] + [0.0], jnp.float32)
     timesteps = jnp.asarray(list(schedule.timesteps) + [0.0], jnp.float32)
     num_steps = schedule.num_steps
@@ -308,7 +308,7 @@ def self_rollout(
     for lo, hi in segments:
         if lo == 1:  # jump to the run start with only the sink visible (see the docstring)
             start = jnp.asarray(run_start, jnp.int32)
-            cursors = jnp.stack([cursors[:, 0], start, start], axis=1)
+            cursors = cursors.at[:, 1].set(start).at[:, 2].set(start)  # committed, visible_start; table kept
         if hi > lo:
             pools, cursors, carry, ys = scan_batched_blocks(layout, pools, cursors, block_fn, block_inputs(lo, hi),
                                                             carry, num_frames=f)

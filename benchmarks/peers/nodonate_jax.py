@@ -1,7 +1,7 @@
 """The ardiff_jax ring-page layout with the write jitted WITHOUT donation.
 
-Same pools ``[L, P, T, H, D]`` (storage dtype per backend), same page arithmetic
-(``block_pages``), same writer (``ardiff_jax.kv.write_block``: one ``dynamic_update_slice``
+Same pools ``[L, P, T, H, D]`` (storage dtype per backend), same pages
+(``cursor_block_pages`` of the run's table cursor), same writer (``ardiff_jax.kv.write_block``: one ``dynamic_update_slice``
 per frame) and the same read as the runtime; the only difference is
 ``jax.jit(write_block)`` instead of the donated ``commit_block``. XLA must then return a
 fresh pool per commit, so every commit copies the whole pool (``K + W`` pages of every
@@ -53,14 +53,14 @@ class NoDonateJaxCache(PeerCache):
         return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
 
     def _cursor(self) -> np.ndarray:
-        from ardiff_jax.kv import make_cursor
+        from ardiff_jax.kv import contiguous_table_cursor
 
-        return make_cursor(0, self.committed, 0)
+        return contiguous_table_cursor(self.layout, 0, self.committed, 0)
 
     def commit_block(self, k: Any, v: Any) -> None:
-        from ardiff_jax.kv import block_pages
+        from ardiff_jax.kv import cursor_block_pages
 
-        pages = block_pages(self.layout, 0, self.committed, self.geometry.frames_per_block, np)
+        pages = cursor_block_pages(self.layout, self._cursor(), self.geometry.frames_per_block, np)
         self.pools = self._write(self.layout, self.pools, pages, k, v)
         self.committed += self.geometry.frames_per_block
 

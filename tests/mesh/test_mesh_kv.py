@@ -20,8 +20,8 @@ from ardiff_jax.kv import (
     PagedKVCaches,
     advance_cursor,
     allocate_pools,
-    block_pages,
-    make_cursor,
+    contiguous_table_cursor,
+    cursor_block_pages,
     paged_attention,
     read_pages,
     ref_paged_attention,
@@ -50,13 +50,13 @@ def _fill(layout: KVLayout, sharding: KVSharding, steps: int = 5, dtype=jnp.floa
     """The same blocks written into an unsharded and a sharded pool; cursors of runs 0 and 3."""
     rng = np.random.default_rng(0)
     pools, sharded = allocate_pools(layout), _sharded_pools(layout, sharding)
-    cursors = {0: make_cursor(0, 0, 0), 3: make_cursor(3 * layout.run_pages, 0, 0)}
+    cursors = {run: contiguous_table_cursor(layout, layout.run_base(run), 0, 0) for run in (0, 3)}
     shape = (layout.num_layers, layout.frames_per_block * layout.tokens_per_frame, layout.num_kv_heads,
              layout.head_size)
     for _ in range(steps):
         for run, cursor in cursors.items():
             k, v = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
-            pages = block_pages(layout, cursor[0], cursor[1], layout.frames_per_block, np)
+            pages = cursor_block_pages(layout, cursor, layout.frames_per_block, np)
             pools = write_block(layout, pools, pages, k, v)
             sharded = commit_sharded(layout, sharding, sharded, pages, k, v)
             cursors[run] = advance_cursor(layout, cursor, layout.frames_per_block, np)
@@ -195,8 +195,9 @@ def test_the_check_catches_the_pool_gather_a_naive_program_makes():
     block = jnp.ones((2, 8, 8, 8), jnp.float32)
     naive_write = jax.jit(write_block, static_argnums=0).lower(LAYOUT, pools, jnp.array([5, 6], jnp.int32), block,
                                                                block).compile().as_text()
+    cursor = jnp.asarray(contiguous_table_cursor(LAYOUT, 5, 3, 0))
     naive_read = jax.jit(paged_attention, static_argnums=0).lower(
-        LAYOUT, pools, jnp.asarray(make_cursor(5, 3, 0)), 0, jnp.ones((4, 8, 8)), block[0], block[0]).compile().as_text()
+        LAYOUT, pools, cursor, 0, jnp.ones((4, 8, 8)), block[0], block[0]).compile().as_text()
     with pytest.raises(AssertionError):
         assert_no_pool_collective(naive_write, LAYOUT.num_pages, 2)
     assert_no_pool_collective(naive_read, LAYOUT.num_pages, 2)

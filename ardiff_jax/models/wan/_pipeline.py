@@ -37,7 +37,7 @@ from flax import nnx
 from ardiff_jax.models._common import NOISE_PRNG_IMPL, FewStepSchedule, check_prompt, check_seed, resolve_config
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import CausalDiT
-from ardiff_jax.kv import page_of_frame, visible_history
+from ardiff_jax.kv import slot_of_frame, visible_history
 from ardiff_jax.models._attention import MaskedAttention, block_causal_mask
 from ardiff_jax.models._common import nbytes
 from ardiff_jax.models._world import MAIN, TEXT, WorldBlock, WorldPipeline, WorldPipelineConfig, _BlockInputs, _WorldSession
@@ -460,7 +460,7 @@ class CausalWanPipeline(WorldPipeline):
         history = visible_history(state_layout(cfg), committed, adapter.visible_start_frame, f)
         frames = [*range(int(history.num_sink)), *range(int(history.window_start), committed)]
         starts = np.asarray(frames[::f], np.int32)
-        slots = page_of_frame(state_layout(cfg), 0, np.asarray(frames), np)
+        slots = slot_of_frame(state_layout(cfg), np.asarray(frames), np)
         latents = session.resident[self._to_device(slots)].reshape(len(starts), f, *cfg.block_shape[1:])
         k, v = wan_recache(self._graphdef, self._params, latents, self._to_device(starts), text_kv)
         tokens = f * cfg.tokens_per_frame
@@ -512,7 +512,7 @@ class CausalWanPipeline(WorldPipeline):
                 session.resident = self._to_device(
                     np.zeros((cfg.sink_frames + cfg.window_frames, *cfg.block_shape[1:]), np.float32))
             frames = np.arange(block.first_frame, block.first_frame + cfg.frames_per_block)
-            slots = self._to_device(page_of_frame(state_layout(cfg), 0, frames, np).astype(np.int32))
+            slots = self._to_device(slot_of_frame(state_layout(cfg), frames, np).astype(np.int32))
             session.resident = session.resident.at[slots].set(block.latents)
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Any:
