@@ -15,6 +15,13 @@ reduced by a float32 sum, window full and wrapping, with cursors that all name t
 * ``scattered``: the same, but the run's slots sit on its pages in reverse order (a forked or
   remapped run is not contiguous), so no lookup can fold into arithmetic.
 
+And the session copy for host offload and session files (``runtime/_kv_cache.py``), where the
+runtime keeps a contiguous path for runs on their home pages: the copy of one run,
+``read_pages`` (one slice, jitted) vs ``gather_table_pages`` of its home table (``copy: slot`` vs
+``copy: table``, the same bytes), and the write back, ``restore_pages`` (one donated
+``dynamic_update_slice``) vs ``scatter_table_pages`` (donated) (``restore: slot`` vs
+``restore: table``).
+
 Every program reads the same history (``checks.same_read``: the sums agree). Ratios are of
 medians (``ratios``) and of 10th percentiles (``ratios_p10``, steadier on a shared machine) of
 interleaved repeats in one run (``benchmarks/common.run_interleaved``). Run:
@@ -114,6 +121,39 @@ def _step(layout: Any, pools: Any, cursor: jax.Array, k: jax.Array, v: jax.Array
 _step_jit = jax.jit(_step, static_argnums=0, donate_argnums=1)
 
 
+def _copy_cases(layout: Any, pools: Any, reps: tuple[int, int, int]) -> tuple[dict[str, Any], bool]:
+    """One run's copy and write back: contiguous slot programs vs the same pages by table."""
+    from ardiff_jax.kv import allocate_pools, gather_table_pages, read_pages, restore_pages, scatter_table_pages
+
+    start = np.int32(layout.run_base(1))
+    table = np.arange(start, start + layout.run_pages, dtype=np.int32)
+    copy = read_pages(layout, pools, start, layout.run_pages)
+    by_table = gather_table_pages(layout, pools, table)
+    same = all(np.array_equal(np.asarray(getattr(copy, f)), np.asarray(getattr(by_table, f))) for f in ("k", "v"))
+    own = {"slot": allocate_pools(layout), "table": allocate_pools(layout)}
+
+    def restore_slot() -> Any:
+        own["slot"] = restore_pages(layout, own["slot"], start, copy)
+        return own["slot"]
+
+    def restore_table() -> Any:
+        own["table"] = scatter_table_pages(layout, own["table"], table, copy)
+        return own["table"]
+
+    read_slot = jax.jit(read_pages, static_argnums=(0, 3))  # jitted, as the runtime's slot copy is
+
+    cases = [
+        Case("copy: slot", lambda: read_slot(layout, pools, start, layout.run_pages)),
+        Case("copy: table", lambda: gather_table_pages(layout, pools, table)),
+        Case("restore: slot", restore_slot),
+        Case("restore: table", restore_table),
+    ]
+    stats = run_interleaved(cases, warmup=reps[0], rounds=reps[1], reps_per_round=reps[2])
+    for p in own.values():
+        p.delete()
+    return stats, same
+
+
 def _cursors(layout: Any, committed: int) -> dict[str, np.ndarray]:
     """The cursors of run 1 at ``committed`` frames (sliding window: visible_start 0)."""
     from ardiff_jax.kv import contiguous_table_cursor, make_table_cursor
@@ -159,6 +199,7 @@ def run_geometry(geometry: str, *, quick: bool = False, out_dir: Path = RESULTS_
 
     step = run_interleaved([step_case(name) for name in CURSORS], warmup=reps[0], rounds=reps[1],
                            reps_per_round=reps[2])
+    copy, same_copy = _copy_cases(layout, pools["table"], reps)
     record = {
         "benchmark": "bench_cursor",
         "machine": machine_info(),
@@ -167,11 +208,17 @@ def run_geometry(geometry: str, *, quick: bool = False, out_dir: Path = RESULTS_
                                             "head_size", "sink_frames", "window_frames", "frames_per_block",
                                             "dtype", "storage_dtype")}},
         "step": step,
+        "copy": copy,
         "ratios": {f"{name}/{CURSORS[0]}": ratio(step[name], step[CURSORS[0]]) for name in CURSORS[1:]},
         # The 10th percentiles: less moved by other work on a shared machine than the medians.
         "ratios_p10": {f"{name}/{CURSORS[0]}": step[name].p10_ms / step[CURSORS[0]].p10_ms for name in CURSORS[1:]},
-        # Same pages, same bytes: every cursor's program read the same history (the same sum).
-        "checks": {"same_read": len({float(total) for total in totals.values()}) == 1},
+        "copy_ratios": {f"{part}: table/slot": ratio(copy[f"{part}: table"], copy[f"{part}: slot"])
+                        for part in ("copy", "restore")},
+        "copy_ratios_p10": {f"{part}: table/slot": copy[f"{part}: table"].p10_ms / copy[f"{part}: slot"].p10_ms
+                            for part in ("copy", "restore")},
+        # Same pages, same bytes: every cursor's program read the same history (the same sum),
+        # and the copy by table holds the slot copy's bytes.
+        "checks": {"same_read": len({float(total) for total in totals.values()}) == 1, "same_copy": same_copy},
     }
     path = write_json(out_dir / f"cursor_{geometry}.json", record)
     for p in pools.values():
@@ -187,10 +234,13 @@ def _print_report(record: dict[str, Any], path: Path) -> None:
           f"F={layout['frames_per_block']}, sink {layout['sink_frames']} + window {layout['window_frames']}, "
           f"{layout['dtype']}) ==")
     print(machine_line(record["machine"]))
-    rows = [(name, s.median_ms, s.p10_ms, s.p90_ms, s.n) for name, s in record["step"].items()]
-    print(format_table(("cursor", "median ms", "p10 ms", "p90 ms", "n"), rows))
+    rows = [(name, s.median_ms, s.p10_ms, s.p90_ms, s.n) for part in ("step", "copy")
+            for name, s in record[part].items()]
+    print(format_table(("case", "median ms", "p10 ms", "p90 ms", "n"), rows))
     print(format_table(("ratio", "medians", "p10s"),
                        [(name, value, record["ratios_p10"][name]) for name, value in record["ratios"].items()]))
+    print(format_table(("copy ratio", "medians", "p10s"), [(name, value, record["copy_ratios_p10"][name])
+                                                          for name, value in record["copy_ratios"].items()]))
     print(f"  checks: {record['checks']}")
     print(f"  wrote {path}")
 

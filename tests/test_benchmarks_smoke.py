@@ -84,7 +84,11 @@ def test_bench_cursor_quick(tmp_path):
     assert set(record["ratios"]) == {"table/contiguous", "scattered/contiguous"}
     assert set(record["ratios_p10"]) == set(record["ratios"])
     assert all(_positive(v) for v in [*record["ratios"].values(), *record["ratios_p10"].values()])
-    assert record["checks"]["same_read"] is True
+    assert set(record["copy"]) == {"copy: slot", "copy: table", "restore: slot", "restore: table"}
+    for stats in record["copy"].values():
+        _stats_ok(stats.as_dict())
+    assert all(_positive(v) for v in [*record["copy_ratios"].values(), *record["copy_ratios_p10"].values()])
+    assert record["checks"] == {"same_read": True, "same_copy": True}
     assert (tmp_path / "cursor_tiny.json").is_file()
 
 

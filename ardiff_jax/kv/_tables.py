@@ -11,10 +11,11 @@ A branch cursor is one ``i32[3 + K + W]`` vector: ``(run_base, committed, visibl
 be shared with another session's run (a fork: the runtime remaps a shared slot to a fresh page
 before it is written, so a shared page is never written); a run on its home pages
 ``[run_base, run_base + K + W)`` is the table :func:`contiguous_table_cursor` builds. One form,
-so one program: a read and commit through the table cost the same as through the removed
-``run_base + slot`` arithmetic, within noise (``benchmarks/bench_cursor.py``, medians of
-table/contiguous: 1.01 tiny, 1.03 medium; 10th percentiles 1.00 and 0.99), since the lookup
-is one gather of at most ``K + W`` ints beside the page gather both forms do.
+so one program: a commit and read through the table cost the same as through the removed
+``run_base + slot`` arithmetic, within noise (``benchmarks/bench_cursor.py``: medians of
+table/contiguous 1.00 tiny, 1.04 medium in ``benchmarks/results/cursor_*.json``; 0.99-1.02 and
+0.88-1.23 over repeated runs on a shared 2-core machine), since the lookup is one gather of at
+most ``K + W`` ints beside the page gather both forms do.
 
 The cursor fields:
 
