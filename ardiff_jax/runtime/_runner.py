@@ -25,10 +25,10 @@ pipeline code), :class:`~ardiff_jax.runtime._events.EventLog`,
 :class:`~ardiff_jax.runtime._residency.Residency` (session table, host tier and every move),
 :class:`~ardiff_jax.runtime._batch_runner.BatchRunner` and ``Warmup``,
 :class:`~ardiff_jax.runtime._stepwise.StepwiseRuns` (the stepwise path's steps) and
-:class:`~ardiff_jax.runtime._session_files.SessionFiles`; a request's session and flags are
-read by the pure functions of ``_requests.py``. Every refusal of a call is checked before
-anything moves: the residency's ``admission_refusal``, ``fork_refusal`` and
-``offload_refusal`` read only and name what the call raises.
+:class:`~ardiff_jax.runtime._session_files.SessionFiles`; pure functions read a request's
+session and flags (``_requests.py``) and what can be loaded (``_loading.py``). Every refusal
+of a call is checked before anything moves: the residency's ``admission_refusal``,
+``fork_refusal`` and ``offload_refusal`` read only and name what the call raises.
 """
 
 from __future__ import annotations
@@ -44,12 +44,7 @@ from typing import Any
 import numpy as np
 
 from ardiff_jax._checks import check_flag, check_not_traced, check_session_id
-from ardiff_jax.capability import (
-    SupportsARDiffusionPipeline,
-    SupportsARDiffusionMesh,
-    SupportsStepExecution,
-    spec_summary,
-)
+from ardiff_jax.capability import spec_summary
 from ardiff_jax.runtime._batch import (
     ARDiffusionBatchError,
     SessionRestoreError,
@@ -58,6 +53,7 @@ from ardiff_jax.runtime._batch_runner import BatchRunner, Warmup
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID, EventLog, SessionEvent
 from ardiff_jax.runtime._gate import PipelineGate, kv_cache_spec, shard_model
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
+from ardiff_jax.runtime._loading import check_loadable
 from ardiff_jax.runtime._memory import MemoryPlan
 from ardiff_jax.runtime._offload import HostSessionTier
 from ardiff_jax.runtime._requests import (
@@ -83,14 +79,6 @@ __all__ = ["ARDiffusionModelRunner", "SessionEvent", "WARMUP_SESSION_ID", "check
 
 logger = logging.getLogger("ardiff_jax.runtime")
 
-_PIPELINE_METHODS = (
-    "ar_diffusion_kv_cache_spec",
-    "bind_ar_diffusion_state",
-    "reset_ar_diffusion_session",
-    "close_ar_diffusion_session",
-    "forward",
-)
-
 #: Pipelines bound to an open runner (by id; the runner keeps its pipeline alive, so ids stay unique).
 _BOUND_PIPELINES: weakref.WeakValueDictionary[int, ARDiffusionModelRunner] = weakref.WeakValueDictionary()
 
@@ -113,30 +101,7 @@ class ARDiffusionModelRunner:
                  _stop_compiling: threading.Event | None = None) -> None:
         # _stop_compiling (internal): a compile twin shares its serving runner's stop flag, so that
         # runner's close() stops the twin's warmup between buckets, inside this constructor.
-        config = EngineConfig() if config is None else config
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        # Load-time checks, in the reference order.
-        if config.step_execution and not _step_capable(pipeline):
-            raise ValueError(
-                "step_execution=True requires a pipeline that implements SupportsStepExecution "
-                "(supports_step_execution = True and step(request)); otherwise stepwise calls would bypass "
-                "per-request KV binding"
-            )
-        if config.max_num_seqs != 1:
-            raise ValueError(f"ARDiffusionModelRunner supports max_num_seqs=1, got {config.max_num_seqs}")
-        if not isinstance(pipeline, SupportsARDiffusionPipeline):
-            missing = [name for name in _PIPELINE_METHODS if not callable(getattr(pipeline, name, None))]
-            raise TypeError(
-                f"{type(pipeline).__name__} does not implement SupportsARDiffusionPipeline "
-                f"({', '.join(_PIPELINE_METHODS)}); missing: {', '.join(missing)}. Use a plain (non-AR) engine for "
-                "pipelines without the AR-Diffusion capability"
-            )
-        if config.mesh is not None and not isinstance(pipeline, SupportsARDiffusionMesh):
-            raise TypeError(f"EngineConfig(mesh=...) needs a pipeline that implements SupportsARDiffusionMesh "
-                            f"(shard_ar_diffusion_model(mesh)); {type(pipeline).__name__} does not")
-        if getattr(pipeline, "supports_request_batch", False):
-            raise ValueError("ARDiffusionModelRunner does not support request-batch execution pipelines")
+        config = check_loadable(pipeline, config)  # the load-time checks, in the reference order
         other = _BOUND_PIPELINES.get(id(pipeline))
         if other is not None and not other._closed:
             raise ValueError(
@@ -350,7 +315,8 @@ class ARDiffusionModelRunner:
                 if reset and session_id not in failures:
                     self._residency.release(session_id, reset_model=True, reason="reset")
             start = time.perf_counter()
-            states, admission_failures = self._residency.admit_batch([sid for sid in session_ids if sid not in failures])
+            admitting = [sid for sid in session_ids if sid not in failures]
+            states, admission_failures = self._residency.admit_batch(admitting)
             failures.update(admission_failures)
             running = [i for i, sid in enumerate(session_ids) if sid not in failures]
             ran_outputs, errors = self._batches.run([session_ids[i] for i in running], [requests[i] for i in running],
@@ -609,6 +575,7 @@ class ARDiffusionModelRunner:
             logger.error("AR-Diffusion KV pools were lost during session %r; all sessions were released",
                          session_id)
 
+
 class _RunnerLock:
     """``with runner._locked():``: the runner lock; queued events are delivered once the outermost holder let go.
 
@@ -635,6 +602,3 @@ class _RunnerLock:
         if pending:
             self._events.deliver()
 
-
-def _step_capable(pipeline: Any) -> bool:
-    return isinstance(pipeline, SupportsStepExecution) and bool(getattr(pipeline, "supports_step_execution", False))
