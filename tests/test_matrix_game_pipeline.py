@@ -186,10 +186,10 @@ class _FaultyMatrixGame(MatrixGamePipeline):
         return blocks
 
     def _advance(self, state, session):
-        block = super()._advance(state, session)
+        session, block = super()._advance(state, session)
         if block is not None and state.session_id in self.bad:
             raise RuntimeError(f"injected fault in session {state.session_id}")
-        return block
+        return session, block
 
 
 def _assert_same_blocks(batched, sequential):

@@ -89,10 +89,10 @@ class _Recording(MatrixGamePipeline):
         self.fed = []
 
     def _start_block(self, state, session, block, *, staged=False):
-        inflight = super()._start_block(state, session, block, staged=staged)
+        session = super()._start_block(state, session, block, staged=staged)
         self.fed.append((np.asarray(session.block_condition), np.asarray(session.block_keyboard),
                          np.asarray(session.block_mouse)))
-        return inflight
+        return session
 
 
 def _player(seed, blocks):

@@ -459,7 +459,7 @@ cfg_commit = jax.jit(_cfg_commit, static_argnums=0)
 initial_noise = jax.jit(_initial_noise, static_argnums=(2, 3))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _CFGSession(PipelineSession):
     last_video: jax.Array | None = None  # f32[f, C, H, W]
     last_actions: jax.Array | None = None  # f32[A, action_dim]
@@ -630,8 +630,8 @@ class CFGWorldActionPipeline(PipelineBase):
                 # restores or releases the session if the call fails).
                 state.reset()
                 session = None
-            session = self._create_session(session_id, request, prompt) if session is None \
-                else dataclasses.replace(session)  # a copy: installed only by the caller, after the call
+            if session is None:  # installed only by the caller, after the call
+                session = self._create_session(session_id, request, prompt)
             sessions[session_id] = session
             latents = self._encoder(views)
             self._kv_populate_cross(state, session, latents[0])
@@ -647,8 +647,8 @@ class CFGWorldActionPipeline(PipelineBase):
         for request, state, (video, actions) in zip(requests, lane.states, lane.unstack(self._denoise(lane, rows)),
                                                     strict=True):
             session = sessions[state.session_id]
-            session.last_video, session.last_actions = video, actions
-            session.block_index += 1
+            sessions[state.session_id] = dataclasses.replace(session, last_video=video, last_actions=actions,
+                                                             block_index=session.block_index + 1)
             outputs.append(with_tick_metadata({"actions": actions, "video": video}, request))
         return outputs, sessions
 

@@ -322,9 +322,13 @@ class PipelineConfigBase:
         check_non_negative_int(f"{name} noise_seed", self.noise_seed)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PipelineSession:
     """Model-owned state of one session that every reference pipeline keeps (host bookkeeping + device arrays).
+
+    A frozen value: a pipeline builds the next one with ``dataclasses.replace`` and stores it in
+    its ``_sessions`` only once the device work that produced the new fields has returned, so a
+    call that fails leaves the stored value as it was, and a fork may share the value itself.
 
     Attributes:
       key: the session's noise key (root of :func:`noise_key`'s tree).
@@ -338,7 +342,8 @@ class PipelineSession:
 
     #: Fields that hold a nested dataclass (exported as a dict of its fields): ``{field: class}``.
     nested_fields: ClassVar[Mapping[str, type]] = {}
-    #: Fields whose arrays a pipeline program donates (updates in place): a fork gets its own copy of these.
+    #: Fields whose arrays a pipeline program donates (updates in place): a fork gets its own copy of these
+    #: (every other field a fork shares with its source, the value and its arrays).
     donated_fields: ClassVar[tuple[str, ...]] = ()
 
     def device_arrays(self) -> tuple[jax.Array | None, ...]:
@@ -690,37 +695,26 @@ class PipelineBase(BoundStateMixin, abc.ABC):
     def fork_ar_diffusion_session(self, source_id: str, new_id: str, *, noise_seed: int | None = None) -> None:
         """Give ``new_id`` the model state ``source_id`` has now (none if it has none); arrays shared, not copied.
 
-        The source's export tree (:meth:`PipelineSession.to_tree`, which leaves the source in
-        place) goes through this pipeline's own :meth:`import_ar_diffusion_session`, so every
-        subclass's state (a VAE decoder cache, action and encoder caches) is forked with its
-        own checks, as a new object holding the same immutable arrays, except the fields a
-        program donates (``PipelineSession.donated_fields``: the VAE's streaming caches,
-        Matrix-Game's action ring), which the fork gets a device copy of; ``noise_seed``
-        replaces the noise key with a fresh one.
+        Sessions are frozen values, so the fork shares the source's value (every field and its
+        arrays), except the fields a program donates (``PipelineSession.donated_fields``: the
+        VAE's streaming decode and encode caches), which the fork gets a device copy of, since
+        the first of the two sessions to run would otherwise delete the other's; ``noise_seed``
+        replaces the noise key with a fresh one. Nothing is stored under ``new_id`` unless every
+        step succeeded.
         """
         if new_id in self._sessions:
             raise ValueError(f"{type(self).__name__} already holds model state for session {new_id!r}")
         if noise_seed is not None and (not is_integer(noise_seed) or not 0 <= int(noise_seed) < 2**31):
-            # Checked before the import: a key that cannot be made must not leave the fork's state behind.
             raise ValueError(f"noise_seed must be an integer in [0, 2**31) (as request seeds) or None, "
                              f"got {noise_seed!r}")
         session = self._sessions.get(source_id)
         if session is None:
             return
-        self.import_ar_diffusion_session(new_id, session.to_tree())
-        try:
-            forked = self._sessions.get(new_id)
-            for name in type(session).donated_fields if forked is not None else ():
-                value = getattr(forked, name)
-                if value is not None:  # a program donates these: sharing them would delete the other session's
-                    setattr(forked, name,
-                            jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value))
-            if noise_seed is not None:
-                self._sessions[new_id] = dataclasses.replace(self._sessions[new_id],
-                                                             key=new_session_key(int(noise_seed), self.device))
-        except BaseException:  # a refused fork leaves no model state under new_id
-            self._sessions.pop(new_id, None)
-            raise
+        changed = {name: jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value)
+                   for name in type(session).donated_fields if (value := getattr(session, name)) is not None}
+        if noise_seed is not None:
+            changed["key"] = new_session_key(int(noise_seed), self.device)
+        self._sessions[new_id] = dataclasses.replace(session, **changed) if changed else session
 
     def _session_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the session's float arrays, for import validation (``"field"`` or ``"field.subfield"``)."""
@@ -751,32 +745,25 @@ class PipelineBase(BoundStateMixin, abc.ABC):
             check_seed(request.inputs["seed"])
         return prompt
 
-    def _new_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
-        """Create and register the model state of a new session (seed: ``inputs["seed"]`` or the id)."""
-        session = self._create_session(session_id, request, prompt)
-        self._sessions[session_id] = session
-        return session
-
     def _create_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
-        """The model state of a new session, not registered yet."""
+        """The model state of a new session (seed: ``inputs["seed"]`` or the id), not registered yet: the caller
+        stores it once the call's device work has returned."""
         if prompt is None:  # _check_prompt_and_seed refuses this for a session without state
             raise RuntimeError(f"{type(self).__name__} session {session_id!r} needs a prompt to start")
         seed = session_seed(session_id, request.inputs, self.pipeline_config.noise_seed)
         return self.session_type(key=new_session_key(seed, self.device), prompt=prompt)
 
     def _staged_session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> Any:
-        """A private copy of a session's model state for a batched tick (a new one if it has none).
+        """A session's model state for a batched tick to build on (a new one if it has none).
 
-        ``forward_batch`` is all or nothing (``SupportsARDiffusionBatch``): it changes these
-        copies (every change is an attribute assignment, so a shallow copy suffices) and hands
-        :meth:`_publish_staged` of them to ``batch.defer_publish``: the runner installs them only
-        once it has awaited the batch's device work, so a batch that raises, or fails when
-        awaited, leaves ``self._sessions`` as it was.
+        ``forward_batch`` is all or nothing (``SupportsARDiffusionBatch``): it builds new values
+        from these (sessions are frozen: ``dataclasses.replace``) and hands :meth:`_publish_staged`
+        of them to ``batch.defer_publish``: the runner installs them only once it has awaited the
+        batch's device work, so a batch that raises, or fails when awaited, leaves
+        ``self._sessions`` as it was.
         """
         session = self._sessions.get(session_id)
-        if session is None:
-            return self._create_session(session_id, request, prompt)
-        return dataclasses.replace(session)
+        return self._create_session(session_id, request, prompt) if session is None else session
 
     def _publish_staged(self, sessions: Mapping[str, Any]) -> None:
         """Install the staged sessions of a batched tick the runner awaited (``batch.defer_publish``)."""

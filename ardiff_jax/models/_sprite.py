@@ -248,8 +248,9 @@ class SpriteWorldPipeline(WorldPipeline):
         return prompt, _ParsedBlock(block, None, None)
 
     # -- device work ------------------------------------------------------------------------------
-    def _prefill(self, state: Any, session: _WorldSession, latents: np.ndarray, controls: np.ndarray) -> None:
-        """Commit the observation frames as context: one clean ``t = 0`` forward per block."""
+    def _prefill(self, state: Any, session: _WorldSession, latents: np.ndarray, controls: np.ndarray
+                 ) -> _WorldSession:
+        """Commit the observation frames as context: one clean ``t = 0`` forward per block; the session after."""
         cfg = self.config
         f = cfg.frames_per_block
         seq_len = f * cfg.tokens_per_frame
@@ -257,7 +258,8 @@ class SpriteWorldPipeline(WorldPipeline):
         for start in range(0, latents.shape[0], f):
             block = self._to_device(latents[start:start + f])
 
-            def forward(view: Any, block: jax.Array = block, start: int = start) -> tuple[Any, None]:
+            def forward(view: Any, block: jax.Array = block, start: int = start,
+                        session: _WorldSession = session) -> tuple[Any, None]:
                 _, _, k, v = world_step(
                     self._graphdef, self._params, view, block, zero, zero, zero,
                     session.key, np.int32(session.block_index), np.int32(self.schedule.num_steps),
@@ -267,11 +269,14 @@ class SpriteWorldPipeline(WorldPipeline):
                 return (k, v), None
 
             commit_pass(Lane.single(state), MAIN, seq_len, forward)
-            session.last_block = block  # a "delta" prediction continues from the newest observed frame
+            # A "delta" prediction continues from the newest observed frame.
+            session = dataclasses.replace(session, last_block=block)
+        return session
 
-    def _start_block(self, state: Any, session: _WorldSession, parsed: Any, *, staged: bool = False) -> Any:
+    def _start_block(self, state: Any, session: _WorldSession, parsed: Any, *, staged: bool = False
+                     ) -> _WorldSession:
         if parsed.observation is not None:
-            self._prefill(state, session, parsed.observation, parsed.observation_controls)
+            session = self._prefill(state, session, parsed.observation, parsed.observation_controls)
         return super()._start_block(state, session, parsed.block, staged=staged)
 
     def _finish_block(self, x0: jax.Array) -> jax.Array:

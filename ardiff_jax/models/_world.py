@@ -245,15 +245,16 @@ class BlockProgram:
       x: the noisy blocks, ``f32[f, C, H, W]`` on a one-session lane, ``f32[bucket, f, C, H, W]`` on a batch.
       forward: ``(view, x, step) -> (x_next, x0, k, v, *extra)``: the step program on the stacked rows;
         the commit forward is ``step = num_steps`` (``t = sigma = 0``).
-      after_commit: what the commit forward's ``extra`` outputs update (Matrix-Game's action rings).
+      after_commit: the lane's sessions as the commit forward's ``extra`` outputs update them (Matrix-Game's
+        action rings); ``None``: they do not change.
     """
 
     x: jax.Array
     forward: Callable[[Any, jax.Array, int], tuple[jax.Array, ...]]
-    after_commit: Callable[[tuple[jax.Array, ...]], None] = lambda extra: None
+    after_commit: Callable[[tuple[jax.Array, ...]], Sequence[Any]] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _InFlightBlock:
     x_t: jax.Array  # f32[f, C, H, W]
     step: int
@@ -263,7 +264,7 @@ class _InFlightBlock:
     controls: jax.Array | None = None  # f32[f, control_dim]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _WorldSession(PipelineSession):
     last_block: jax.Array | None = None  # f32[f, C, H, W]
     inflight: _InFlightBlock | None = None
@@ -296,7 +297,7 @@ class WorldPipeline(PipelineBase):
 
     supports_step_execution = True
     #: Whether :meth:`forward_batch` computes what :meth:`forward` computes. A subclass that
-    #: changes a block's computation (``forward``, ``_advance``, ``_new_session``) without a
+    #: changes a block's computation (``forward``, ``_advance``, ``_create_session``) without a
     #: batched counterpart of its own (``forward_batch`` or ``_advance_batch``) is not
     #: batchable: ``forward_batch`` is removed from it (``__init_subclass__``), so the engine
     #: runs its batches one request at a time. ``_block_program`` (rows and step program)
@@ -315,7 +316,7 @@ class WorldPipeline(PipelineBase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        changed = [name for name in ("forward", "_advance", "_new_session") if name in vars(cls)]
+        changed = [name for name in ("forward", "_advance", "_create_session") if name in vars(cls)]
         if changed and not {"forward_batch", "_advance_batch"} & set(vars(cls)):
             # A protocol method set to None is not implemented: isinstance(pipeline,
             # SupportsARDiffusionBatch) is False, and the engine runs its batches one by one.
@@ -383,24 +384,27 @@ class WorldPipeline(PipelineBase):
 
     # -- device work ----------------------------------------------------------------------------
     def _session(self, session_id: str, request: DiffusionRequest, prompt: str | None) -> _WorldSession:
+        """The session's model state, or a new one (not stored: the caller stores what the call made of it)."""
         session = self._sessions.get(session_id)
-        return self._new_session(session_id, request, prompt) if session is None else session
+        return self._create_session(session_id, request, prompt) if session is None else session
 
-    def _sync_prompt(self, state: Any, session: _WorldSession, prompt: str | None) -> None:
+    def _sync_prompt(self, state: Any, session: _WorldSession, prompt: str | None) -> _WorldSession:
+        """Switch the state's text K/V to ``prompt`` (``None``: keep the session's); the session with it."""
         if prompt is not None and prompt != session.prompt:
             # New prompt: drop the old text K/V (self-attention history stays) and repopulate.
             state.clear_cross_attention()
-            session.prompt = prompt
+            session = dataclasses.replace(session, prompt=prompt)
         if not state.is_cross_attention_populated(MAIN, TEXT):
             k, v = self._text_kv(session.prompt)
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
+        return session
 
     def _start_block(self, state: Any, session: _WorldSession, block: _BlockInputs, *,
-                     staged: bool = False) -> _InFlightBlock:
-        """Put the session's next block in flight (its initial noise and inputs on the device).
+                     staged: bool = False) -> _WorldSession:
+        """The session with its next block in flight (its initial noise and inputs on the device).
 
-        ``staged``: ``session`` is a batched tick's private copy (:meth:`_staged_session`); a
-        subclass must then not donate device state it shares with the installed session.
+        ``staged``: ``session`` is also the installed value, or shares its arrays (a batched
+        tick, :meth:`_staged_session`); a subclass must then not donate any of them.
         """
         block_index = np.int32(session.block_index)
         x_t = block_noise(session.key, block_index, self.config.block_shape)
@@ -408,8 +412,7 @@ class WorldPipeline(PipelineBase):
         controls = None if block.controls is None else self._to_device(block.controls)
         inflight = _InFlightBlock(x_t=x_t, step=0, frame_start=state.adapter(MAIN).committed_frames,
                                   block_index=session.block_index, registers=registers, controls=controls)
-        session.inflight = inflight
-        return inflight
+        return dataclasses.replace(session, inflight=inflight)
 
     def _block_program(self, lane: Lane, sessions: Sequence[_WorldSession]) -> BlockProgram:
         """The sessions' in-flight blocks stacked for ``lane`` and :data:`world_step` (or
@@ -429,14 +432,15 @@ class WorldPipeline(PipelineBase):
 
         return BlockProgram(x, forward)
 
-    def _denoise(self, lane: Lane, sessions: Sequence[_WorldSession], steps: range) -> jax.Array | None:
+    def _denoise(self, lane: Lane, sessions: Sequence[_WorldSession], steps: range
+                 ) -> tuple[list[_WorldSession], jax.Array | None]:
         """Run ``steps`` of the sessions' in-flight blocks through the shared loop (:func:`~ardiff_jax.models._loop.denoise`).
 
         Each step is one forward that writes nothing, then ``x0 = clean_estimate`` re-noised to
         the next sigma inside the program. When ``steps`` reach the schedule's end, the clean
         block (:meth:`_finish_block`) gets one forward at ``t = 0`` whose K/V are committed, and
         it is returned (``f32[f, C, H, W]``, ``f32[bucket, f, C, H, W]`` on a batch lane);
-        otherwise each session's ``inflight.x_t`` advances and the result is ``None``.
+        otherwise it is ``None``. Returns ``(the sessions with their in-flight blocks advanced, block)``.
         """
         cfg, num_steps = self.config, self.schedule.num_steps
         seq_len = cfg.frames_per_block * cfg.tokens_per_frame
@@ -445,20 +449,18 @@ class WorldPipeline(PipelineBase):
                             evaluate=lambda views, carry, step: block.forward(views[0], carry[0], step),
                             advance=lambda step, carry, outs, run: (outs[0], outs[1]))
         x, x0 = denoise(lane, denoiser, (block.x, None), steps)
-        for session in sessions:
-            session.inflight.step = steps.stop
         if steps.stop < num_steps:
-            for session, x_t in zip(sessions, lane.unstack(x), strict=True):
-                session.inflight.x_t = x_t
-            return None
+            return [dataclasses.replace(session, inflight=dataclasses.replace(session.inflight, x_t=x_t,
+                                                                               step=steps.stop))
+                    for session, x_t in zip(sessions, lane.unstack(x), strict=True)], None
         x0 = self._finish_block(x0)
 
         def commit(view: Any) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
             _, _, k, v, *extra = block.forward(view, x0, num_steps)
             return (k, v), tuple(extra)
 
-        block.after_commit(commit_pass(lane, MAIN, seq_len, commit))
-        return x0
+        extra = commit_pass(lane, MAIN, seq_len, commit)
+        return list(sessions if block.after_commit is None else block.after_commit(extra)), x0
 
     def _previous_frame(self, session: _WorldSession) -> jax.Array | None:
         """The last committed frame ``f32[C, H, W]`` a ``"delta"`` prediction adds to (``None`` otherwise)."""
@@ -472,26 +474,28 @@ class WorldPipeline(PipelineBase):
         """The clean block as it is committed and returned (a subclass may project it, e.g. quantise)."""
         return x0
 
-    def _advance_lane(self, lane: Lane, sessions: Sequence[_WorldSession], steps: range) -> list[WorldBlock] | None:
-        """``steps`` of the sessions' in-flight blocks; after the last one, each session's block, committed."""
-        x0 = self._denoise(lane, sessions, steps)
+    def _advance_lane(self, lane: Lane, sessions: Sequence[_WorldSession], steps: range
+                      ) -> tuple[list[_WorldSession], list[WorldBlock] | None]:
+        """``steps`` of the sessions' in-flight blocks: ``(the sessions after them, blocks)``, the blocks
+        ``None`` until the last step, then each session's block, committed."""
+        sessions, x0 = self._denoise(lane, sessions, steps)
         if x0 is None:
-            return None
-        blocks = []
+            return sessions, None
+        done, blocks = [], []
         for session, latents in zip(sessions, lane.unstack(x0), strict=True):
             inflight = session.inflight
-            session.inflight = None
-            session.last_block = latents
-            session.block_index += 1
+            done.append(dataclasses.replace(session, inflight=None, last_block=latents,
+                                            block_index=session.block_index + 1))
             blocks.append(WorldBlock(latents=latents, first_frame=inflight.frame_start,
                                      block_index=inflight.block_index))
-        return blocks
+        return done, blocks
 
-    def _advance(self, state: Any, session: _WorldSession) -> WorldBlock | None:
-        """Run the in-flight block's next denoise step; after the last one, commit and return the block."""
+    def _advance(self, state: Any, session: _WorldSession) -> tuple[_WorldSession, WorldBlock | None]:
+        """Run the in-flight block's next denoise step: ``(the session after it, block)``, the block ``None``
+        until the last step, which commits it."""
         step = session.inflight.step
-        blocks = self._advance_lane(Lane.single(state), [session], range(step, step + 1))
-        return None if blocks is None else blocks[0]
+        sessions, blocks = self._advance_lane(Lane.single(state), [session], range(step, step + 1))
+        return sessions[0], None if blocks is None else blocks[0]
 
     # -- entry points ---------------------------------------------------------------------------
     def validate_ar_diffusion_request(self, session_id: str, request: DiffusionRequest) -> None:
@@ -516,10 +520,12 @@ class WorldPipeline(PipelineBase):
                 "interleave with it")
         prompt, block_inputs = self._parse_new_block(session_id, request)
         session = self._session(session_id, request, prompt)
-        self._sync_prompt(state, session, prompt)
-        self._start_block(state, session, block_inputs)
-        while (block := self._advance(state, session)) is None:
-            pass
+        session = self._sync_prompt(state, session, prompt)
+        session = self._start_block(state, session, block_inputs)
+        block = None
+        while block is None:
+            session, block = self._advance(state, session)
+        self._sessions[session_id] = session  # only once the block's device work returned
         return with_tick_metadata(block, request)
 
     def forward_batch(self, requests: Sequence[DiffusionRequest]) -> list[WorldBlock]:
@@ -546,17 +552,18 @@ class WorldPipeline(PipelineBase):
                                    "tick requests cannot interleave with it")
             prompt, block_inputs = self._parse_new_block(session_id, request)
             session = self._staged_session(session_id, request, prompt)
-            self._sync_prompt(state, session, prompt)
-            self._start_block(state, session, block_inputs, staged=True)
-            staged[session_id] = session
-        blocks = self._advance_batch(batch, [staged[state.session_id] for state in states])
+            session = self._sync_prompt(state, session, prompt)
+            staged[session_id] = self._start_block(state, session, block_inputs, staged=True)
+        sessions, blocks = self._advance_batch(batch, [staged[state.session_id] for state in states])
+        staged = {state.session_id: session for state, session in zip(states, sessions, strict=True)}
         batch.defer_publish(functools.partial(self._publish_staged, staged),
                             [session.device_arrays() for session in staged.values()])
         return [with_tick_metadata(block, request) for block, request in zip(blocks, requests, strict=True)]
 
-    def _advance_batch(self, batch: Any, sessions: list[_WorldSession]) -> list[WorldBlock]:
+    def _advance_batch(self, batch: Any, sessions: list[_WorldSession]) -> tuple[list[_WorldSession],
+                                                                                   list[WorldBlock]]:
         """Every denoise step and the clean commit of the sessions' in-flight blocks: the shared loop on the
-        batch (one batched program per step, the blocks' K/V in one donated write)."""
+        batch (one batched program per step, the blocks' K/V in one donated write). ``(sessions, blocks)``."""
         return self._advance_lane(Lane.batch(batch), sessions, range(self.schedule.num_steps))
 
     def step(self, request: DiffusionRequest) -> StepResult:
@@ -568,10 +575,12 @@ class WorldPipeline(PipelineBase):
         if session is None or session.inflight is None:
             prompt, block_inputs = self._parse_new_block(session_id, request)
             session = self._session(session_id, request, prompt)
-            self._sync_prompt(state, session, prompt)
-            self._start_block(state, session, block_inputs)
-        block_out = self._advance(state, session)
+            session = self._sync_prompt(state, session, prompt)
+            session = self._start_block(state, session, block_inputs)
+        session, block_out = self._advance(state, session)
+        if block_out is not None:
+            session = dataclasses.replace(session, blocks_emitted=session.blocks_emitted + 1)
+        self._sessions[session_id] = session  # only once the step's device work returned
         if block_out is None:
             return StepResult(finished=False)
-        session.blocks_emitted += 1
         return StepResult(finished=session.blocks_emitted >= num_blocks, output=with_tick_metadata(block_out, request))

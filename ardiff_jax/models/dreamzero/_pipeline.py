@@ -149,7 +149,7 @@ class DreamZeroPipelineConfig(PipelineConfigBase):
         return tuple(steps is None or step in steps for step in range(self.num_steps))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _DreamZeroSession(PipelineSession):
     """A robot session's model state: its episode's image-to-video condition and its prompt's identity.
 

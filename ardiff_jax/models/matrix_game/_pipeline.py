@@ -147,7 +147,9 @@ def _matrix_game_step_batch(graphdef: Any, params: Any, attention: Any, x_t: jax
 matrix_game_step_batch = jax.jit(_matrix_game_step_batch, static_argnums=0)
 
 
-#: ``(config, ring, block_kv, frame_start) -> ring``: the committed block's action keys/values written (ring donated).
+#: ``(config, ring, block_kv, frame_start) -> ring``: the committed block's action keys/values written (ring donated:
+#: it is not small, 310 MiB at matrix-game-2-universal (``action_cache_nbytes``), and a commit writes one block of it,
+#: so a copy per block would cost more than the one copy a fork makes).
 _commit_ring = jax.jit(commit_action_cache, static_argnums=0, donate_argnums=1)
 
 
@@ -171,9 +173,12 @@ class _Inputs(NamedTuple):
 _BaseSession = CausalWanPipeline.session_type
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _MatrixGameSession(_BaseSession):
-    #: The decode and encode steps donate the VAE caches, the ring commit the action cache.
+    #: The decode and encode steps donate the VAE caches, the ring commit the action cache: all three are
+    #: large (at matrix-game-2-universal: decoder 2032 MiB and encoder 1207 MiB with a float32 VAE, ring
+    #: 310 MiB) and a step rewrites a block's worth of each, so donating saves a cache-sized copy per block;
+    #: a fork copies them once instead.
     donated_fields: ClassVar[tuple[str, ...]] = ("vae_cache", "encode_cache", "action_cache")
     #: The action modules' ring of the last window_frames latent frames ([A, W, ...], config.dtype).
     action_cache: ActionKV | None = None
@@ -299,8 +304,8 @@ class MatrixGamePipeline(CausalWanPipeline):
             state = {**state, "action_cache": None, "encode_cache": None}
         super().import_ar_diffusion_session(session_id, state)
         if session_id in self._sessions:
-            self._sessions[session_id].action_cache = ring
-            self._sessions[session_id].encode_cache = encoder
+            self._sessions[session_id] = dataclasses.replace(self._sessions[session_id], action_cache=ring,
+                                                             encode_cache=encoder)
 
     def _checked_ring(self, value: Any) -> ActionKV:
         template = jax.eval_shape(lambda: init_action_cache(self.config))
@@ -411,20 +416,22 @@ class MatrixGamePipeline(CausalWanPipeline):
             prompt = _ImagePrompt("image:" + hashlib.sha256(raw.tobytes()).hexdigest(), None, image)
         return prompt, _Inputs(image, keyboard, mouse)
 
-    def _sync_prompt(self, state: Any, session: Any, prompt: Any) -> None:
+    def _sync_prompt(self, state: Any, session: Any, prompt: Any) -> Any:
         if isinstance(prompt, _ImagePrompt):
             tokens = self._encode_image(jnp.asarray(prompt.image[0]))
             prompt = self._check_embeds(np.asarray(tokens, np.float32))  # a new digest: the first block fills it
-        super()._sync_prompt(state, session, prompt)
+        return super()._sync_prompt(state, session, prompt)
 
     # -- device work ------------------------------------------------------------------------------------
-    def _start_block(self, state: Any, session: _MatrixGameSession, block: Any, *, staged: bool = False) -> Any:
+    def _start_block(self, state: Any, session: _MatrixGameSession, block: Any, *, staged: bool = False
+                     ) -> _MatrixGameSession:
         cfg, action = self.config, self.config.action
-        inflight = super()._start_block(state, session, _BlockInputs(None, None), staged=staged)
-        start = inflight.frame_start
+        session = super()._start_block(state, session, _BlockInputs(None, None), staged=staged)
+        start = session.inflight.frame_start
         h, w = self.pixel_hw
-        if session.encode_cache is None:
-            session.encode_cache = jax.device_put(init_encode_cache(self.vae.config, self.pixel_hw), self.device)
+        encode_cache = session.encode_cache
+        if encode_cache is None:
+            encode_cache = jax.device_put(init_encode_cache(self.vae.config, self.pixel_hw), self.device)
         # The release encodes [image, black frames...] as one clip; the causal encoder gives the same
         # latents a block at a time: 1 + 4 (f - 1) frames first, 4 f after.
         per_latent = self.vae.config.temporal_factor
@@ -434,12 +441,11 @@ class MatrixGamePipeline(CausalWanPipeline):
         else:
             video = np.zeros((per_latent * cfg.frames_per_block, 3, h, w), np.float32)
         # A staged session shares its encoder cache with the installed one: keep that one intact.
-        latents, session.encode_cache = encode_step(self.vae, self._to_device(video), session.encode_cache,
-                                                    donate=not staged)
+        latents, encode_cache = encode_step(self.vae, self._to_device(video), encode_cache, donate=not staged)
         mask = np.zeros((cfg.frames_per_block, MASK_CHANNELS, cfg.latent_height, cfg.latent_width), np.float32)
         if start == 0:
             mask[0] = 1.0  # the reference frame is given; every later frame is to be generated
-        session.block_condition = jnp.concatenate([self._to_device(mask), latents.astype(jnp.float32)], axis=1)
+        condition = jnp.concatenate([self._to_device(mask), latents.astype(jnp.float32)], axis=1)
 
         def rows(recent: jax.Array | None, new: np.ndarray) -> tuple[np.ndarray, int]:
             old = np.zeros((0, new.shape[1]), np.float32) if recent is None else np.asarray(recent)
@@ -449,14 +455,15 @@ class MatrixGamePipeline(CausalWanPipeline):
         keyboard, first_row = rows(session.recent_keyboard, block.keyboard)
         mouse = None if block.mouse is None else rows(session.recent_mouse, block.mouse)[0]
         windows = action_windows(cfg, keyboard, mouse, start, first_row=first_row)
-        session.block_keyboard = self._to_device(windows.keyboard)
-        session.block_mouse = None if windows.mouse is None else self._to_device(windows.mouse)
-        session.rows_received += block.keyboard.shape[0]
-        session.recent_keyboard = self._to_device(_last_rows(keyboard, action.rows))
-        session.recent_mouse = None if mouse is None else self._to_device(_last_rows(mouse, action.rows))
-        if session.action_cache is None:
-            session.action_cache = jax.device_put(init_action_cache(cfg), self.device)
-        return inflight
+        return dataclasses.replace(
+            session, encode_cache=encode_cache, block_condition=condition,
+            block_keyboard=self._to_device(windows.keyboard),
+            block_mouse=None if windows.mouse is None else self._to_device(windows.mouse),
+            rows_received=session.rows_received + block.keyboard.shape[0],
+            recent_keyboard=self._to_device(_last_rows(keyboard, action.rows)),
+            recent_mouse=None if mouse is None else self._to_device(_last_rows(mouse, action.rows)),
+            action_cache=(jax.device_put(init_action_cache(cfg), self.device) if session.action_cache is None
+                          else session.action_cache))
 
     def _block_program(self, lane: Lane, sessions: Sequence[_MatrixGameSession]) -> BlockProgram:
         """Matrix-Game's rows (the condition, the action windows, the action ring) and :data:`matrix_game_step`
@@ -476,13 +483,13 @@ class MatrixGamePipeline(CausalWanPipeline):
             return program(self._graphdef, self._params, view, x, t, sigma, sigma_next, keys, block_index,
                            np.int32(step), frame_start, context_kv, condition, actions, rings)
 
-        def after_commit(extra: tuple[jax.Array, ...]) -> None:
+        def after_commit(extra: tuple[jax.Array, ...]) -> list[_MatrixGameSession]:
             (action_kv,) = extra
             # A batch's stacked rings are a copy (donated here); a session's own ring is donated and replaced.
             committed = lane.pick(_commit_ring, _commit_rings_jit)(cfg, rings, action_kv, frame_start)
-            for session, ring in zip(sessions, lane.unstack(committed), strict=True):
-                session.action_cache = ring
-                session.block_condition = session.block_keyboard = session.block_mouse = None
+            return [dataclasses.replace(session, action_cache=ring, block_condition=None, block_keyboard=None,
+                                        block_mouse=None)
+                    for session, ring in zip(sessions, lane.unstack(committed), strict=True)]
 
         return BlockProgram(x, forward, after_commit)
 

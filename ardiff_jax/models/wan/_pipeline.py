@@ -205,7 +205,7 @@ class _Prompt(NamedTuple):
     text: str | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _WanSession(_WorldSession):
     #: With recache on: the clean latents of every resident frame ``f32[sink + window, C, H, W]``,
     #: frame ``i`` at the slot of its KV page (sink frames first, then the ring).
@@ -349,7 +349,7 @@ class CausalWanPipeline(WorldPipeline):
             state = {**state, "vae_cache": None}
         super().import_ar_diffusion_session(session_id, state)
         if cache is not None:
-            self._sessions[session_id].vae_cache = cache
+            self._sessions[session_id] = dataclasses.replace(self._sessions[session_id], vae_cache=cache)
 
     def _checked_vae_cache(self, value: Any) -> VAEDecodeCache:
         if self.vae is None:
@@ -425,15 +425,15 @@ class CausalWanPipeline(WorldPipeline):
         return self._check_embeds(embeds), _BlockInputs(None, None)
 
     # -- device work ----------------------------------------------------------------------------
-    def _new_session(self, session_id: str, request: DiffusionRequest, prompt: Any) -> Any:
-        return super()._new_session(session_id, request, None if prompt is None else prompt.digest)
+    def _create_session(self, session_id: str, request: DiffusionRequest, prompt: Any) -> Any:
+        return super()._create_session(session_id, request, None if prompt is None else prompt.digest)
 
-    def _sync_prompt(self, state: Any, session: Any, prompt: _Prompt | None) -> None:
+    def _sync_prompt(self, state: Any, session: Any, prompt: _Prompt | None) -> Any:
         switched = prompt is not None and prompt.digest != session.prompt
         if switched:
             # New prompt: drop the old text K/V (self-attention history stays) and repopulate.
             state.clear_cross_attention()
-            session.prompt = prompt.digest
+            session = dataclasses.replace(session, prompt=prompt.digest)
         if not state.is_cross_attention_populated(MAIN, TEXT):
             if prompt is None:  # the runtime keeps a session's text K/V with its pages (offload included)
                 raise RuntimeError(f"session {state.session_id!r} lost its text cross-attention K/V; send "
@@ -444,6 +444,7 @@ class CausalWanPipeline(WorldPipeline):
             state.populate_cross_attention(MAIN, TEXT, zip(k, v, strict=True))
             if switched and self.pipeline_config.recache_on_prompt_switch:
                 self._recache(state, session, (k, v))
+        return session
 
     def _recache(self, state: Any, session: _WanSession, text_kv: tuple[jax.Array, jax.Array]) -> None:
         """Recompute the K/V of every frame the next block sees under the new prompt (LongLive's recache).
@@ -468,13 +469,13 @@ class CausalWanPipeline(WorldPipeline):
             part = slice(index * tokens, (index + 1) * tokens)
             state.rewrite_committed_context(MAIN, start, (k[:, part], v[:, part]))
 
-    def _advance(self, state: Any, session: _WanSession) -> WanBlock | None:
-        block = super()._advance(state, session)
+    def _advance(self, state: Any, session: _WanSession) -> tuple[_WanSession, WanBlock | None]:
+        session, block = super()._advance(state, session)
         if block is None:
-            return None
+            return session, None
         return self._finish_wan_block(session, block, donate=True)
 
-    def _advance_batch(self, batch: Any, sessions: list[_WanSession]) -> list[WanBlock]:
+    def _advance_batch(self, batch: Any, sessions: list[_WanSession]) -> tuple[list[_WanSession], list[WanBlock]]:
         """As the base (the transformer batched), then each session's resident latents and VAE decode.
 
         The decode runs per session: Wan's decoder cache is per session (1.8 GiB in bf16 at
@@ -482,38 +483,44 @@ class CausalWanPipeline(WorldPipeline):
         one session's decode already convolves a block's 9-12 full-resolution frames. It keeps
         the installed cache (no donation) until the batch has succeeded.
         """
-        blocks = super()._advance_batch(batch, sessions)
-        return [self._finish_wan_block(session, block, donate=False)
-                for session, block in zip(sessions, blocks, strict=True)]
+        sessions, blocks = super()._advance_batch(batch, sessions)
+        finished = [self._finish_wan_block(session, block, donate=False)
+                    for session, block in zip(sessions, blocks, strict=True)]
+        return [session for session, _ in finished], [block for _, block in finished]
 
-    def _finish_wan_block(self, session: _WanSession, block: WorldBlock, *, donate: bool) -> WanBlock:
+    def _finish_wan_block(self, session: _WanSession, block: WorldBlock, *, donate: bool
+                          ) -> tuple[_WanSession, WanBlock]:
         """The committed ``block`` as a :class:`WanBlock`: remembered for recache, decoded with a VAE.
+        ``(the session with its resident latents and decoder cache after it, block)``.
 
         ``donate``: the session's decoder cache may be donated (an unbatched call); a batched
         tick's staged session shares it with the installed one, which must stay usable.
         """
-        self._remember_resident(session, block)
+        session = self._remember_resident(session, block)
         video = None
         if self.vae is not None:
-            if session.vae_cache is None:
-                session.vae_cache = jax.device_put(init_decode_cache(self.vae.config, self.config.block_shape[2:]),
-                                                   self.device)
+            cache = session.vae_cache
+            if cache is None:
+                cache = jax.device_put(init_decode_cache(self.vae.config, self.config.block_shape[2:]), self.device)
             decode = _decode_step_jit if donate else _decode_step_keep_jit
             # Donated or not, the session holds only the returned cache from here on.
-            decoded, session.vae_cache = decode(self._vae_graphdef, self._vae_params, block.latents,
-                                                session.vae_cache)
+            decoded, cache = decode(self._vae_graphdef, self._vae_params, block.latents, cache)
+            session = dataclasses.replace(session, vae_cache=cache)
             video = _to_uint8_frames(decoded)
-        return WanBlock(block.latents, video, block.first_frame, block.block_index)
+        return session, WanBlock(block.latents, video, block.first_frame, block.block_index)
 
-    def _remember_resident(self, session: _WanSession, block: WorldBlock) -> None:
+    def _remember_resident(self, session: _WanSession, block: WorldBlock) -> _WanSession:
+        """The session with ``block``'s latents at their frames' slots (with recache on; else as it is)."""
         if self.pipeline_config.recache_on_prompt_switch:
             cfg = self.config
-            if session.resident is None:
-                session.resident = self._to_device(
+            resident = session.resident
+            if resident is None:
+                resident = self._to_device(
                     np.zeros((cfg.sink_frames + cfg.window_frames, *cfg.block_shape[1:]), np.float32))
             frames = np.arange(block.first_frame, block.first_frame + cfg.frames_per_block)
             slots = self._to_device(slot_of_frame(state_layout(cfg), frames, np).astype(np.int32))
-            session.resident = session.resident.at[slots].set(block.latents)
+            session = dataclasses.replace(session, resident=resident.at[slots].set(block.latents))
+        return session
 
     def ar_diffusion_warmup_requests(self, session_id: str) -> Any:
         """One block with zero embeddings (the step program and the text projection); with a VAE a
