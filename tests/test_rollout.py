@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ardiff_jax import ARDiffusionKVBranchSpec, ARDiffusionKVCache, ARDiffusionKVCacheSpec
+from ardiff_jax.kv import contiguous_table_cursor
 from ardiff_jax.rollout import rollout_blocks, rollout_sessions
 
 MODEL_DIM = 8
@@ -93,7 +94,7 @@ def test_rollout_donates_and_keeps_pools_in_carry():
     fn = jax.tree_util.Partial(block_fn, params)
     order = schedule(1, 5)
     xs = jnp.zeros((5, 4, MODEL_DIM), jnp.float32)
-    cursors = np.stack([np.array([0, 0, 0], np.int32)])
+    cursors = np.stack([contiguous_table_cursor(cache.layout, 0, 0, 0)])
     lowered = rollout_blocks.lower(cache.layout, cache.pools, cursors, fn, xs, order, num_frames=2)
     analysis = lowered.compile().memory_analysis()
     pool_bytes = cache.pools.k.nbytes + cache.pools.v.nbytes
