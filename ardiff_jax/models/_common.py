@@ -98,8 +98,9 @@ def resolve_config(config: CausalDiTConfig | str) -> CausalDiTConfig:
 class DiTModules(nnx.Module):
     """The transformer and its stand-in text encoder, split together once by the pipelines."""
 
-    def __init__(self, config: CausalDiTConfig, seed: int) -> None:
-        rngs = nnx.Rngs(jax.random.key(seed, impl=NOISE_PRNG_IMPL))
+    def __init__(self, config: CausalDiTConfig, seed: int | jax.Array) -> None:
+        """``seed``: an int, or the key it makes (:func:`weights_key`), which is how :meth:`create` passes it."""
+        rngs = nnx.Rngs(seed if isinstance(seed, jax.Array) else weights_key(seed))
         self.transformer = CausalDiT(config, rngs=rngs)
         self.text_encoder = ByteTextEncoder(config, rngs=rngs)
 
@@ -108,15 +109,23 @@ class DiTModules(nnx.Module):
         """Random-init weights with one compiled program instead of one per parameter.
 
         Eager construction compiles every initializer separately; one jitted init compiles
-        once per (config, seed) and later pipelines of the same config reuse the executable.
+        once per config: the seed's key is an argument of the program, not a constant in it,
+        so pipelines of the same config with other seeds reuse the executable (the weights
+        are bit-identical to a seed compiled in: ``tests/test_structural.py``).
         """
-        graphdef = nnx.split(nnx.eval_shape(lambda: cls(config, seed)))[0]
-        return nnx.merge(graphdef, _init_params(config, seed))
+        key = weights_key(seed)
+        graphdef = nnx.split(nnx.eval_shape(lambda: cls(config, key)))[0]
+        return nnx.merge(graphdef, _init_params(config, key))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_params(config: CausalDiTConfig, seed: int) -> Any:
-    return nnx.split(DiTModules(config, seed))[1]
+def weights_key(seed: int) -> jax.Array:
+    """The key random-init weights draw from: ``jax.random.key(seed)`` of :data:`NOISE_PRNG_IMPL`."""
+    return jax.random.key(seed, impl=NOISE_PRNG_IMPL)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: CausalDiTConfig, key: jax.Array) -> Any:
+    return nnx.split(DiTModules(config, key))[1]
 
 
 # -- the noise-key tree and the re-noise step (traceable) ----------------------------------------
@@ -697,10 +706,10 @@ class PipelineBase(BoundStateMixin, abc.ABC):
 
         Sessions are frozen values, so the fork shares the source's value (every field and its
         arrays), except the fields a program donates (``PipelineSession.donated_fields``: the
-        VAE's streaming decode and encode caches), which the fork gets a device copy of, since
-        the first of the two sessions to run would otherwise delete the other's; ``noise_seed``
-        replaces the noise key with a fresh one. Nothing is stored under ``new_id`` unless every
-        step succeeded.
+        VAE's streaming decode and encode caches, Matrix-Game's action ring), which the fork gets
+        a device copy of, since the first of the two sessions to run would otherwise delete the
+        other's; ``noise_seed`` replaces the noise key with a fresh one. Nothing is stored under
+        ``new_id`` unless every step succeeded.
         """
         if new_id in self._sessions:
             raise ValueError(f"{type(self).__name__} already holds model state for session {new_id!r}")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ardiff_jax.models._common import NOISE_PRNG_IMPL, FewStepSchedule, check_prompt, check_seed, resolve_config
+from ardiff_jax.models._common import FewStepSchedule, check_prompt, check_seed, resolve_config, weights_key
 from ardiff_jax.models._config import CausalDiTConfig
 from ardiff_jax.models._dit import CausalDiT
 from ardiff_jax.kv import slot_of_frame, visible_history
@@ -134,17 +134,15 @@ class WanModules(nnx.Module):
     @classmethod
     def create(cls, config: CausalDiTConfig, seed: int) -> WanModules:
         """Random weights of ``config`` in one compiled program (``--random-weights``)."""
-        graphdef = nnx.split(nnx.eval_shape(lambda: cls(CausalDiT(config, rngs=_rngs(seed)))))[0]
-        return nnx.merge(graphdef, _init_wan_params(config, seed))
+        key = weights_key(seed)
+        graphdef = nnx.split(nnx.eval_shape(lambda: cls(CausalDiT(config, rngs=nnx.Rngs(key)))))[0]
+        return nnx.merge(graphdef, _init_wan_params(config, key))
 
 
-def _rngs(seed: int) -> nnx.Rngs:
-    return nnx.Rngs(jax.random.key(seed, impl=NOISE_PRNG_IMPL))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_wan_params(config: CausalDiTConfig, seed: int) -> Any:
-    return nnx.split(WanModules(CausalDiT(config, rngs=_rngs(seed))))[1]
+@functools.partial(jax.jit, static_argnums=0)
+def _init_wan_params(config: CausalDiTConfig, key: jax.Array) -> Any:
+    """One compiled init per config: the seed's key is an argument, so every seed reuses it (as ``DiTModules``)."""
+    return nnx.split(WanModules(CausalDiT(config, rngs=nnx.Rngs(key))))[1]
 
 
 def _wan_text_kv(graphdef: Any, params: Any, embeds: jax.Array) -> tuple[jax.Array, jax.Array]:
