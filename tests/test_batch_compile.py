@@ -19,7 +19,7 @@ from ardiff_jax import ARDiffusionEngine, DiffusionRequest, EngineConfig
 from ardiff_jax.envs import SpriteWorld
 from ardiff_jax.models import DiTModules, SpriteWorldPipeline, SpriteWorldPipelineConfig, dit_preset
 from ardiff_jax.runtime import ARDiffusionModelRunner
-from ardiff_jax.runtime._batch_runner import Warmup
+from ardiff_jax.runtime._batch_runner import BucketCompiler, Warmup
 
 CONFIG = dict(dtype="float32", available_memory_bytes=1 << 30, gpu_memory_fraction=1.0)
 OBSERVATIONS = [SpriteWorld(seed=seed).reset() for seed in range(3)]
@@ -98,28 +98,44 @@ def _spy_batches(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-def test_background_compiles_on_a_twin_while_requests_run_and_then_batches_without_compiling(modules, monkeypatch):
-    reference_pipeline, reference = _engine(modules, "eager")  # built first: the runners below are watched
-    inside, gate = threading.Event(), threading.Event()
-    original = Warmup.warm_up_bucket
-    serving: list[ARDiffusionModelRunner] = []
-
-    def held(self, bucket, **kwargs):
-        if serving and self._runner is not serving[0]:  # the twin runner's warmup, on the compiler thread
-            inside.set()
-            gate.wait(60)
-        return original(self, bucket, **kwargs)
-
-    monkeypatch.setattr(Warmup, "warm_up_bucket", held)
-    calls = _spy_batches(monkeypatch)
+def _spy_runners(monkeypatch) -> list[ARDiffusionModelRunner]:
+    """Every ``ARDiffusionModelRunner`` built from now on, in order."""
+    runners: list[ARDiffusionModelRunner] = []
     original_init = ARDiffusionModelRunner.__init__
 
     def remember(self, *args, **kwargs):
-        if not serving:
-            serving.append(self)
+        runners.append(self)
         original_init(self, *args, **kwargs)
 
     monkeypatch.setattr(ARDiffusionModelRunner, "__init__", remember)
+    return runners
+
+
+def _spy_compilers(monkeypatch, before_bucket=lambda compiler, bucket: None) -> list[tuple[BucketCompiler, int]]:
+    """``(compiler, bucket)`` of every bucket a twin's ``BucketCompiler`` starts; ``before_bucket`` runs first."""
+    started: list[tuple[BucketCompiler, int]] = []
+    original = BucketCompiler._warm_up_bucket
+
+    def spy(self, bucket):
+        started.append((self, bucket))
+        before_bucket(self, bucket)
+        return original(self, bucket)
+
+    monkeypatch.setattr(BucketCompiler, "_warm_up_bucket", spy)
+    return started
+
+
+def test_background_compiles_on_a_twin_while_requests_run_and_then_batches_without_compiling(modules, monkeypatch):
+    reference_pipeline, reference = _engine(modules, "eager")  # built first: the runners below are watched
+    inside, gate = threading.Event(), threading.Event()
+
+    def held(compiler, bucket):  # the twin's first bucket, on the compiler thread
+        inside.set()
+        gate.wait(60)
+
+    started = _spy_compilers(monkeypatch, held)
+    calls = _spy_batches(monkeypatch)
+    runners = _spy_runners(monkeypatch)
     pipeline, engine = _engine(modules, "background")
     events = []
     engine.runner.add_session_listener(events.append)
@@ -144,10 +160,66 @@ def test_background_compiles_on_a_twin_while_requests_run_and_then_batches_witho
             after = engine.generate_batch(_requests(1, PLAYERS))
         assert compiles == [] and calls == [(id(pipeline), 2)]  # one batched forward, built on the twin
         np.testing.assert_allclose(_frames(after), _frames(reference.generate_batch(_requests(1, PLAYERS))), atol=1e-5)
+        assert runners == [engine.runner]  # the twin is a BucketCompiler, no second runner
+        assert [bucket for _, bucket in started] == [2, 4]
     finally:
         gate.set()
         engine.close()
         reference.close()
+
+
+def test_the_twin_is_a_bucket_compiler_whose_pools_and_sessions_are_freed_once_it_compiled(modules, monkeypatch):
+    """The compile twin is no second runner: a gate, pools of the serving layout (the plan's bytes
+    again, while it compiles) and a batch runner, with two warmup sessions per bucket; once the
+    compiler thread is done its pools are freed and the twin pipeline holds no session (issue 48, item 1)."""
+    held: list[tuple[int, tuple[str, ...], int]] = []  # per bucket: live pool bytes, open sessions, twin's sessions
+
+    def census(compiler, bucket):
+        held.append((compiler.kv_cache.memory_report()["pool_bytes"], compiler.kv_cache.session_ids,
+                     len(compiler._gate.pipeline._sessions)))
+
+    runners = _spy_runners(monkeypatch)
+    calls = _spy_batches(monkeypatch)
+    started = _spy_compilers(monkeypatch, census)
+    pipeline, engine = _engine(modules, "background")
+    try:
+        assert engine.runner.wait_for_batch_compilation(120)
+        assert engine.runner.compiled_batch_buckets == (2, 4)
+        assert runners == [engine.runner]
+        (compiler, _), (same, _) = started
+        assert compiler is same and compiler._gate.pipeline is not pipeline
+        assert compiler.kv_cache.layout == engine.runner.kv_cache.layout
+        pool_bytes = engine.runner.kv_cache.layout.pool_bytes
+        assert held == [(pool_bytes, (), 0), (pool_bytes, (), 0)]  # each bucket starts from no session
+        assert {size for owner, size in calls if owner == id(compiler._gate.pipeline)} == {2}
+        assert compiler.kv_cache.closed and compiler.kv_cache.memory_report()["pool_bytes"] == 0
+        assert compiler.kv_cache.session_ids == () and compiler._gate.pipeline._sessions == {}
+    finally:
+        engine.close()
+
+
+def test_a_twin_of_another_layout_is_freed_and_the_buckets_compile_under_the_lock(modules, monkeypatch, caplog):
+    """A twin whose pools plan out in another layout builds nothing: its pools go, and the thread
+    compiles under the runner lock instead (two warmup sessions of the serving pipeline)."""
+    compilers: list[BucketCompiler] = []
+    original_init = BucketCompiler.__init__
+
+    def other_layout(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        compilers.append(self)
+        self.fits = False
+
+    monkeypatch.setattr(BucketCompiler, "__init__", other_layout)
+    calls = _spy_batches(monkeypatch)
+    pipeline, engine = _engine(modules, "background")
+    try:
+        assert engine.runner.wait_for_batch_compilation(120)
+        assert engine.runner.compiled_batch_buckets == (2, 4)
+        assert "twin pipeline planned another layout" in caplog.text
+        assert len(compilers) == 1 and compilers[0].kv_cache.closed
+        assert {owner for owner, _ in calls} == {id(pipeline)}  # every bucket built on the serving pipeline
+    finally:
+        engine.close()
 
 
 def test_background_without_a_twin_compiles_under_the_lock_while_two_slots_are_free(modules, monkeypatch):
@@ -195,13 +267,7 @@ def test_background_routes_a_batch_through_a_built_larger_bucket(modules, monkey
 
 def test_close_stops_the_background_compiler(modules, monkeypatch):
     started = threading.Event()
-    original = Warmup.warm_up_bucket
-
-    def slow(self, bucket, **kwargs):
-        started.set()
-        return original(self, bucket, **kwargs)
-
-    monkeypatch.setattr(Warmup, "warm_up_bucket", slow)
+    _spy_compilers(monkeypatch, lambda compiler, bucket: started.set())
     pipeline, engine = _engine(modules, "background")
     assert started.wait(60)
     engine.close()
@@ -212,26 +278,13 @@ def test_close_stops_the_twin_between_buckets_waits_for_it_and_frees_its_pools(m
     """close() during the twin's first bucket: the twin builds no other bucket, and once close()
     returns the compiler thread is gone and the twin's pools are freed (issue 43, item 4)."""
     inside = threading.Event()
-    original = Warmup.warm_up_bucket
-    serving: list[ARDiffusionModelRunner] = []
-    twins: list[tuple[ARDiffusionModelRunner, int]] = []
+    runners = _spy_runners(monkeypatch)
 
-    def held(self, bucket, **kwargs):
-        if serving and self._runner is not serving[0]:  # the twin runner's warmup, on the compiler thread
-            twins.append((self._runner, bucket))
-            inside.set()
-            serving[0]._stop_compiling.wait(60)  # go on once close() has asked the compiler to stop
-        return original(self, bucket, **kwargs)
+    def held(compiler, bucket):  # the twin's first bucket, on the compiler thread
+        inside.set()
+        runners[0]._warmup._stop.wait(60)  # go on once close() has asked the compiler to stop
 
-    monkeypatch.setattr(Warmup, "warm_up_bucket", held)
-    original_init = ARDiffusionModelRunner.__init__
-
-    def remember(self, *args, **kwargs):
-        if not serving:
-            serving.append(self)
-        original_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(ARDiffusionModelRunner, "__init__", remember)
+    twins = _spy_compilers(monkeypatch, held)
     pipeline, engine = _engine(modules, "background")
     try:
         assert inside.wait(60)
@@ -241,7 +294,7 @@ def test_close_stops_the_twin_between_buckets_waits_for_it_and_frees_its_pools(m
     assert compiler is not None and not compiler.is_alive()  # close() waited for the compiler
     assert [bucket for _, bucket in twins] == [2]  # stopped between buckets: bucket 4 never started
     twin = twins[0][0]
-    assert twin.closed and twin.kv_cache.closed  # the second set of pools is freed
+    assert twin.kv_cache.closed and twin._gate.pipeline._sessions == {}  # the second set of pools is freed
     assert engine.runner.compiled_batch_buckets == ()  # a stopped twin's buckets are not adopted
 
 

@@ -9,14 +9,16 @@ the runner's ``run_one``.
 
 :class:`Warmup` runs the pipeline's warmup requests at load, compiles the batch buckets
 (eagerly at load, or on a background thread: on a twin pipeline when the pipeline offers
-one, else bucket by bucket under the runner lock) and stops that thread on close. It drives
-the runner's own entry points, so warmup runs exactly the code a request runs.
+one, else bucket by bucket under the runner lock) and stops that thread on close. At load and
+under the lock it drives the runner's own entry points, so warmup runs exactly the code a
+request runs. On a twin it drives a :class:`BucketCompiler`: a gate over the twin pipeline,
+pools of the runner's layout and a :class:`BatchRunner` (the batched run a request's batch
+runs), and nothing else of a runner.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import threading
 import weakref
@@ -27,12 +29,14 @@ import jax  # noqa: F401 - imported before the atexit registration below (see st
 
 from ardiff_jax.runtime._batch import ARDiffusionKVBatch, batch_buckets, bucket_for
 from ardiff_jax.runtime._events import WARMUP_SESSION_ID
-from ardiff_jax.runtime._gate import PipelineGate
+from ardiff_jax.runtime._gate import PipelineGate, kv_cache_spec
 from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
+from ardiff_jax.runtime._loading import check_loadable
+from ardiff_jax.runtime._requests import request_session
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import DiffusionRequest
 
-__all__ = ["BatchRunner", "Warmup", "stop_every_compiler"]
+__all__ = ["BatchRunner", "BucketCompiler", "Warmup", "stop_every_compiler"]
 
 logger = logging.getLogger("ardiff_jax.runtime")
 
@@ -151,6 +155,158 @@ class BatchRunner:
         return outputs, errors
 
 
+class BucketCompiler:
+    """The batch buckets' programs built on a compile twin, with what that needs and nothing else of a runner.
+
+    A gate over the twin pipeline, a KV cache planned as the serving runner's and a
+    :class:`BatchRunner`; its warmup sessions are KV states it holds itself and releases
+    (close hook) after each bucket: no session table, host tier, events, files, stepwise runs
+    or lock, and nothing the serving runner holds. Why real pools of the serving layout, not
+    shapes: a bucket's programs are built by running the pipeline's batched forward (pipeline
+    code, calling its jitted programs on the bound pools' buffers), and those programs are
+    keyed by the pools' shapes, so only pools of the same layout build the programs the
+    serving runner's batches then run.
+
+    Args:
+      pipeline: the twin pipeline (``ar_diffusion_compile_twin()``).
+      like: the serving runner's cache; this one is planned against its memory budget,
+        device, KV dtype, storage dtype and attention backend.
+
+    Raises what the twin's load-time checks, its spec or the pool allocation raise (e.g. no
+    room for a second set of pools), and TypeError for a twin without the batch or warmup
+    protocol; nothing is kept then. :attr:`fits`: whether the pools came out in ``like``'s
+    layout (only then do its programs serve the runner). Close it to free its pools.
+    """
+
+    def __init__(self, pipeline: Any, like: ARDiffusionKVCache) -> None:
+        check_loadable(pipeline, None)
+        plan = like.plan
+        self._kv_cache = ARDiffusionKVCache(
+            kv_cache_spec(pipeline), dtype=like.dtype, available_memory_bytes=plan.available_bytes,
+            gpu_memory_fraction=plan.gpu_memory_fraction, device=like.device,
+            storage_dtype=like.layout.storage_dtype, attention_backend=like.attention_backend)
+        self._gate = PipelineGate(pipeline, self._kv_cache, batched=True)
+        if not (self._gate.can_batch and self._gate.can_warm_up):
+            self._kv_cache.close()
+            raise TypeError(f"the compile twin {self._gate.name} must implement SupportsARDiffusionBatch and "
+                            "SupportsARDiffusionWarmup")
+        self.fits = self._kv_cache.layout == like.layout
+        self._states: dict[str, ARDiffusionKVState] = {}  # the open warmup sessions, by id
+        self._batches = BatchRunner(self._gate, self._kv_cache, run_one=self._run_one, fail_closed=self._fail_closed)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self._batches.buckets
+
+    @property
+    def kv_cache(self) -> ARDiffusionKVCache:
+        return self._kv_cache
+
+    def compile(self, stop: threading.Event) -> frozenset[int]:
+        """Each bucket, smallest first, until ``stop`` is set (checked between buckets); the buckets built.
+
+        A bucket runs the warmup requests of two warmup sessions as batches padded to it (padded
+        rows change the data, not the program: this builds the program a full batch runs), so
+        batch ``k`` holds both sessions' ``k``-th request and the programs of a first block and
+        of a later one are both built. A failed batch is logged and its bucket counted anyway
+        (it then compiles on first use, as under ``"lazy"``); a warmup provider that gives
+        requests for other sessions (or no requests) stops the compile there.
+        """
+        built: frozenset[int] = frozenset()
+        for bucket in self.buckets:
+            if stop.is_set():
+                logger.info("AR-Diffusion batch warmup stopped before bucket %d (the runner closed)", bucket)
+                break
+            if not self._warm_up_bucket(bucket):
+                break
+            built |= {bucket}
+        return built
+
+    def close(self) -> None:
+        """Release the warmup sessions left (close hooks, errors logged) and free the pools. Idempotent."""
+        for session_id in list(self._states):
+            self._release(session_id, reset=False)
+        self._kv_cache.close()
+
+    def _warm_up_bucket(self, bucket: int) -> bool:
+        """Two warmup sessions' warmup requests as batches padded to ``bucket``, then released; False: provider unfit."""
+        session_ids = [f"{WARMUP_SESSION_ID}{index}" for index in range(2)]
+        self._batches.forced_bucket = bucket
+        try:
+            sequences = [list(self._gate.warmup_requests(session_id)) for session_id in session_ids]
+            for requests in zip(*sequences, strict=False):
+                flags = [request_session(request) if isinstance(request, DiffusionRequest) else None
+                         for request in requests]
+                bad = [(request, session_id) for request, session_id, flag in zip(requests, session_ids, flags,
+                                                                                   strict=True)
+                       if flag is None or flag[0] != session_id]
+                if bad:
+                    logger.warning("AR-Diffusion batch warmup skipped: the warmup provider gave %r for session %r",
+                                   *bad[0])
+                    return False
+                self._run_batch(session_ids, list(requests), [flag[1:3] for flag in flags])
+        except Exception as error:
+            logger.warning("AR-Diffusion batch warmup of bucket %d failed: %r", bucket, error)
+        finally:
+            self._batches.forced_bucket = None
+            for session_id in session_ids:
+                self._release(session_id, reset=False)
+        return True
+
+    def _run_batch(self, session_ids: list[str], requests: list[DiffusionRequest],
+                   flags: list[tuple[bool, bool]]) -> None:
+        """One batch as ``execute_model_batch`` runs it: validate, reset, admit, run, close; the first error raised."""
+        for session_id, request in zip(session_ids, requests, strict=True):
+            self._gate.validate(session_id, request)
+        for session_id, (reset, _) in zip(session_ids, flags, strict=True):
+            if reset:
+                self._release(session_id, reset=True)
+        states = [self._admit(session_id) for session_id in session_ids]
+        _, errors = self._batches.run(session_ids, requests, states)
+        if errors:
+            raise next(iter(errors.values()))
+        for session_id, (_, close_after) in zip(session_ids, flags, strict=True):
+            if close_after:
+                self._release(session_id, reset=False)
+
+    def _admit(self, session_id: str) -> ARDiffusionKVState:
+        state = self._states.get(session_id)
+        if state is None:
+            state = self._states[session_id] = self._kv_cache.create_state(session_id)
+            state._adopt()
+        return state
+
+    def _run_one(self, session_id: str, request: DiffusionRequest) -> Any:
+        """One request (the batch's fallback), fail-closed as the runner's."""
+        state = self._states[session_id]
+        try:
+            output = self._gate.forward(session_id, state, request)
+            self._gate.synchronize(output)
+        except BaseException as error:
+            self._fail_closed(session_id, error)
+            raise
+        return output
+
+    def _fail_closed(self, session_id: str, error: BaseException) -> None:
+        """Release the failed session; pools lost: every session, and fresh pools for the next bucket."""
+        logger.info("AR-Diffusion twin warmup of session %r failed (%r); releasing it", session_id, error)
+        self._release(session_id, reset=False)
+        if self._kv_cache.pools.is_deleted():
+            for other in list(self._states):
+                self._release(other, reset=False)
+            self._kv_cache.reallocate_pools()
+
+    def _release(self, session_id: str, *, reset: bool) -> None:
+        """KV first, then the pipeline's reset or close hook (its error logged: warmup cleanup)."""
+        state = self._states.pop(session_id, None)
+        if state is not None:
+            state._release()
+        try:
+            self._gate.hook(session_id, reset=reset)
+        except Exception as error:
+            logger.warning("AR-Diffusion cleanup of twin warmup session %r failed: %r", session_id, error)
+
+
 class Warmup:
     """Load-time warmup, the eager bucket compile and the background bucket compiler of one runner.
 
@@ -158,14 +314,14 @@ class Warmup:
       runner: the ``ARDiffusionModelRunner`` it warms up (its entry points run the warmup
         requests; its lock guards every change).
       batches: the runner's batch runner (the buckets and their record).
-      stop: the stop flag; a compile twin shares its serving runner's, so that runner's
-        ``close()`` stops the twin's warmup between buckets.
     """
 
-    def __init__(self, runner: Any, batches: BatchRunner, stop: threading.Event) -> None:
+    def __init__(self, runner: Any, batches: BatchRunner) -> None:
         self._runner = runner
         self._batches = batches
-        self._stop = stop
+        # Set by close() (and at interpreter exit): the background compiler, on a twin or under the
+        # lock, checks it between buckets.
+        self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
     # -- at load ------------------------------------------------------------------------------------
@@ -183,8 +339,6 @@ class Warmup:
         executed = 0
         try:
             for request in gate.warmup_requests(WARMUP_SESSION_ID):
-                if self._stop.is_set():  # a compile twin whose serving runner closed
-                    break
                 if not isinstance(request, DiffusionRequest):
                     logger.warning("AR-Diffusion warmup yielded %r, not a DiffusionRequest; skipped", request)
                     continue
@@ -226,9 +380,6 @@ class Warmup:
         if not self._runner._gate.can_batch or not batches.buckets:
             return
         for bucket in batches.buckets:
-            if self._stop.is_set():  # a compile twin whose serving runner closed: stop between buckets
-                logger.info("AR-Diffusion batch warmup stopped before bucket %d (the runner closed)", bucket)
-                return
             if not self.warm_up_bucket(bucket):
                 return
             batches.compiled |= {bucket}
@@ -314,39 +465,34 @@ class Warmup:
             _COMPILING.discard(self)
 
     def _compile_on_a_twin(self) -> bool:
-        """Every bucket built by a twin runner of the same layout, outside this runner's lock; False: fall back.
+        """Every bucket built on the pipeline's compile twin, outside this runner's lock; False: fall back.
 
-        The twin runner plans against the same memory budget, so its pools have this
-        runner's layout and its programs are the ones this runner's batches run; it holds a
-        second set of pools (the plan's bytes again) until it closes. Nothing of this runner
-        changes but the record of compiled buckets.
+        A :class:`BucketCompiler` over the twin pipeline (its own pools, planned against this
+        runner's memory budget, so of this runner's layout: the programs it builds are the ones
+        this runner's batches run) compiles the buckets and is closed; its pools are the plan's
+        bytes again until then. Nothing of this runner changes but the record of compiled buckets.
         """
         runner, batches = self._runner, self._batches
-        plan = runner.kv_cache.plan
-        config = dataclasses.replace(runner.config, batch_compile="eager", host_offload_bytes=0,
-                                     available_memory_bytes=plan.available_bytes,
-                                     gpu_memory_fraction=plan.gpu_memory_fraction)
         if self._stop.is_set():  # closed before the thread got here: no twin, no fallback
             return True
         try:
-            # The twin compiles every bucket inside its constructor; sharing the stop flag makes
-            # it stop between buckets when this runner closes (it is closed below either way).
-            twin = type(runner)(runner._gate.compile_twin(), config, _stop_compiling=self._stop)
+            compiler = BucketCompiler(runner._gate.compile_twin(), runner.kv_cache)
         except Exception as error:  # e.g. no room for a second set of pools: compile under the lock instead
             logger.warning("AR-Diffusion background compilation cannot use a twin pipeline (%r); compiling under "
                            "the runner lock", error)
             return False
         try:
-            if self._stop.is_set():  # stopped between the twin's buckets: its pools go now
-                return True
-            if twin.kv_cache.layout != runner.kv_cache.layout or twin.batch_buckets != batches.buckets:
+            if not compiler.fits or compiler.buckets != batches.buckets:
                 logger.warning("AR-Diffusion twin pipeline planned another layout; compiling under the runner lock")
                 return False
+            built = compiler.compile(self._stop)
+            if self._stop.is_set():  # stopped between the twin's buckets: its buckets are not adopted
+                return True
             with runner._locked():  # every change under the lock (no compile here: the twin built them)
-                batches.compiled |= set(twin.compiled_batch_buckets)
+                batches.compiled |= built
         finally:
-            twin.close()
-            del twin  # the twin's pipeline and pools are freed with the thread, not kept by its frame
+            compiler.close()
+            del compiler  # the twin's pipeline and pools are freed with the thread, not kept by its frame
         logger.info("AR-Diffusion background compilation built batch buckets %s on a twin pipeline", batches.buckets)
         return True
 

@@ -97,10 +97,7 @@ class ARDiffusionModelRunner:
       config: :class:`~ardiff_jax.EngineConfig`.
     """
 
-    def __init__(self, pipeline: Any, config: EngineConfig | None = None, *,
-                 _stop_compiling: threading.Event | None = None) -> None:
-        # _stop_compiling (internal): a compile twin shares its serving runner's stop flag, so that
-        # runner's close() stops the twin's warmup between buckets, inside this constructor.
+    def __init__(self, pipeline: Any, config: EngineConfig | None = None) -> None:
         config = check_loadable(pipeline, config)  # the load-time checks, in the reference order
         other = _BOUND_PIPELINES.get(id(pipeline))
         if other is not None and not other._closed:
@@ -145,8 +142,7 @@ class ARDiffusionModelRunner:
                            config.host_offload_bytes, type(pipeline).__name__)
         logger.info("%s", self._kv_cache.plan)
         _BOUND_PIPELINES[id(pipeline)] = self
-        self._stop_compiling = threading.Event() if _stop_compiling is None else _stop_compiling
-        self._warmup = Warmup(self, self._batches, self._stop_compiling)
+        self._warmup = Warmup(self, self._batches)
         try:
             self._warmup.run()
         except BaseException:  # e.g. KeyboardInterrupt while compiling: free the pools and the pipeline
