@@ -271,9 +271,8 @@ class BucketCompiler:
 
     def _admit(self, session_id: str) -> ARDiffusionKVState:
         state = self._states.get(session_id)
-        if state is None:
+        if state is None:  # not adopted as a runner's: this compiler is its only holder, and closes it itself
             state = self._states[session_id] = self._kv_cache.create_state(session_id)
-            state._adopt()
         return state
 
     def _run_one(self, session_id: str, request: DiffusionRequest) -> Any:
@@ -300,7 +299,7 @@ class BucketCompiler:
         """KV first, then the pipeline's reset or close hook (its error logged: warmup cleanup)."""
         state = self._states.pop(session_id, None)
         if state is not None:
-            state._release()
+            state.close()
         try:
             self._gate.hook(session_id, reset=reset)
         except Exception as error:
