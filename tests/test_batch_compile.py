@@ -22,7 +22,7 @@ from ardiff_jax.runtime import ARDiffusionModelRunner
 from ardiff_jax.runtime._batch_runner import BucketCompiler, Warmup
 
 CONFIG = dict(dtype="float32", available_memory_bytes=1 << 30, gpu_memory_fraction=1.0)
-OBSERVATIONS = [SpriteWorld(seed=seed).reset() for seed in range(3)]
+OBSERVATIONS = [SpriteWorld(seed=seed).reset() for seed in range(4)]
 PLAYERS = ("a", "b")
 
 
@@ -194,6 +194,12 @@ def test_the_twin_is_a_bucket_compiler_whose_pools_and_sessions_are_freed_once_i
         assert {size for owner, size in calls if owner == id(compiler._gate.pipeline)} == {2}
         assert compiler.kv_cache.closed and compiler.kv_cache.memory_report()["pool_bytes"] == 0
         assert compiler.kv_cache.session_ids == () and compiler._gate.pipeline._sessions == {}
+        # Two sessions padded to a bucket built the program a full bucket, and a partly filled one, run.
+        with compiles_by_thread() as compiles:
+            engine.generate_batch(_requests(0, ("a", "b", "c", "d")))
+            engine.generate_batch(_requests(1, ("a", "b", "c")))
+            engine.generate_batch(_requests(2, ("a", "b")))
+        assert compiles == []
     finally:
         engine.close()
 
