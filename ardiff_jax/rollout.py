@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +40,14 @@ from ardiff_jax.kv import (
     write_blocks,
 )
 from ardiff_jax._checks import check_not_traced
-from ardiff_jax.runtime import ARDiffusionKVCache, ARDiffusionKVState, branch_cursor_array, commit_frames
+from ardiff_jax.runtime import (
+    ARDiffusionKVCache,
+    ARDiffusionKVState,
+    branch_cursor_array,
+    own_rollout_pages,
+    plan_rollout,
+    publish_commit,
+)
 
 __all__ = ["BlockFn", "rollout_batched_blocks", "rollout_blocks", "rollout_sessions", "scan_batched_blocks"]
 
@@ -195,8 +201,8 @@ def rollout_sessions(
 ) -> Any:
     """Run a device-side rollout over sessions of an :class:`~ardiff_jax.ARDiffusionKVCache`.
 
-    Every step goes through the same commit rule as ``state.commit_paged_context``
-    (:func:`~ardiff_jax.runtime.commit_frames`): the whole schedule is planned on the host
+    Every step goes through the same commit transaction as ``state.commit_paged_context``
+    (:func:`~ardiff_jax.runtime.plan_rollout`, the one commit rule): the whole schedule is planned on the host
     first, so an unknown branch, a foreign or closed state, a pending context, a run owned
     by another branch or an overlong session raises before anything is dispatched and
     changes nothing. Then :func:`rollout_blocks` runs on the cache's pools (donated; the
@@ -241,22 +247,12 @@ def rollout_sessions(
     for state in states:
         if state.has_pending_context(branch):  # unknown branch / unbound state raise here too
             raise RuntimeError(f"session {state.session_id!r} has a pending context on branch {branch!r}")
-    # Plan every step with the one commit rule; any refusal raises before dispatch.
-    planned = [state.snapshot() for state in states]
-    for index in session_index:
-        planned[index] = commit_frames(spec, layout, planned[index], branch, int(num_frames))
-    # The page tables stay constant inside the scan: every slot the rollout writes gets a page this
-    # session alone holds first (a fork's shared history is copied into fresh pages, once).
-    local = spec.branch(branch).local_index
-    for index, state in enumerate(states):
-        steps = int(np.count_nonzero(session_index == index))
-        if steps:
-            first = state.adapter(branch).committed_frames
-            state._own_pages_for(local, np.arange(first, first + steps * int(num_frames), dtype=np.int32))
-    before = [state.snapshot() for state in states]
-    planned = [dataclasses.replace(value, pages=start.pages) for value, start in zip(planned, before, strict=True)]
-    cursors = np.stack([branch_cursor_array(spec, layout, value, branch, branch_major=cache.branch_major)
-                        for value in before])
+    # Plan every step with the one commit rule; any refusal raises before dispatch. The page tables stay constant
+    # inside the scan: every slot the rollout writes gets a page its session alone holds first (a fork's shared
+    # history is copied into fresh pages, once), and the plan follows the tables.
+    plan = own_rollout_pages(plan_rollout(states, branch, session_index, int(num_frames)), branch)
+    cursors = np.stack([branch_cursor_array(spec, layout, state.snapshot(), branch, branch_major=cache.branch_major)
+                        for state in states])
     cache.check_pools()
     if batched:
         pools, _, ys = rollout_batched_blocks(layout, cache.pools, cursors, block_fn, xs, num_frames=num_frames,
@@ -268,6 +264,5 @@ def rollout_sessions(
     check_not_traced("rollout_sessions (inside jax.jit or another transformation)", pools.k)
     cache._replace_pools(pools)
     # Bookkeeping after the device call returned: the device advanced the cursors with the same arithmetic.
-    for state, value in zip(states, planned):
-        state._publish(value)
+    publish_commit(plan)
     return ys

@@ -10,7 +10,10 @@ Power-user names live here; :mod:`ardiff_jax` re-exports what most users start w
   model state in host memory) and, on disk, :class:`SessionFileError`,
   :data:`SESSION_FORMAT_VERSION`;
 * KV manager: :class:`ARDiffusionKVCache`, :class:`ARDiffusionKVState`,
-  :class:`ARDiffusionRequestAdapter`; memory plan: :class:`MemoryPlan`, :func:`plan_memory`;
+  :class:`ARDiffusionRequestAdapter`, :class:`StateCheckpoint` (``state.checkpoint()`` /
+  ``state.rollback()``); the commit transaction (:class:`CommitPlan`: :func:`plan_commits`,
+  :func:`plan_rollout`, :func:`own_rollout_pages`, :func:`dispatch_commit`, :func:`publish_commit`,
+  :func:`commit_planned`, :func:`prepare_forwards`); memory plan: :class:`MemoryPlan`, :func:`plan_memory`;
 * execution: :class:`ARDiffusionModelRunner`, :class:`ARDiffusionEngine`, :class:`SessionEvent`;
   batched ticks: :class:`ARDiffusionKVBatch` (one paged view over a batch's slots),
   :class:`ARDiffusionBatchError`, :func:`batch_buckets`, :func:`bucket_for`;
@@ -55,7 +58,19 @@ from ardiff_jax.runtime._session import (
     session_kv_from_saved,
 )
 from ardiff_jax.runtime._session_table import SessionTable
-from ardiff_jax.runtime._state import ARDiffusionKVState, ARDiffusionRequestAdapter
+from ardiff_jax.runtime._state import (
+    ARDiffusionKVState,
+    ARDiffusionRequestAdapter,
+    CommitPlan,
+    StateCheckpoint,
+    commit_planned,
+    dispatch_commit,
+    own_rollout_pages,
+    plan_commits,
+    plan_rollout,
+    prepare_forwards,
+    publish_commit,
+)
 from ardiff_jax.types import (  # noqa: F401 - re-exported for code written before ardiff_jax.types
     AR_DIFFUSION_TICK_KEY,
     ARDiffusionChunkMetadata,
@@ -89,6 +104,7 @@ __all__ = [
     "ARDiffusionModelRunner",
     "ARDiffusionRequestAdapter",
     "BranchCursor",
+    "CommitPlan",
     "CrossAttentionKV",
     "HostSessionTier",
     "MemoryPlan",
@@ -97,13 +113,21 @@ __all__ = [
     "SessionFileError",
     "SessionKV",
     "SessionTable",
+    "StateCheckpoint",
     "branch_cursor_array",
     "check_session_kv",
     "clear_cross_attention",
     "commit_frames",
+    "commit_planned",
+    "dispatch_commit",
     "free_memory_bytes",
     "new_session_kv",
+    "own_rollout_pages",
+    "plan_commits",
     "plan_memory",
+    "plan_rollout",
+    "prepare_forwards",
+    "publish_commit",
     "publish_cross_attention",
     "reset_session_kv",
     "run_base",

@@ -34,8 +34,7 @@ import numpy as np
 from ardiff_jax._checks import check_not_traced
 from ardiff_jax.kv import PagedKVCaches, make_table_cursor
 from ardiff_jax.runtime._legacy import branch_of
-from ardiff_jax.runtime._session import commit_frames, with_run_table
-from ardiff_jax.runtime._state import plan_batch_writes
+from ardiff_jax.runtime._state import commit_planned, plan_commits, prepare_forwards
 
 if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
@@ -212,15 +211,7 @@ class ARDiffusionKVBatch:
         """
         self._check_bound()
         kv_branch = branch_of(kv_branch, "get_kv_caches")
-        previous = [state._pending.get(kv_branch) for state in self._states]
-        views = []
-        try:
-            for state in self._states:
-                views.append(state.get_kv_caches(kv_branch, seq_len, commit_current))
-        except BaseException:
-            for state, pending in zip(self._states, previous, strict=True):
-                state._set_pending(kv_branch, pending)
-            raise
+        views = prepare_forwards(self._states, kv_branch, seq_len, commit_current)  # all or nothing
         layout = self._cache.layout
         padding = make_table_cursor(0, 0, 0, (layout.null_page,) * layout.run_pages)  # committed 0: nothing visible
         cursors = np.stack([np.asarray(view.cursor) for view in views] + [padding] * (self._bucket_size - len(views)))
@@ -239,9 +230,7 @@ class ARDiffusionKVBatch:
         self._check_bound()
         kv_branch = branch_of(kv_branch, "commit_paged_context")
         check_not_traced("ARDiffusionKVBatch.commit_paged_context", kv)
-        for state in self._states:
-            state.adapter(kv_branch)  # usable, known branch
-        pending = [state._pending.get(kv_branch) for state in self._states]
+        pending = [state.pending_context(kv_branch) for state in self._states]  # usable, known branch
         if all(p is None for p in pending):
             if kv is not None:
                 raise ValueError(f"AR-Diffusion branch {kv_branch!r} has no pending batched context to commit kv "
@@ -256,28 +245,15 @@ class ARDiffusionKVBatch:
                 raise ValueError(f"AR-Diffusion branch {kv_branch!r}: the pending batched context is non-committing "
                                  "(commit_current=False); it cannot be committed with kv")
             for state in self._states:
-                state._set_pending(kv_branch, None)
+                state.discard_paged_context(kv_branch)
             return
         if kv is None:
             raise ValueError(f"AR-Diffusion branch {kv_branch!r}: a committing batched context must be committed with "
                              f"kv=(k, v) of shape [{self._bucket_size}, num_layers, {context.seq_len}, H, D]")
         k, v = self._validate_block_kv(kv, context.seq_len)
-        cache = self._cache
-        spec, layout = cache.spec, cache.layout
-        committed = [commit_frames(spec, layout, state._value, kv_branch, context.num_frames)
-                     for state in self._states]  # every refusal before the write
-        pages = np.full((self._bucket_size, context.num_frames), layout.null_page, np.int32)  # padded rows drop
-        writes = [(state, state.adapter(kv_branch).local_index,
-                   state.adapter(kv_branch).committed_frames + np.arange(context.num_frames, dtype=np.int32))
-                  for state in self._states]
-        # Planned together: a session and its fork overwrite the same shared pages (no page twice).
-        plans = [(local, plan) for (_, local, _), plan in zip(writes, plan_batch_writes(writes), strict=True)]
-        for row, (_, plan) in enumerate(plans):
-            pages[row] = plan.pages
-        cache._write_blocks(pages, k, v)
-        for state, value, (local, plan) in zip(self._states, committed, plans, strict=True):  # after the device call
-            state._publish(with_run_table(spec, layout, value, local, plan.new))
-            state._set_pending(kv_branch, None)
+        # Every refusal before the write; rows planned together (a session and its fork overwrite the same
+        # shared pages); every session published only after the one donated write returned.
+        commit_planned(plan_commits(self._states, kv_branch, context.num_frames), k, v)
 
     def discard_paged_context(self, kv_branch: str) -> None:
         """Drop the pending context of ``kv_branch`` of every session without writing."""

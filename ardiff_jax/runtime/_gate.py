@@ -200,7 +200,7 @@ class PipelineGate:
             )
         self._kv_cache.check_pools()
         if not stepwise:
-            forgotten = [name for name, pending in state._pending.items() if pending.commit_current]
+            forgotten = list(state.committing_branches())
             if forgotten:
                 raise RuntimeError(
                     f"forward of session {session_id!r} requested committing contexts on {forgotten} "
@@ -257,7 +257,7 @@ def committing(state: ARDiffusionKVState) -> bool:
     A non-committing context (a stepwise denoise step between calls) holds no KV of its
     own; it is dropped with the slot and the next step asks for a new one.
     """
-    return any(pending.commit_current for pending in state._pending.values())
+    return bool(state.committing_branches())
 
 
 def _find_retained(pipeline: Any, state: Any) -> str | None:

@@ -278,7 +278,7 @@ class ARDiffusionKVCache:
         """ValueError unless ``state`` is an open state of *this* cache (not a closed or foreign one)."""
         if not isinstance(state, ARDiffusionKVState):
             raise TypeError(f"expected an ARDiffusionKVState, got {type(state).__name__}")
-        if state._cache is not self:
+        if not state.owned_by(self):
             raise ValueError(
                 f"ARDiffusionKVState of session {state.session_id!r} belongs to another ARDiffusionKVCache; its slot "
                 "numbers mean nothing in this one")
@@ -591,7 +591,7 @@ class ARDiffusionKVCache:
         """Close every session and free the pools now (notebooks: release device memory). Idempotent."""
         if self._closed:
             return
-        managed = [sid for sid, state in self._states.items() if state._runner_managed]
+        managed = [sid for sid, state in self._states.items() if state.runner_managed]
         if managed:
             raise RuntimeError(
                 f"ARDiffusionKVCache sessions {managed} belong to a runner; close the engine (engine.close()), which "

@@ -16,7 +16,7 @@ same shared page release it together, and one of them keeps it.
 
 Everything here is host bookkeeping (numpy), planned before the device write and applied
 only after it returned (:meth:`PagePool.plan_writes`; the counts follow the session value the
-state publishes, :meth:`PagePool.hold` / :meth:`PagePool.drop`): a failed write changes no count.
+state publishes, through :meth:`PagePool.exchange` alone): a failed write changes no count.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class PagePool:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._counts = np.zeros(num_pages, np.int32)
+        self._version = 0
 
     @property
     def null_page(self) -> int:
@@ -137,25 +138,37 @@ class PagePool:
             plans.append(PagePlan(tuple(table), tuple(new), pages))
         return plans
 
-    def hold(self, pages: Iterable[int]) -> None:
-        """One more holder for each page (a new table, or a fork sharing its source's)."""
-        self.exchange(pages, ())
-
-    def drop(self, pages: Iterable[int]) -> None:
-        """One holder fewer for each page (a table released or replaced)."""
-        self.exchange((), pages)
+    @property
+    def version(self) -> int:
+        """How many times the counts changed: a check of tables against the counts holds while it stays."""
+        return self._version
 
     def exchange(self, held: Iterable[int], dropped: Iterable[int]) -> None:
         """One more holder for each page of ``held``, one fewer for each of ``dropped``: all or nothing.
 
-        Every id is checked before any count changes, so a refused call (an id outside the
-        pool, a page released more often than held) leaves every count as it was.
+        The one method that changes a count (its one caller: the state's publish, as tables
+        change). Every id is checked before any count changes, so a refused call (an id
+        outside the pool, a page released more often than held) leaves every count as it was.
         """
         counts = self._counts + self._tally(held, "held") - self._tally(dropped, "released")
         if (counts < 0).any():  # pragma: no cover - every drop pairs with a hold
             raise RuntimeError(f"AR-Diffusion pages {np.flatnonzero(counts < 0).tolist()} released more often than "
                                "held")
         self._counts = counts
+        self._version += 1
+
+    def check_held(self, tables: Iterable[PageTable], what: str = "tables") -> None:
+        """RuntimeError unless every page ``tables`` name (the null page aside) is a page of this pool someone holds."""
+        index = np.fromiter((page for table in tables for page in table if page != self.num_pages), np.int64)
+        if not index.size:
+            return
+        inside = (index >= 0) & (index < self.num_pages)
+        held = np.zeros(index.shape, bool)
+        held[inside] = self._counts[index[inside]] > 0
+        if not held.all():
+            raise RuntimeError(f"AR-Diffusion {what} names pages {sorted({int(p) for p in index[~held]})} the page "
+                               "pool does not hold; refused before anything moved (the session's KV cannot be "
+                               "trusted: release it)")
 
     def _tally(self, pages: Iterable[int], what: str) -> np.ndarray:
         """How often each page occurs in ``pages`` (the null page ignored); ValueError for an id outside the pool."""

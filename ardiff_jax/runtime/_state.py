@@ -12,7 +12,7 @@ device call, and only then update bookkeeping. A call that raises changes nothin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
@@ -43,7 +43,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ardiff_jax.runtime._kv_cache import ARDiffusionKVCache
 
 __all__ = [
-    "ARDiffusionKVState", "ARDiffusionRequestAdapter", "CrossAttentionKV", "StateCheckpoint", "plan_batch_writes",
+    "ARDiffusionKVState", "ARDiffusionRequestAdapter", "CommitPlan", "CrossAttentionKV", "StateCheckpoint",
+    "commit_planned", "dispatch_commit", "own_rollout_pages", "plan_commits", "plan_rollout", "prepare_forwards",
+    "publish_commit",
 ]
 
 
@@ -121,6 +123,31 @@ class StateCheckpoint:
         return tuple(name for name, _ in self.pending)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class CommitPlan:
+    """One device write of one or more sessions, planned on the host; nothing applied yet.
+
+    Made by :func:`plan_commits` (a commit of one session or of a batch), :func:`plan_rollout`
+    (a device-side rollout) or a rewrite; applied by :func:`dispatch_commit` (the device write)
+    and :func:`publish_commit` (the bookkeeping, only after the write returned), or both at
+    once by :func:`commit_planned`.
+
+    Attributes:
+      states: the sessions written, one row each.
+      values: ``values[i]`` is what ``states[i]`` holds once the write returned (cursors
+        advanced, page tables remapped where a page was shared).
+      pages: ``pages[i]`` (``i32[f]``) the pages row ``i``'s block goes to, one per frame.
+      frames: ``frames[i]`` (``i32[f]``) the absolute frames row ``i`` writes.
+      clears: the branch whose pending contexts the publish clears (None: nothing pending).
+    """
+
+    states: tuple[ARDiffusionKVState, ...]
+    values: tuple[SessionKV, ...]
+    pages: tuple[np.ndarray, ...]
+    frames: tuple[np.ndarray, ...]
+    clears: str | None
+
+
 def _shape_of(name: str, x: Any) -> tuple[int, ...]:
     shape = getattr(x, "shape", None)
     dtype = getattr(x, "dtype", None)
@@ -159,6 +186,8 @@ class ARDiffusionKVState(LegacyStateAPI):
         self._bound = False
         # Scratch pages a forward's action/state tokens may need (the spec's declared maximum).
         self._extra_pages = -(-cache.spec.max_scratch_tokens_per_branch // cache.spec.tokens_per_frame)
+        # The tables last found held by the pool, and the pool's count version then (see _check_tables).
+        self._tables_checked: tuple[tuple[tuple[int, ...], ...], int] | None = None
 
     def _fresh_adapters(self) -> dict[str, ARDiffusionRequestAdapter]:
         spec = self._cache.spec
@@ -204,48 +233,10 @@ class ARDiffusionKVState(LegacyStateAPI):
         """Bound to (``True``) or unbound from (``False``) the one pipeline invocation now running."""
         self._bound = bound
 
-    def _set_pending(self, kv_branch: str, context: _PendingContext | None) -> None:
-        """Put back (or, with ``None``, drop) the pending context of ``kv_branch`` (a refused batched prepare)."""
-        if context is None:
-            self._pending.pop(kv_branch, None)
-        else:
-            self._pending[kv_branch] = context
-
     def _drop_pages(self) -> None:
-        """Forget every page table (a reset or a release): the cache's counts drop with them."""
-        value = self._value
-        if value.pages:
-            self._value = dataclasses.replace(value, pages=())
-            self._cursor_arrays = {}
-            self._cache.page_pool.drop(page for table in value.pages for page in table)
-
-    def _own_pages_for(self, local_index: int, frames: np.ndarray) -> None:
-        """Give every slot ``frames`` will occupy a page only this session holds, before a device rollout.
-
-        A device rollout writes through constant page tables, so a shared slot cannot be
-        remapped at the step that overwrites it: its page (still visible until then) is
-        copied into a fresh one first; a slot never written gets a fresh page. Sessions that
-        share nothing (every session that never forked) move nothing and copy nothing.
-        """
-        cache = self._cache
-        slots = sorted({int(s) for s in slot_of_frame(cache.layout, np.asarray(frames), np)})  # a ring laps: once each
-        plan = self._plan_slots(local_index, slots)
-        old = plan.old
-        moved = [(old[s], plan.new[s]) for s in slots if old[s] != cache.layout.null_page and old[s] != plan.new[s]]
-        if moved:
-            cache._copy_pages(np.array([a for a, _ in moved], np.int32), np.array([b for _, b in moved], np.int32))
-        if plan.new != old:
-            self._publish(with_run_table(cache.spec, cache.layout, self._value, local_index, plan.new))
-
-    def _plan_write(self, local_index: int, frames: np.ndarray, reserved: set[int] | None = None) -> Any:
-        """Where writing ``frames`` of run ``local_index`` goes (a :class:`~ardiff_jax.runtime._pages.PagePlan`).
-
-        Pages only this session holds are written in place; a slot whose page is shared (a
-        fork's history) or was never written gets a fresh page, so no other session's frames
-        change. Planned on the host, counted only when the new value is published. A batch's
-        rows are planned together instead (:func:`plan_batch_writes`).
-        """
-        return self._cache.page_pool.plan_batch([self._write_row(local_index, frames)], reserved)[0]
+        """Forget every page table (a reset or a release): the cache's counts drop with them, in :meth:`_publish`."""
+        if self._value.pages:
+            self._publish(dataclasses.replace(self._value, pages=()))
 
     def _write_row(self, local_index: int, frames: np.ndarray) -> tuple[tuple[int, ...], list[int], tuple[int, ...]]:
         """``(table, slots, home)`` of a write of ``frames`` of run ``local_index``: one row of a page plan."""
@@ -257,9 +248,23 @@ class ARDiffusionKVState(LegacyStateAPI):
         home = home_table(cache.spec, cache.layout, self._value.slot, local_index, branch_major=cache.branch_major)
         return run_table(cache.layout, self._value, local_index), slots, home
 
-    def _plan_slots(self, local_index: int, slots: list[int], reserved: set[int] | None = None) -> Any:
-        """:meth:`_plan_write` by run slot (each slot once): the one call into the cache's page pool."""
-        return self._cache.page_pool.plan_batch([self._slots_row(local_index, slots)], reserved)[0]
+    def _own_pages(self, local_index: int, frames: np.ndarray) -> None:
+        """Give every slot ``frames`` will occupy a page only this session holds (:func:`own_rollout_pages`).
+
+        A device rollout writes through constant page tables, so a shared slot cannot be
+        remapped at the step that overwrites it: its page (still visible until then) is
+        copied into a fresh one first; a slot never written gets a fresh page. Sessions that
+        share nothing (every session that never forked) move nothing and copy nothing.
+        """
+        cache = self._cache
+        slots = sorted({int(s) for s in slot_of_frame(cache.layout, np.asarray(frames), np)})  # a ring laps: once each
+        plan = cache.page_pool.plan_batch([self._slots_row(local_index, slots)])[0]
+        old = plan.old
+        moved = [(old[s], plan.new[s]) for s in slots if old[s] != cache.layout.null_page and old[s] != plan.new[s]]
+        if moved:
+            cache._copy_pages(np.array([a for a, _ in moved], np.int32), np.array([b for _, b in moved], np.int32))
+        if plan.new != old:
+            self._publish(with_run_table(cache.spec, cache.layout, self._value, local_index, plan.new))
 
     # -- a handle, not a value -------------------------------------------------------------------
     def _refuse_copy(self, *args: Any) -> NoReturn:
@@ -376,6 +381,22 @@ class ARDiffusionKVState(LegacyStateAPI):
         if self._closed:
             raise RuntimeError(f"AR-Diffusion session {self._session_id!r} is closed")
         self._check_binding()
+        self._check_tables()
+
+    def _check_tables(self) -> None:
+        """RuntimeError unless the pool holds every page the session's tables name (every public entry checks).
+
+        A table naming a page nobody holds (its frames may be another session's by now) is
+        refused before anything moves. Checked once per table and pool count version: a
+        tick that remaps nothing pays two comparisons.
+        """
+        pool = self._cache.page_pool
+        pages = self._value.pages
+        checked = self._tables_checked
+        if checked is not None and checked[1] == pool.version and checked[0] == pages:
+            return
+        pool.check_held(pages, f"session {self._session_id!r}")
+        self._tables_checked = (pages, pool.version)
 
     def _check_binding(self) -> None:
         if self._runner_managed and not self._bound:
@@ -404,6 +425,24 @@ class ARDiffusionKVState(LegacyStateAPI):
     def _run_base(self, local_index: int) -> int:
         return run_base(self._cache.spec, self._cache.layout, self._value.slot, local_index,  # one rule, in _session
                         branch_major=self._cache.branch_major)
+
+    def pending_context(self, kv_branch: str) -> _PendingContext | None:
+        """The pending forward context of ``kv_branch`` (``seq_len``, ``num_frames``, ``commit_current``), or None."""
+        self.adapter(kv_branch)
+        return self._pending.get(kv_branch)
+
+    def committing_branches(self) -> tuple[str, ...]:
+        """The branches whose pending context is committing: their block is not in the pages yet."""
+        return tuple(name for name, pending in self._pending.items() if pending.commit_current)
+
+    def owned_by(self, cache: Any) -> bool:
+        """Whether ``cache`` is the :class:`~ardiff_jax.ARDiffusionKVCache` that made this state (its slot's pools)."""
+        return self._cache is cache
+
+    @property
+    def runner_managed(self) -> bool:
+        """Whether a runner manages this state (usable only while bound, released only by the runner)."""
+        return self._runner_managed
 
     def has_pending_context(self, kv_branch: str) -> bool:
         """Whether ``kv_branch`` has a forward context from ``get_kv_caches`` not yet committed or discarded."""
@@ -465,7 +504,7 @@ class ARDiffusionKVState(LegacyStateAPI):
         cleared and must not pass ``kv``. Call only after the forward succeeded.
         """
         kv_branch = branch_of(kv_branch, "commit_paged_context")
-        adapter = self.adapter(kv_branch)
+        self.adapter(kv_branch)  # usable, known branch
         check_not_traced("ARDiffusionKVState.commit_paged_context", kv)
         pending = self._pending.get(kv_branch)
         if pending is None:
@@ -489,14 +528,7 @@ class ARDiffusionKVState(LegacyStateAPI):
                 f"of shape [num_layers, {pending.seq_len}, H, D]"
             )
         k, v = self._validate_block_kv(kv, pending.seq_len)
-        layout = self._cache.layout
-        committed = commit_frames(self._cache.spec, layout, self._value, kv_branch, pending.num_frames)
-        frames = adapter.committed_frames + np.arange(pending.num_frames, dtype=np.int32)
-        plan = self._plan_write(adapter.local_index, frames)
-        self._cache._write_block(plan.pages, k, v)
-        # Bookkeeping only after the device call returned.
-        self._publish(with_run_table(self._cache.spec, layout, committed, adapter.local_index, plan.new))
-        del self._pending[kv_branch]
+        commit_planned(plan_commits((self,), kv_branch, pending.num_frames), k, v)  # published after the write
 
     def rewrite_committed_context(self, kv_branch: str, first_frame: int, kv: tuple[jax.Array, jax.Array]) -> None:
         """Overwrite the K/V of committed frames still in the pool; the cursor does not move.
@@ -536,9 +568,8 @@ class ARDiffusionKVState(LegacyStateAPI):
                 f"the pool can be rewritten (sink frames < {min(committed, layout.sink_frames)} and frames "
                 f"{oldest_ring}..{committed - 1})")
         frames = np.arange(first, first + count, dtype=np.int32)
-        plan = self._plan_write(adapter.local_index, frames)  # a shared frame is rewritten into a fresh page
-        self._cache._write_block(plan.pages, k, v)
-        self._publish(with_run_table(self._cache.spec, layout, self._value, adapter.local_index, plan.new))
+        # The cursor stays; a shared frame is rewritten into a fresh page (the plan's new table).
+        commit_planned(_plan_rows((self,), (self._value,), kv_branch, (frames,), clears=None), k, v)
 
     def discard_paged_context(self, kv_branch: str) -> None:
         """Drop the pending context of ``kv_branch`` without writing (e.g. after a failed forward)."""
@@ -724,16 +755,165 @@ class ARDiffusionKVState(LegacyStateAPI):
         }
 
 
-def plan_batch_writes(writes: Iterable[tuple[ARDiffusionKVState, int, np.ndarray]]) -> list[Any]:
-    """Page plans of one device write of several sessions (``(state, local_index, frames)`` per row), planned together.
+# -- the commit transaction: plan (pure), dispatch (one device write), publish (after it returned) ---------------------
+# The one place a commit of one session, of a batch of sessions or of a device-side rollout is planned and published:
+# the state's own methods, ARDiffusionKVBatch and ardiff_jax.rollout all go through these functions.
 
-    A session and its fork in one batch overwrite the same shared pages: counted together,
-    one of them keeps each such page and only the others take fresh ones
-    (:meth:`~ardiff_jax.runtime._pages.PagePool.plan_batch`), so the batch fits the pool
-    whenever the sessions do. Every state must belong to one cache.
+def plan_commits(states: Sequence[ARDiffusionKVState], kv_branch: str, num_frames: int) -> CommitPlan:
+    """Plan one device write committing ``num_frames`` frames of ``kv_branch`` of every state (nothing changes).
+
+    Each state's value advances by the one commit rule (:func:`~ardiff_jax.runtime.commit_frames`;
+    a refusal raises here, before anything is written). The rows' pages are planned together
+    (:meth:`~ardiff_jax.runtime._pages.PagePool.plan_batch`): a session and its fork in one write
+    overwrite the same shared pages, one of them keeps each such page and only the others take
+    fresh ones, so the write fits the pool whenever the sessions do. Every state must belong to
+    one cache. The publish clears the branch's pending contexts.
+
+    Shapes:
+      plan.pages: one ``i32[num_frames]`` per state; plan.frames: one ``i32[num_frames]`` per state.
     """
-    writes = list(writes)
-    if not writes:
-        return []
-    cache = writes[0][0]._cache
-    return cache.page_pool.plan_batch([state._write_row(local_index, frames) for state, local_index, frames in writes])
+    states = tuple(states)
+    cache = _one_cache(states)
+    spec, layout = cache.spec, cache.layout
+    values = [commit_frames(spec, layout, state._value, kv_branch, num_frames) for state in states]  # refusals first
+    frames = [state._adapters[kv_branch].committed_frames + np.arange(num_frames, dtype=np.int32) for state in states]
+    return _plan_rows(states, values, kv_branch, frames, clears=kv_branch)
+
+
+def plan_rollout(states: Sequence[ARDiffusionKVState], kv_branch: str, session_index: np.ndarray,
+                 num_frames: int) -> CommitPlan:
+    """Plan a device-side rollout: step ``i`` commits ``num_frames`` frames of ``states[session_index[i]]`` (pure).
+
+    Every step goes through the one commit rule on the host first, so any refusal (an
+    unknown branch, a pending context: :meth:`ARDiffusionKVState.snapshot` refuses it, a run
+    owned by another branch, an overlong session) raises before anything moves. The device
+    writes through the page tables the states hold when it runs (:func:`own_rollout_pages`
+    makes them the session's own first), so the plan names no pages.
+
+    Shapes:
+      session_index: ``i32[num_steps]``; plan.frames: per state ``i32[steps_of_state * num_frames]``;
+      plan.pages: per state ``i32[0]``.
+    """
+    states = tuple(states)
+    cache = _one_cache(states)
+    spec, layout = cache.spec, cache.layout
+    session_index = np.asarray(session_index)
+    if session_index.ndim != 1 or (session_index.size and (session_index.min() < 0
+                                                           or session_index.max() >= len(states))):
+        raise ValueError(f"session_index must be a 1-d sequence of indices in [0, {len(states)}), got "
+                         f"{session_index.tolist()}")
+    planned = [state.snapshot() for state in states]
+    for index in session_index:
+        planned[index] = commit_frames(spec, layout, planned[index], kv_branch, int(num_frames))
+    steps = np.bincount(session_index, minlength=len(states))
+    frames = tuple(state._adapters[kv_branch].committed_frames + np.arange(count * int(num_frames), dtype=np.int32)
+                   for state, count in zip(states, steps, strict=True))
+    nothing = tuple(np.zeros(0, np.int32) for _ in states)
+    return CommitPlan(states=states, values=tuple(planned), pages=nothing, frames=frames, clears=None)
+
+
+def own_rollout_pages(plan: CommitPlan, kv_branch: str) -> CommitPlan:
+    """Before a device rollout: every slot ``plan`` writes gets a page its session alone holds; the plan follows.
+
+    A rollout writes through constant page tables, so a fork's shared history is copied into
+    fresh pages once, here (one page copy per state that shares, then its new tables are
+    published: counts follow). Returns ``plan`` with each value's page tables the state's
+    new ones. Sessions that share nothing move and copy nothing.
+    """
+    local = plan.states[0]._cache.spec.branch(kv_branch).local_index if plan.states else 0
+    for state, frames in zip(plan.states, plan.frames, strict=True):
+        if len(frames):
+            state._own_pages(local, frames)
+    values = tuple(dataclasses.replace(value, pages=state._value.pages)
+                   for state, value in zip(plan.states, plan.values, strict=True))
+    return dataclasses.replace(plan, values=values)
+
+
+def dispatch_commit(plan: CommitPlan, k: jax.Array, v: jax.Array) -> None:
+    """The device write of ``plan``: every row's block into its planned pages, one donated program; publishes nothing.
+
+    Shapes:
+      one state: k, v ``[L, f*T, H, D]``;
+      batched: k, v ``[B, L, f*T, H, D]`` with ``B >= len(plan.states)``: row ``i`` is state ``i``'s
+      block, rows past the states (a bucket's padding) are dropped.
+    """
+    cache = _one_cache(plan.states)
+    if k.ndim == 4:
+        if len(plan.states) != 1:
+            raise ValueError(f"a write of {len(plan.states)} sessions needs batched k, v [B, L, f*T, H, D]")
+        cache._write_block(plan.pages[0], k, v)
+        return
+    pages = np.full((k.shape[0], len(plan.pages[0])), cache.layout.null_page, np.int32)  # padded rows drop
+    for row, row_pages in enumerate(plan.pages):
+        pages[row] = row_pages
+    cache._write_blocks(pages, k, v)
+
+
+def publish_commit(plan: CommitPlan) -> None:
+    """Install ``plan``'s values (after its device work returned) and clear the pending contexts it commits.
+
+    Each state's reference counts follow its new tables (:meth:`ARDiffusionKVState._publish`,
+    the one place they change), all or nothing per state.
+    """
+    for state, value in zip(plan.states, plan.values, strict=True):
+        state._publish(value)
+        if plan.clears is not None:
+            state._pending.pop(plan.clears, None)
+
+
+def commit_planned(plan: CommitPlan, k: jax.Array, v: jax.Array) -> None:
+    """The whole transaction of a planned write: :func:`dispatch_commit`, then :func:`publish_commit`.
+
+    A write that raises publishes nothing: every state keeps its value and its pending context.
+
+    Shapes:
+      k, v: as :func:`dispatch_commit`.
+    """
+    dispatch_commit(plan, k, v)
+    publish_commit(plan)  # bookkeeping only after the device call returned
+
+
+def prepare_forwards(states: Sequence[ARDiffusionKVState], kv_branch: str, seq_len: int | None,
+                     commit_current: bool) -> list[PagedKVCaches]:
+    """:meth:`ARDiffusionKVState.get_kv_caches` of every state, all or nothing (a batched forward's prepare).
+
+    If one state refuses, every state gets back the pending context it had before, and the
+    error propagates: no state keeps a new pending context.
+    """
+    states = tuple(states)
+    previous = [state._pending.get(kv_branch) for state in states]
+    views = []
+    try:
+        for state in states:
+            views.append(state.get_kv_caches(kv_branch, seq_len, commit_current))
+    except BaseException:
+        for state, pending in zip(states, previous, strict=True):
+            if pending is None:
+                state._pending.pop(kv_branch, None)
+            else:
+                state._pending[kv_branch] = pending
+        raise
+    return views
+
+
+def _one_cache(states: tuple[ARDiffusionKVState, ...]) -> ARDiffusionKVCache:
+    if not states:
+        raise ValueError("a commit plan needs at least one state")
+    cache = states[0]._cache
+    if any(state._cache is not cache for state in states):
+        raise ValueError("the states of one commit must belong to one ARDiffusionKVCache")
+    return cache
+
+
+def _plan_rows(states: tuple[ARDiffusionKVState, ...], values: Sequence[SessionKV], kv_branch: str,
+               frames: Sequence[np.ndarray], clears: str | None) -> CommitPlan:
+    """The page plan of one write of ``frames[i]`` of ``kv_branch`` of each state, with ``values[i]`` after it."""
+    cache = _one_cache(states)
+    local = states[0]._adapters[kv_branch].local_index
+    plans = cache.page_pool.plan_batch([state._write_row(local, rows) for state, rows in zip(states, frames,
+                                                                                           strict=True)])
+    spec, layout = cache.spec, cache.layout
+    return CommitPlan(states=states,
+                      values=tuple(with_run_table(spec, layout, value, local, plan.new)
+                                   for value, plan in zip(values, plans, strict=True)),
+                      pages=tuple(plan.pages for plan in plans), frames=tuple(frames), clears=clears)
