@@ -288,3 +288,19 @@ def test_the_pipeline_commits_the_decoded_frame(modules):
     np.testing.assert_array_equal(latents_to_frames(np.asarray(out.latents)), out.frames)
     with pytest.raises(ValueError, match="decoder must be one of"):
         SpriteWorldPipelineConfig(decoder="vae")
+
+
+def test_a_session_compiles_its_step_program_once_from_its_first_block(modules):
+    """Without warmup: the observation's prefill and every later block run one compiled step program.
+
+    The "delta" prediction's previous frame starts as zeros; an uncommitted zeros array there (every later
+    previous frame is committed to the device) made jit compile the same step a second time."""
+    from helpers import count_compiles
+
+    _, engine = _engine(modules)
+    with count_compiles() as compiled:
+        engine.generate(_request("p", [4], observation=SpriteWorld(4).reset()))
+        for action in (1, 2, 3):
+            engine.generate(_request("p", [action]))
+    steps = [program for program in compiled if "world_step" in str(program)]
+    assert len(steps) == len(set(steps)), steps

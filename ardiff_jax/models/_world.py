@@ -467,7 +467,9 @@ class WorldPipeline(PipelineBase):
         if self.prediction != "delta":
             return None
         if session.last_block is None:
-            return jnp.zeros(self.config.block_shape[1:], jnp.float32)  # nothing yet: the change from black
+            # Nothing yet: the change from black. Committed to the device like every later frame: an uncommitted
+            # array here compiled the session's first step a second time (jit keys on committedness).
+            return self._to_device(np.zeros(self.config.block_shape[1:], np.float32))
         return session.last_block[-1]
 
     def _finish_block(self, x0: jax.Array) -> jax.Array:
