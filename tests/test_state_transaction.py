@@ -9,6 +9,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_cache, pool_snapshot
 
 from ardiff_jax.runtime import (
     ARDiffusionKVState,
@@ -19,7 +20,6 @@ from ardiff_jax.runtime import (
     plan_rollout,
     publish_commit,
 )
-from helpers import make_cache, pool_snapshot
 
 RUNTIME = pathlib.Path(__file__).resolve().parent.parent / "ardiff_jax" / "runtime"
 L, H, D, T = 2, 2, 4, 2
@@ -66,7 +66,7 @@ def test_a_write_that_raises_publishes_nothing():
     state.get_kv_caches("main", seq_len=2 * T, commit_current=True)
     before = state.checkpoint()
     plan = plan_commits([state], "main", 2)
-    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the device write raises, nothing is published
+    with pytest.raises(Exception):  # noqa: B017 - whatever the device write raises, nothing is published
         commit_planned(plan, block(1)[:, :1], block(2)[:, :1])  # one token short of the planned block
     assert state.checkpoint() == before and state.has_pending_context("main")
     publish_commit(plan)  # the same plan, published by hand: the cursor moves, the context is cleared

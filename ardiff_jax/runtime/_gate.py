@@ -200,10 +200,10 @@ class PipelineGate:
             )
         self._kv_cache.check_pools()
         if not stepwise:
-            forgotten = list(state.committing_branches())
+            forgotten = state.committing_branches()
             if forgotten:
                 raise RuntimeError(
-                    f"forward of session {session_id!r} requested committing contexts on {forgotten} "
+                    f"forward of session {session_id!r} requested committing contexts on {list(forgotten)} "
                     "(get_kv_caches(..., commit_current=True)) and returned without commit_paged_context; the block "
                     "was not committed")
 

@@ -187,7 +187,8 @@ class ARDiffusionKVState(LegacyStateAPI):
         # Scratch pages a forward's action/state tokens may need (the spec's declared maximum).
         self._extra_pages = -(-cache.spec.max_scratch_tokens_per_branch // cache.spec.tokens_per_frame)
         # The tables last found held by the pool, and the pool's count version then (see _check_tables).
-        self._tables_checked: tuple[tuple[tuple[int, ...], ...], int] | None = None
+        self._checked_pages: tuple[tuple[int, ...], ...] = ()
+        self._checked_version = -1
 
     def _fresh_adapters(self) -> dict[str, ARDiffusionRequestAdapter]:
         spec = self._cache.spec
@@ -390,13 +391,14 @@ class ARDiffusionKVState(LegacyStateAPI):
         refused before anything moves. Checked once per table and pool count version: a
         tick that remaps nothing pays two comparisons.
         """
-        pool = self._cache.page_pool
         pages = self._value.pages
-        checked = self._tables_checked
-        if checked is not None and checked[1] == pool.version and checked[0] == pages:
+        if not pages:  # nothing written: no table names a page
+            return
+        pool = self._cache.page_pool
+        if self._checked_version == pool.version and (self._checked_pages is pages or self._checked_pages == pages):
             return
         pool.check_held(pages, f"session {self._session_id!r}")
-        self._tables_checked = (pages, pool.version)
+        self._checked_pages, self._checked_version = pages, pool.version
 
     def _check_binding(self) -> None:
         if self._runner_managed and not self._bound:
@@ -433,7 +435,10 @@ class ARDiffusionKVState(LegacyStateAPI):
 
     def committing_branches(self) -> tuple[str, ...]:
         """The branches whose pending context is committing: their block is not in the pages yet."""
-        return tuple(name for name, pending in self._pending.items() if pending.commit_current)
+        pending = self._pending
+        if not pending:  # the common case, asked after every forward
+            return ()
+        return tuple(name for name, context in pending.items() if context.commit_current)
 
     def owned_by(self, cache: Any) -> bool:
         """Whether ``cache`` is the :class:`~ardiff_jax.ARDiffusionKVCache` that made this state (its slot's pools)."""
@@ -569,7 +574,7 @@ class ARDiffusionKVState(LegacyStateAPI):
                 f"{oldest_ring}..{committed - 1})")
         frames = np.arange(first, first + count, dtype=np.int32)
         # The cursor stays; a shared frame is rewritten into a fresh page (the plan's new table).
-        commit_planned(_plan_rows((self,), (self._value,), kv_branch, (frames,), clears=None), k, v)
+        commit_planned(_plan_rows(self._cache, (self,), (self._value,), kv_branch, (frames,), clears=None), k, v)
 
     def discard_paged_context(self, kv_branch: str) -> None:
         """Drop the pending context of ``kv_branch`` without writing (e.g. after a failed forward)."""
@@ -777,7 +782,7 @@ def plan_commits(states: Sequence[ARDiffusionKVState], kv_branch: str, num_frame
     spec, layout = cache.spec, cache.layout
     values = [commit_frames(spec, layout, state._value, kv_branch, num_frames) for state in states]  # refusals first
     frames = [state._adapters[kv_branch].committed_frames + np.arange(num_frames, dtype=np.int32) for state in states]
-    return _plan_rows(states, values, kv_branch, frames, clears=kv_branch)
+    return _plan_rows(cache, states, values, kv_branch, frames, clears=kv_branch)
 
 
 def plan_rollout(states: Sequence[ARDiffusionKVState], kv_branch: str, session_index: np.ndarray,
@@ -837,7 +842,7 @@ def dispatch_commit(plan: CommitPlan, k: jax.Array, v: jax.Array) -> None:
       batched: k, v ``[B, L, f*T, H, D]`` with ``B >= len(plan.states)``: row ``i`` is state ``i``'s
       block, rows past the states (a bucket's padding) are dropped.
     """
-    cache = _one_cache(plan.states)
+    cache = plan.states[0]._cache  # a plan's states share one cache (checked when it was made)
     if k.ndim == 4:
         if len(plan.states) != 1:
             raise ValueError(f"a write of {len(plan.states)} sessions needs batched k, v [B, L, f*T, H, D]")
@@ -905,10 +910,9 @@ def _one_cache(states: tuple[ARDiffusionKVState, ...]) -> ARDiffusionKVCache:
     return cache
 
 
-def _plan_rows(states: tuple[ARDiffusionKVState, ...], values: Sequence[SessionKV], kv_branch: str,
-               frames: Sequence[np.ndarray], clears: str | None) -> CommitPlan:
-    """The page plan of one write of ``frames[i]`` of ``kv_branch`` of each state, with ``values[i]`` after it."""
-    cache = _one_cache(states)
+def _plan_rows(cache: ARDiffusionKVCache, states: tuple[ARDiffusionKVState, ...], values: Sequence[SessionKV],
+               kv_branch: str, frames: Sequence[np.ndarray], clears: str | None) -> CommitPlan:
+    """The page plan of one write of ``frames[i]`` of ``kv_branch`` of each state (all of ``cache``), then ``values[i]``."""
     local = states[0]._adapters[kv_branch].local_index
     plans = cache.page_pool.plan_batch([state._write_row(local, rows) for state, rows in zip(states, frames,
                                                                                            strict=True)])
