@@ -16,6 +16,7 @@ from ardiff_jax.runtime import (
     SessionKV,
     commit_planned,
     dispatch_commit,
+    fork_session_kv,
     plan_commits,
     plan_rollout,
     publish_commit,
@@ -108,22 +109,24 @@ def test_a_table_naming_a_page_the_pool_does_not_hold_is_refused_at_every_public
     cache = make_cache()
     state = cache.create_state("s")
     commit(state, 0)
-    page = state.snapshot().pages[0][0]
+    value = state.snapshot()
+    page = value.pages[0][0]
     cache.page_pool.exchange((), [page])  # a count lost behind the state's back (a bug elsewhere)
-    pools, checkpoint = cache.pools, state.checkpoint()
+    pools, described = cache.pools, state.describe()
     entries = [
         lambda: state.get_kv_caches("main", seq_len=2 * T, commit_current=True),
         lambda: state.commit_paged_context("main", kv=(block(1), block(1))),
         lambda: state.rewrite_committed_context("main", 0, (block(1, 1), block(1, 1))),
         lambda: state.snapshot(),
-        lambda: state.restore(checkpoint.value),
+        lambda: state.restore(value),
         lambda: state.has_pending_context("main"),
         lambda: state.clear_cross_attention(),
+        lambda: state.checkpoint(),
     ]
     for entry in entries:
         with pytest.raises(RuntimeError, match=rf"names pages \[{page}\] the page pool does not hold"):
             entry()
-        assert cache.pools is pools and state.checkpoint() == checkpoint and cache.page_pool.count(page) == 0
+        assert cache.pools is pools and state.describe() == described and cache.page_pool.count(page) == 0
     cache.page_pool.exchange([page], ())  # the count back: the same state is usable again
     commit(state, 1)
     assert state.adapter("main").committed_frames == 4
@@ -147,3 +150,25 @@ def test_reference_counts_change_in_one_method_called_from_one_place():
                             and node.func.attr in ("exchange", "hold", "drop"):
                         callers.add(f"{path.name}:{fn.name}")
     assert callers == {"_state.py:_publish"}
+
+
+def test_a_fork_is_planned_from_the_source_value_and_made_by_one_cache_call():
+    cache = make_cache(session_capacity=3)
+    source = cache.create_state("s")
+    commit(source, 0)
+    source.get_kv_caches("main", seq_len=2 * T, commit_current=False)  # a pending probe: the fork starts without
+    value = source.checkpoint().value
+    planned = fork_session_kv(value, "f", 2)
+    assert (planned.session_id, planned.slot, planned.pages, planned.cursors) == ("f", 2, value.pages, value.cursors)
+    copy = cache.fork_state(source, "f")
+    assert copy.snapshot() == fork_session_kv(value, "f", copy.slot) and not copy.has_pending_context("main")
+    assert all(cache.page_pool.count(page) == 2 for table in value.pages for page in table if page != cache.layout.null_page)
+    # Refused, changing nothing: an id taken; a fork whose source's tables the pool no longer holds frees its slot.
+    free = cache.num_free_slots
+    with pytest.raises(ValueError, match="already has an open state"):
+        cache.fork_state(source, "f")
+    page = value.pages[0][0]
+    cache.page_pool.exchange((), [page, page])
+    with pytest.raises(RuntimeError, match="the page pool does not hold"):
+        cache.fork_state(source, "g")
+    assert cache.num_free_slots == free and cache.get_state("g") is None

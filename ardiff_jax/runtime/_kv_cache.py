@@ -43,7 +43,7 @@ from ardiff_jax.runtime._legacy import spec_from_kwargs
 from ardiff_jax.runtime._memory import MemoryPlan, free_memory_bytes, plan_memory
 from ardiff_jax.runtime._offload import device_memory, host_memory_kind, to_host
 from ardiff_jax.runtime._pages import PagePool
-from ardiff_jax.runtime._session import SessionKV, home_table, run_base, run_table
+from ardiff_jax.runtime._session import SessionKV, fork_session_kv, home_table, run_base, run_table
 from ardiff_jax.runtime._state import ARDiffusionKVState
 from ardiff_jax.types import check_kv_dtype
 
@@ -294,6 +294,24 @@ class ARDiffusionKVCache:
         slot = self._take_slot(session_id)
         state = ARDiffusionKVState(self, session_id, slot)
         self._states[session_id] = state
+        return state
+
+    def fork_state(self, source: ARDiffusionKVState, session_id: str) -> ARDiffusionKVState:
+        """Open ``session_id`` in a free slot as a fork of ``source``: its pages shared, nothing copied.
+
+        The fork's value is planned from the source's (:func:`~ardiff_jax.runtime.fork_session_kv`,
+        pure; the source may have pending contexts, the fork starts with none) and installed
+        with the state's checks (page tables of this pool, counts held on publish). All or
+        nothing: a refused fork frees its slot again and leaves the source untouched.
+        """
+        self.check_owned(source)
+        checkpoint = source.checkpoint()  # not snapshot(): the source may be unbound or mid-forward
+        state = self.create_state(session_id)
+        try:
+            state.restore(fork_session_kv(checkpoint.value, session_id, state.slot))
+        except BaseException:
+            state._release()
+            raise
         return state
 
     def _take_slot(self, session_id: str) -> int:

@@ -266,13 +266,9 @@ class Residency:
             self.offload(victims, reason="lru_eviction", what=f"fork {source_id!r}")
         if source_id in self.host:
             self.restore(self.host.pop(source_id), reason="offload", hold_on_failure=True)
-        value = self.table.get(source_id).checkpoint().value
-        state = self._kv_cache.create_state(new_id)
+        state = self._kv_cache.fork_state(self.table.get(source_id), new_id)  # holds the shared pages: no copy
         try:
             self._gate.fork(source_id, new_id, noise_seed)
-            state.restore(SessionKV(session_id=new_id, slot=state.slot, cursors=value.cursors,
-                                    cross_attention=value.cross_attention, run_owners=value.run_owners,
-                                    pages=value.pages))  # holds the shared pages: nothing is copied
         except BaseException:
             state._release()
             # Undo whatever model state the hook imported, also when the hook itself failed
@@ -287,7 +283,7 @@ class Residency:
         self.table.touch(source_id)
         self._events.emit("created", new_id, "fork")
         logger.info("AR-Diffusion session %r forked from %r (slot %s; %d pages shared)", new_id, source_id,
-                    state.slot, sum(len(table) for table in value.pages))
+                    state.slot, sum(len(table) for table in state.checkpoint().value.pages))
 
     def admit(self, session_id: str) -> ARDiffusionKVState:
         state = self.table.get(session_id)

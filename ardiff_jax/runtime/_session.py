@@ -36,6 +36,7 @@ __all__ = [
     "check_session_kv",
     "clear_cross_attention",
     "commit_frames",
+    "fork_session_kv",
     "new_session_kv",
     "publish_cross_attention",
     "reset_session_kv",
@@ -152,6 +153,19 @@ def new_session_kv(spec: ARDiffusionKVCacheSpec, session_id: str, slot: int,
     """A session with every branch empty (optionally keeping some published cross caches)."""
     return SessionKV(session_id=session_id, slot=slot, cursors={name: _EMPTY for name in spec.kv_branch_names},
                      cross_attention=dict(cross_attention or {}), run_owners=())
+
+
+def fork_session_kv(source: SessionKV, session_id: str, slot: int) -> SessionKV:
+    """The value of a fork of ``source``: session ``session_id`` in ``slot``, standing where ``source`` stands.
+
+    The same cursors, run owners and published cross caches (the arrays are shared, never
+    copied: they are immutable) and the same page tables, so the fork reads the source's
+    history from the source's pages; whichever of the two writes a shared slot first moves
+    to a fresh page (:class:`~ardiff_jax.runtime._pages.PagePool`). Pure: nothing is held here,
+    the counts follow when the state publishes the value.
+    """
+    return SessionKV(session_id=session_id, slot=slot, cursors=source.cursors, cross_attention=source.cross_attention,
+                     run_owners=source.run_owners, pages=source.pages)
 
 
 def reset_session_kv(spec: ARDiffusionKVCacheSpec, session: SessionKV, keep_cross_attention: Iterable[str] = ()

@@ -348,10 +348,12 @@ class ARDiffusionKVState(LegacyStateAPI):
 
         Unlike :meth:`snapshot` it may be taken while a context is pending and while the
         state is not bound to an invocation: the runtime takes one before a batched forward
-        and hands it to :meth:`rollback` when that forward fails. RuntimeError when closed.
+        and hands it to :meth:`rollback` when that forward fails. RuntimeError when closed or
+        when the session's page tables name a page the pool does not hold.
         """
         if self._closed:
             raise RuntimeError(f"AR-Diffusion session {self._session_id!r} is closed")
+        self._check_tables()
         return StateCheckpoint(session_id=self._session_id, value=self._value,
                                pending=tuple(sorted(self._pending.items())))
 
