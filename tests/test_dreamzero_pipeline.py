@@ -329,6 +329,24 @@ def test_after_warmup_an_episode_and_its_restart_compile_nothing() -> None:
     assert compiled == [], compiled
 
 
+def test_robots_in_one_forward_compile_their_solver_step_once() -> None:
+    """Without warmup, the batched solver step of two robots is one compiled program from their first batch on.
+
+    The fresh solver states of a call are committed to the device like every later step's: left uncommitted
+    (vmapped zeros), jit compiled the step a second time at each batched call's first step."""
+    from helpers import count_compiles
+
+    episode = Episode("dreamzero", DreamZeroPipelineConfig(session_capacity=2))
+    for robot in (0, 1):
+        episode.engine.generate(request(f"r{robot}", 0, _robot_inputs(episode.ref, robot, 0)))
+    dz_pipeline._solver_step_batch.clear_cache()  # this test's compiles happen here, whatever ran before
+    with count_compiles() as compiled:
+        for chunk in (1, 2):
+            episode.engine.generate_batch([request(f"r{robot}", chunk, _robot_inputs(episode.ref, robot, chunk))
+                                           for robot in (0, 1)])
+    assert [name for name in compiled if "_solver_step" in name] == ["jit(_solver_step)"], compiled
+
+
 def test_the_documented_droid_memory_figures_are_the_memory_plans() -> None:
     """docs/models.md and benchmarks/README.md quote these (KV per robot and robots per device, bf16)."""
     from benchmarks.bench_dreamzero import memory_plan

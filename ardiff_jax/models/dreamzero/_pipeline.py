@@ -619,7 +619,10 @@ class DreamZeroPipeline(PipelineBase):
 
         denoiser = Denoiser(branches=(POSITIVE, NEGATIVE), seq_len=cfg.frames_per_block * cfg.tokens_per_frame,
                             evaluate=step_program, advance=advance, runs=runs)
-        sample = denoise(lane, denoiser, _Sample(x, a, init(x), init(a), None, None, None), range(pc.num_steps))
+        # The fresh solver states committed to the device as every later step's are: left uncommitted, jit
+        # compiled the solver step a second time (it keys on committedness) for every lane shape.
+        states = jax.device_put((init(x), init(a)), self.device)
+        sample = denoise(lane, denoiser, _Sample(x, a, *states, None, None, None), range(pc.num_steps))
         return sample.x, sample.a
 
     def _calls(self, lane: Lane, requests: Sequence[DiffusionRequest]
