@@ -150,8 +150,10 @@ class Server:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
+        # log_config=None: uvicorn's default dictConfig would stop its loggers propagating for the rest of the
+        # process (a test worker's later log checks then see nothing); its warnings reach the root logger.
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    ws_max_size=2**24))
+                                                    ws_max_size=2**24, log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> Self:
@@ -419,16 +421,18 @@ async def _paced_client(url: str, seed: int, seconds: float, interact_every: int
                 if first is None:
                     first, stop_at = now, now + seconds
                 received = len(record["chunks"])
+                # The stop is decided first: an action sent in the same breath as the stop may never be applied
+                # (the session ends before a chunk starts it), and "every action applied" would fail by timing.
+                if not stopped and now >= stop_at:
+                    record["stop_s"] = now
+                    await ws.send(json.dumps({"type": "session.stop"}))
+                    stopped = True
                 if not stopped and received % interact_every == 0:
                     event_id = f"{seed}-{received}"
                     event = {"multi_modal_data": {"action": {"value": ACTIONS[received // interact_every % 4]}}}
                     record["sent"][event_id] = time.perf_counter()
                     await ws.send(json.dumps({"type": "session.interaction",
                                               "interaction": {"event_id": event_id, "event": event}}))
-                if not stopped and now >= stop_at:
-                    record["stop_s"] = now
-                    await ws.send(json.dumps({"type": "session.stop"}))
-                    stopped = True
             elif kind == "session.done":
                 break
             elif kind == "error":

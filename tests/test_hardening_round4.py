@@ -77,3 +77,27 @@ def test_the_runner_undoes_the_pipelines_import_when_the_fork_hook_fails_after_i
         monkeypatch.setattr(SpriteWorldPipeline, "fork_ar_diffusion_session", original)
         engine.fork_session("a", "b")  # not refused as "already holds model state"
         assert sorted(engine.runner.sessions) == ["a", "b", "c"]
+
+
+def test_a_fork_hook_failing_after_the_pages_are_shared_gives_back_its_slot_and_pages(modules, monkeypatch):
+    """The fork's KV is made (pages shared, counted) before the pipeline's hook runs; when the hook fails
+    the slot and the page references go back, and the source continues exactly as if no fork was tried."""
+    with _engine(modules) as engine, _engine(modules) as untouched:
+        for target in (engine, untouched):
+            target.generate(_request("a", 1, first=True))
+            target.generate(_request("a", 2))
+        cache = engine.runner.kv_cache
+        before = (cache.pages_in_use, cache.num_free_slots)
+
+        def fails(self, source_id, new_id, **kwargs):
+            raise OverflowError("the hook failed")
+
+        monkeypatch.setattr(SpriteWorldPipeline, "fork_ar_diffusion_session", fails)
+        with pytest.raises(OverflowError):
+            engine.fork_session("a", "b")
+        assert (cache.pages_in_use, cache.num_free_slots) == before
+        assert engine.runner.sessions == ("a",)
+        for action in (3, 4):  # the source writes the pages the fork shared: no copy-on-write is owed any more
+            np.testing.assert_array_equal(np.asarray(engine.generate(_request("a", action)).latents),
+                                          np.asarray(untouched.generate(_request("a", action)).latents))
+        assert cache.pages_in_use == untouched.runner.kv_cache.pages_in_use  # written in place, as if never shared
