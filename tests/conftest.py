@@ -25,12 +25,34 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_backend_optimization_level" not in _flags:
     os.environ["XLA_FLAGS"] = " ".join([_flags, *FAST_COMPILE_FLAGS]).strip()
 
+# -- one compilation cache for the whole run ----------------------------------------------------------------
+# The same programs are compiled in many processes of one run (both xdist workers build the tiny pipelines; the
+# CLI, the README lines, the notebooks and the benchmark smokes start fresh interpreters) and, within a process, by
+# every fresh ``jax.jit`` of the same function (each pipeline instance jits its own steps). jax's persistent
+# cache, keyed by the program's HLO, the compile options and XLA_FLAGS, lets each be compiled once per run. A
+# fresh directory per run (made by the first process, inherited by every worker and subprocess through the
+# environment, removed at the end), so no run depends on what an earlier one left. A load from it still counts
+# as a compile for the suite's no-recompile checks (``ardiff_jax._compile_events``; tests/test_compile_events.py).
+# A user's own JAX_COMPILATION_CACHE_DIR wins.
+_RUN_CACHE_OWNER = False
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ardiff-test-compile-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    _RUN_CACHE_OWNER = True
+
 # tests/mesh needs 8 virtual devices, which must be configured before jax starts: the main
 # run leaves it to tests/test_mesh.py, which runs it in a subprocess.
 collect_ignore = [] if os.environ.get("ARDIFF_MESH_SUITE") == "1" else ["mesh"]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _RUN_CACHE_OWNER and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return

@@ -289,7 +289,7 @@ def test_bench_offload_quick(tmp_path):
     assert all(_positive(v) for v in record["gb_per_s"].values())
     assert all(_positive(v) for v in record["ratios"].values())
     # Every copy moved the bits it was given, and the offloaded pages sit in pinned_host memory.
-    assert record["checks"] and all(record["checks"].values()), record["checks"]
+    assert record["checks"] and [name for name, held in record["checks"].items() if not held] == []
     for part in ("engine_ticks", "world_ticks"):
         ticks = record[part]
         # The swap variant restores and offloads exactly once per tick, the resident one never.

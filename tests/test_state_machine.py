@@ -76,6 +76,16 @@ SPEC = ARDiffusionKVCacheSpec(num_layers=1, num_kv_heads=1, head_size=D, tokens_
                               kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=CAPACITY)
 
 
+@pytest.fixture(autouse=True)
+def _runtime_log_level_restored():
+    """The machines quiet the runtime's logger (their faults log warnings on purpose); a level left at ERROR
+    would hide the warnings later tests in the same worker assert on (tests/test_batch_compile.py)."""
+    logger = logging.getLogger("ardiff_jax.runtime")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
 class HookFailure(RuntimeError):
     pass
 
