@@ -39,9 +39,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ardiff-test-compile-cache-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     _RUN_CACHE_OWNER = True
+# Every program, however small or quick to compile (jax's defaults skip those under 1 s: nearly all of ours).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # tests/mesh needs 8 virtual devices, which must be configured before jax starts: the main
 # run leaves it to tests/test_mesh.py, which runs it in a subprocess.

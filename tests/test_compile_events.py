@@ -50,3 +50,16 @@ def test_a_program_loaded_from_the_persistent_cache_counts_as_made(tmp_path) -> 
     assert [name for name, _ in compiled] == [name for name, _ in loaded] == ["jit(<lambda>)"]
     assert any(name.startswith("jit__lambda-") for name in written), written
     assert sorted(path.name for path in tmp_path.iterdir()) == written  # nothing new was compiled and written
+
+
+def test_the_suite_shares_one_compilation_cache_per_run() -> None:
+    """tests/conftest.py gives the run one fresh persistent cache: this worker's jax writes there, every program
+    counts however small, and a subprocess a test starts (the CLI, the notebooks, the mesh suite) inherits it."""
+    path = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert os.path.isdir(path)
+    assert jax.config.jax_compilation_cache_dir == path
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
+    seen = subprocess.run([sys.executable, "-c", "import jax; print(jax.config.jax_compilation_cache_dir)"],
+                          capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert seen == path
