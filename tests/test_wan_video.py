@@ -50,8 +50,12 @@ def _engine(parts, capacity: int = 2, host_offload_bytes: int = 0) -> ARDiffusio
     modules, vae = parts
     pipeline = CausalWanPipeline(TINY_WAN, CausalWanPipelineConfig(session_capacity=capacity), modules=modules,
                                  vae=vae)
+    # No warmup: these tests run sessions one request at a time (each program compiles on first use and is cached
+    # for the process); warmup would run a block and compile the batch bucket no test here uses, per engine.
+    # The batched tests build their own engines (``_batch_engine``), one of them warmed up on purpose.
     return ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**9,
-                                                    gpu_memory_fraction=1.0, host_offload_bytes=host_offload_bytes))
+                                                    gpu_memory_fraction=1.0, host_offload_bytes=host_offload_bytes,
+                                                    warmup=False))
 
 
 def _whole_clip(vae: WanVAE, latents: list[np.ndarray]) -> np.ndarray:
@@ -220,7 +224,7 @@ def test_generate_video_follows_the_schedule_and_streams_an_mp4(parts, tmp_path)
     av = pytest.importorskip("av")
     from ardiff_jax.models.wan import generate_video
 
-    engine = _engine(parts, capacity=1)
+    engine = _engine(parts)  # the file's capacity: its programs are already compiled, one session at a time
     embeds = {"a cat walking": _embeds(7), "the cat jumps": _embeds(8)}
     # 2 s at 16 fps = 32 frames: blocks start at frames 0, 9, 21 (times 0, 0.56, 1.31 s).
     video = generate_video(engine, ["0:a cat walking", "1:the cat jumps"], 2.0, encode=embeds, progress=False)
