@@ -63,6 +63,7 @@ ENGINE = EngineConfig(dtype="float32", available_memory_bytes=2**28, gpu_memory_
 #: A small SpriteWorld-shaped transformer (16 x 16 frames): fast, and every sprite-specific path runs.
 SPRITE = dit_preset("sprite-world-tiny")
 ONE_STEP = FewStepSchedule((1000.0,))
+DEFAULT_TRUNCATION = Truncation()
 
 
 def _snap(latents):
@@ -107,12 +108,32 @@ def test_sprite_rollout_commits_exactly_the_engines_blocks():
     np.testing.assert_allclose(np.asarray(_snap(out.generated[0, 1:])), np.asarray(out.committed[0, 1:]), atol=1e-6)
 
 
-def test_world_rollout_matches_a_four_step_engine_session_with_registers():
-    config = dit_preset("tiny")
+#: Blocks of the tiny world rollouts: past the 5-frame window with 2-frame blocks.
+WORLD_BLOCKS = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_world():
+    """The tiny world pipeline and its 4-step schedule. The exit-step test rolls its weights out at the engine
+    comparison's shapes, so both run one compiled rollout instead of compiling one each."""
     schedule = FewStepSchedule()
-    pipeline = WorldPipeline(config, WorldPipelineConfig(session_capacity=2, schedule=schedule))
+    return WorldPipeline(dit_preset("tiny"), WorldPipelineConfig(session_capacity=2, schedule=schedule)), schedule
+
+
+def _world_rollout(tiny_world, frames, cond, noise, exit_steps):
+    """``self_rollout`` of the tiny world pipeline's weights, nothing observed. Every argument committed to the
+    device and the keywords spelled alike, so both world tests hit one compiled rollout (an uncommitted
+    argument, or a keyword left to its default, is another cache entry: a second trace and compile)."""
+    pipeline, schedule = tiny_world
+    args = jax.device_put((frames, jnp.zeros(frames.shape[:2], bool), cond, noise, exit_steps), jax.devices()[0])
+    return self_rollout(pipeline._graphdef, pipeline._params, *args, schedule=schedule, prediction="flow")
+
+
+def test_world_rollout_matches_a_four_step_engine_session_with_registers(tiny_world):
+    pipeline, schedule = tiny_world
+    config = pipeline.config
     engine = ARDiffusionEngine(pipeline, ENGINE)
-    n = 5  # past the 5-frame window with 2-frame blocks
+    n = WORLD_BLOCKS
     registers = np.random.default_rng(1).standard_normal((n, config.num_register_tokens, config.register_dim))
     blocks = [np.asarray(engine.generate(DiffusionRequest(
         f"r{i}", prompt="a red car" if i == 0 else None, extra_args={"session_id": "w"},
@@ -125,8 +146,7 @@ def test_world_rollout_matches_a_four_step_engine_session_with_registers():
                                registers=jnp.asarray(registers, jnp.float32)[None])
     noise = pipeline_noise(pipeline._sessions["w"].key, 0, n, schedule.num_steps, config.block_shape)[None]
     last = jnp.full((n,), schedule.num_steps - 1, jnp.int32)  # exit at the last step: the whole schedule
-    out = self_rollout(graphdef, params, jnp.zeros((1, n) + config.block_shape), jnp.zeros((1, n), bool), cond,
-                       noise, last, schedule=schedule, prediction="flow")
+    out = _world_rollout(tiny_world, jnp.zeros((1, n) + config.block_shape), cond, noise, last)
     np.testing.assert_allclose(np.asarray(out.committed[0]), np.stack(blocks), rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.generated[0]), np.stack(blocks), rtol=0, atol=1e-5)
 
@@ -153,48 +173,54 @@ def _loss(generated, latents, weights, probe):
 def sprite_gradient(sprite_modules):
     """The small sprite problem's paged loss, its value, gradient and committed blocks, compiled and run once.
 
-    The finite-difference check and the dense recomputation both check this one gradient (each compiling
-    its own copy of the rollout's backward pass cost most of their time)."""
+    The finite-difference check, the dense recomputation and the gradient-frames check all use this one
+    compiled value-and-gradient (each compiling its own copy of the rollout's backward pass cost most of their
+    time): the context parameters and the block weights are arguments, so the finite difference evaluates
+    shifted parameters against fixed context parameters and the gradient-frames check restricts the loss to
+    the last blocks through the same program. The context parameters are passed explicitly (equal to
+    ``params``: the Self-Forcing gradient); the default ``context_params=None`` is differentiated by the
+    gradient-frames check here and by tests/test_self_forcing_models.py's dense recomputation."""
     graphdef, params = nnx.split(sprite_modules)
+    # Committed, like the finite difference's shifted copies: a committed and an uncommitted argument would
+    # compile the program twice.
+    params = jax.device_put(params, jax.devices()[0])
     latents, observed, cond, noise, run_start, weights = problem = _sprite_problem(sprite_modules)
     probe = jax.random.uniform(jax.random.key(9), latents.shape[2:])
     n = observed.shape[1]
 
-    def loss(p, context):
+    def loss(p, context, block_weights, truncation=DEFAULT_TRUNCATION):
         out = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(n, jnp.int32), run_start,
-                           context, schedule=ONE_STEP, prediction="delta", finish=_snap)
-        return _loss(out.generated, latents, weights, probe), out.committed
+                           context, schedule=ONE_STEP, prediction="delta", truncation=truncation, finish=_snap)
+        return _loss(out.generated, latents, block_weights, probe), out.committed
 
-    (value, committed), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, None)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (value, committed), grad = value_and_grad(params, params, weights)
     return types.SimpleNamespace(graphdef=graphdef, params=params, problem=problem, probe=probe, loss=loss,
-                                 value=value, grad=grad, committed=committed)
+                                 value_and_grad=value_and_grad, value=value, grad=grad, committed=committed)
 
 
 def test_gradient_equals_a_central_finite_difference(sprite_gradient):
     params, grad = sprite_gradient.params, sprite_gradient.grad
-
-    def loss(p, context):
-        return sprite_gradient.loss(p, context)[0]
-
-    # Everything jitted: one compile for both shifted losses and one for each tree helper (eagerly, every
-    # call re-traced and re-compiled the rollout's scans, and every leaf op compiled for its shape).
-    @jax.jit
-    def random_direction(tree):
-        keys = jax.random.split(jax.random.key(2), len(jax.tree.leaves(tree)))
-        return jax.tree.map(lambda g, k: jax.random.normal(k, g.shape), tree,
-                            jax.tree.unflatten(jax.tree.structure(tree), list(keys)))
-
-    direction = random_direction(grad)
+    weights = sprite_gradient.problem[-1]
+    # The direction and the shifts on the host (no program compiled for them); the shifted losses by the
+    # fixture's compiled program (its gradient output unused).
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(2)
+    direction = [rng.standard_normal(np.shape(leaf)).astype(leaf.dtype) for leaf in leaves]
     eps = 1e-3
-    shift = jax.jit(lambda p, d, s: jax.tree.map(lambda p, d: p + s * eps * d, p, d))
-    shifted = [shift(params, direction, float(s)) for s in (1, -1)]
-    # The gradient-free forwards (commits) stay at `params`, as stop_gradient holds them.
-    shifted_loss = jax.jit(loss)
-    fd = (shifted_loss(shifted[0], params) - shifted_loss(shifted[1], params)) / (2 * eps)
-    analytic = jax.jit(lambda g, d: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(d))))(
-        grad, direction)
-    assert float(jnp.abs(analytic)) > 1e-3
-    np.testing.assert_allclose(float(fd), float(analytic), rtol=2e-2)
+    device = jax.devices()[0]
+
+    def shifted_loss(sign):
+        shifted = [np.asarray(leaf) + np.asarray(sign * eps, leaf.dtype) * d for leaf, d in zip(leaves, direction)]
+        # The gradient-free forwards (commits) stay at `params`, as stop_gradient holds them.
+        (value, _), _ = sprite_gradient.value_and_grad(jax.device_put(jax.tree.unflatten(treedef, shifted), device),
+                                                       params, weights)
+        return float(value)
+
+    fd = (shifted_loss(1) - shifted_loss(-1)) / (2 * eps)
+    analytic = sum(float(np.vdot(np.asarray(g), d)) for g, d in zip(jax.tree.leaves(grad), direction, strict=True))
+    assert abs(analytic) > 1e-3
+    np.testing.assert_allclose(fd, analytic, rtol=2e-2)
 
 
 def test_gradient_equals_a_dense_block_causal_recomputation(sprite_gradient):
@@ -233,14 +259,16 @@ def test_gradient_equals_a_dense_block_causal_recomputation(sprite_gradient):
     def dense(p):
         modules = nnx.merge(graphdef, p)
         frozen = nnx.merge(graphdef, jax.lax.stop_gradient(p))
-        return sum(dense_row(modules, frozen, r) for r in range(rows))
+        # vmapped over the rows: one row's forwards traced and compiled, not one copy per row.
+        return jnp.sum(jax.vmap(lambda r: dense_row(modules, frozen, r))(jnp.arange(rows)))
 
     dense_value, dense_grad = jax.jit(jax.value_and_grad(dense))(params)
     paged_value, paged_grad = sprite_gradient.value, sprite_gradient.grad
     np.testing.assert_allclose(float(dense_value), float(paged_value), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(dense_grad), jax.tree.leaves(paged_grad)):
         # float32 summation order differs (dense softmax vs paged): relative to each leaf's scale.
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
 
 
 def test_exit_steps_are_reproducible_from_the_key_shared_or_per_block():
@@ -257,44 +285,43 @@ def test_exit_steps_are_reproducible_from_the_key_shared_or_per_block():
     assert np.asarray(Truncation(last_step_only=True).exit_steps(key, 5, 4)).tolist() == [3] * 5
 
 
-def test_exit_step_chooses_which_step_carries_the_gradient():
+def test_exit_step_chooses_which_step_carries_the_gradient(tiny_world):
     """With the exit at step s the output is step s's clean estimate; later steps do not run."""
-    config = dit_preset("tiny")
-    schedule = FewStepSchedule()
-    modules = DiTModules.create(config, 0)
-    graphdef, params = nnx.split(modules)
-    n = 2
+    pipeline, schedule = tiny_world
+    config = pipeline.config
+    graphdef, params = pipeline._graphdef, pipeline._params
+    modules = nnx.merge(graphdef, params)
+    n = WORLD_BLOCKS
     noise = jax.random.normal(jax.random.key(0), (1, n, schedule.num_steps) + config.block_shape)
     cond = RolloutConditioning(text_kv=_text_kv(modules, config, 1),
                                registers=jnp.zeros((1, n, config.num_register_tokens, config.register_dim)))
     frames = jnp.zeros((1, n) + config.block_shape)
-    observed = jnp.zeros((1, n), bool)
-    outs = [self_rollout(graphdef, params, frames, observed, cond, noise, jnp.full((n,), e, jnp.int32),
-                         schedule=schedule) for e in range(schedule.num_steps)]
+    outs = [_world_rollout(tiny_world, frames, cond, noise, jnp.full((n,), e, jnp.int32))
+            for e in range(schedule.num_steps)]
     # Block 0's exit input at step 0 is its initial noise; at a later exit it has been denoised.
     np.testing.assert_array_equal(np.asarray(outs[0].exit_input[0, 0]), np.asarray(noise[0, 0, 0]))
     assert all(float(jnp.abs(o.generated[0, 0] - outs[0].generated[0, 0]).max()) > 1e-4 for o in outs[1:])
 
 
-def test_gradient_frames_keeps_only_the_last_blocks_gradient(sprite_modules):
-    graphdef, params = nnx.split(sprite_modules)
-    latents, observed, cond, noise, run_start, weights = _sprite_problem(sprite_modules, rows=1, n=6)
-    probe = jnp.ones(latents.shape[2:])
+def test_gradient_frames_keeps_only_the_last_blocks_gradient(sprite_gradient):
+    params = sprite_gradient.params
+    weights = sprite_gradient.problem[-1]
+    n = weights.shape[1]
     assert gradient_blocks(6, 1, 2).tolist() == [False] * 4 + [True] * 2
+    # Row 0 generates blocks 1..n-1 (the first n-3 of them weighted but truncated), row 1 after its context run.
+    assert gradient_blocks(n, 1, 2).tolist() == [False] * (n - 2) + [True] * 2
 
-    def loss(p, truncation, block_weights):
-        out = self_rollout(graphdef, p, latents, observed, cond, noise, jnp.zeros(6, jnp.int32), run_start,
-                           schedule=ONE_STEP, prediction="delta", truncation=truncation, finish=_snap)
-        return _loss(out.generated, latents, block_weights, probe)
-
-    # Jitted (the truncation a static argument): eagerly every scan of the rollout and of its backward pass
-    # was traced and compiled op by op.
-    grad = jax.jit(jax.grad(loss), static_argnums=1)
-    truncated = grad(params, Truncation(gradient_frames=2), weights)
-    # Without remat (and without truncation, the loss restricted to the last two blocks): the same gradient.
-    last_two = grad(params, Truncation(remat=False), weights * (jnp.arange(6) >= 4))
-    for a, b in zip(jax.tree.leaves(truncated), jax.tree.leaves(last_two)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+    # Truncated and without remat, the context parameters left to their default (None: `params`), jitted
+    # (the truncation static): eagerly every scan of the rollout and of its backward pass was traced and
+    # compiled op by op.
+    truncated = jax.jit(jax.grad(lambda p, w: sprite_gradient.loss(
+        p, None, w, Truncation(gradient_frames=2, remat=False))[0]))(params, weights)
+    # With remat and without truncation, the loss restricted to the last two blocks (the fixture's compiled
+    # program): the same gradient.
+    _, last_two = sprite_gradient.value_and_grad(params, params, weights * (jnp.arange(n) >= n - 2))
+    for a, b in zip(jax.tree.leaves(truncated), jax.tree.leaves(last_two), strict=True):
+        b = np.asarray(b)  # host-side: no abs/max program compiled per leaf shape
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
 def test_rollout_weights_observe_the_sink_and_a_gapped_sequences_context():
