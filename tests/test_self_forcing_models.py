@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -133,13 +134,43 @@ def mg_session(mg_modules):
 
 def _mg_conditioning(pipeline, embeds, actions):
     """The rollout's conditioning of one Matrix-Game session (a leading row axis of 1)."""
-    context_kv = wan_text_kv(pipeline._graphdef, pipeline._params, jnp.asarray(embeds))  # the CLIP tokens' K/V
+    # The CLIP tokens' K/V, the embeddings committed to the device as the pipeline's own call has them (an
+    # uncommitted argument compiled wan_text_kv a second time).
+    context_kv = wan_text_kv(pipeline._graphdef, pipeline._params, jax.device_put(embeds, jax.devices()[0]))
     condition = jnp.asarray(np.stack([fed[0] for fed in pipeline.fed]))  # [n, f, 4 mask + C image latent, H, W]
     return RolloutConditioning(text_kv=_rows(context_kv), condition=condition[None], actions=_rows(actions))
 
 
-def test_matrix_game_rollout_commits_exactly_the_engines_blocks(mg_session):
-    pipeline, blocks, embeds, actions = mg_session
+@pytest.fixture(scope="module")
+def mg_rollout(mg_session):
+    """The session's ``MG_BLOCKS``-block Matrix-Game rollout, jitted once as the value and gradient of a probe loss
+    with the noise, the exit steps and the targets as arguments: the engine comparison runs it at the session's
+    noise with every exit at the last step, the gradient check at fresh noise with exits differing per block (a
+    forward rollout and a differentiated one compiled separately cost both tests most of their time; the
+    primal of the differentiated program is the rollout itself)."""
+    pipeline, _, embeds, actions = mg_session
+    graphdef, n = pipeline._graphdef, MG_BLOCKS
+    cond = _mg_conditioning(pipeline, embeds, actions)
+    probe = jax.random.uniform(jax.random.key(5), MG.block_shape)
+
+    def paged(p, noise, exits, targets):
+        out = self_rollout(graphdef, p, jnp.zeros((1, n) + MG.block_shape), jnp.zeros((1, n), bool), cond, noise,
+                           exits, schedule=pipeline.schedule, prediction="flow")
+        return jnp.sum(jnp.square(out.generated[0] - targets) * probe), out
+
+    # Jitted: eagerly, the rollout's scans and their backward pass were traced and compiled op by op.
+    value_and_grad = jax.jit(jax.value_and_grad(paged, has_aux=True))
+    device = jax.devices()[0]
+
+    def run(noise, exits, targets):
+        """``((loss, RolloutBlocks), gradient)``; every argument committed, so both calls hit one compile."""
+        return value_and_grad(pipeline._params, *jax.device_put((noise, exits, targets), device))
+
+    return types.SimpleNamespace(cond=cond, probe=probe, run=run)
+
+
+def test_matrix_game_rollout_commits_exactly_the_engines_blocks(mg_session, mg_rollout):
+    pipeline, blocks, _, actions = mg_session
     n = MG_BLOCKS
     # The windows a trainer builds from a clip's whole row arrays are those the session fed block by block.
     for i, (_, keyboard, mouse) in enumerate(pipeline.fed):
@@ -147,9 +178,8 @@ def test_matrix_game_rollout_commits_exactly_the_engines_blocks(mg_session):
         np.testing.assert_array_equal(np.asarray(actions.mouse[i]), mouse)
     schedule = pipeline.schedule  # the warped [1000, 908.8, 714.0]
     noise = pipeline_noise(pipeline._sessions["m"].key, 0, n, schedule.num_steps, MG.block_shape)[None]
-    out = self_rollout(pipeline._graphdef, pipeline._params, jnp.zeros((1, n) + MG.block_shape),
-                       jnp.zeros((1, n), bool), _mg_conditioning(pipeline, embeds, actions), noise,
-                       jnp.full((n,), schedule.num_steps - 1, jnp.int32), schedule=schedule, prediction="flow")
+    (_, out), _ = mg_rollout.run(noise, jnp.full((n,), schedule.num_steps - 1, jnp.int32),
+                                 jnp.zeros((n,) + MG.block_shape))
     np.testing.assert_allclose(np.asarray(out.committed[0]), blocks, rtol=0, atol=TOLERANCE)
     np.testing.assert_allclose(np.asarray(out.generated[0]), blocks, rtol=0, atol=TOLERANCE)
 
@@ -234,28 +264,20 @@ def test_forward_blocks_runs_i2v_and_action_networks_as_cached_inference(mg_modu
     assert float(jnp.abs(out.video[n:] - out.video[:n]).max()) > 1e-2  # the noisy blocks are not the clean ones
 
 
-def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_session):
+def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_session, mg_rollout):
     """A loss through the rollout (exits at different steps) and the same loss without pools: clean context by
     ``forward_blocks`` with frozen parameters (so it carries no gradient and is computed once), its action
     keys/values as each block's ring, each exit forward by ``__call__`` with ``DenseAttention``."""
-    pipeline, _, embeds, actions = mg_session
+    pipeline = mg_session[0]
     graphdef, params = pipeline._graphdef, pipeline._params
-    n, tokens = 3, F * MG.tokens_per_frame
+    n, tokens = MG_BLOCKS, F * MG.tokens_per_frame
     schedule = pipeline.schedule
-    cond = _mg_conditioning(pipeline, embeds, actions)
-    cond = cond._replace(condition=cond.condition[:, :n], actions=jax.tree.map(lambda a: a[:, :n], cond.actions))
+    cond, probe = mg_rollout.cond, mg_rollout.probe
     noise = jax.random.normal(jax.random.key(3), (1, n, schedule.num_steps) + MG.block_shape)
-    exits = jnp.asarray([2, 0, 1], jnp.int32)  # after, at and before the other blocks' exits
+    exits = jnp.asarray([2, 0, 1, 0], jnp.int32)  # after, at and before the other blocks' exits
     targets = jax.random.normal(jax.random.key(4), (n,) + MG.block_shape)
-    probe = jax.random.uniform(jax.random.key(5), MG.block_shape)
-
-    def paged(p):
-        out = self_rollout(graphdef, p, jnp.zeros((1, n) + MG.block_shape), jnp.zeros((1, n), bool), cond, noise,
-                           exits, schedule=schedule, prediction="flow")
-        return jnp.sum(jnp.square(out.generated[0] - targets) * probe), (out.committed[0], out.exit_input[0])
-
-    # Jitted: eagerly, the rollout's scans and their backward pass were traced and compiled op by op.
-    (paged_value, (committed, exit_input)), paged_grad = jax.jit(jax.value_and_grad(paged, has_aux=True))(params)
+    (paged_value, out), paged_grad = mg_rollout.run(noise, exits, targets)
+    committed, exit_input = out.committed[0], out.exit_input[0]
 
     starts = jnp.arange(n, dtype=jnp.int32) * F
     context = jax.tree.map(lambda a: a[0], cond.text_kv)
@@ -276,7 +298,8 @@ def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_
         return jnp.sum(jnp.square(x - sigma * y.video - target) * probe)
 
     ring = init_action_cache(MG)
-    dense_value, dense_grad = 0.0, jax.tree.map(jnp.zeros_like, params)
+    # Summed on the host: eagerly, every leaf shape compiled its own zeros, add, abs and max programs.
+    dense_value, dense_grad = 0.0, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params)
     device = jax.devices()[0]
     for i in range(n):
         t = schedule.timesteps[int(exits[i])]
@@ -286,12 +309,12 @@ def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_
                                starts[i], full[(n + i) * tokens, :n * tokens], condition[i],
                                jax.tree.map(lambda a: a[i], block_actions), ring, targets[i]), device)
         value, grad = exit_loss(params, *args)
-        dense_value, dense_grad = dense_value + value, jax.tree.map(jnp.add, dense_grad, grad)
+        dense_value, dense_grad = dense_value + float(value), jax.tree.map(np.add, dense_grad, jax.device_get(grad))
         ring = commit_action_cache(MG, ring, _block_kv(clean.action_kv, i), starts[i])
 
     np.testing.assert_allclose(float(dense_value), float(paged_value), rtol=1e-5)
-    leaves = list(zip(jax.tree.leaves(dense_grad), jax.tree.leaves(paged_grad), strict=True))
-    assert sum(float(jnp.abs(b).max()) > 0 for _, b in leaves) > len(leaves) // 2  # the gradient reaches the network
+    leaves = list(zip(jax.tree.leaves(dense_grad), jax.device_get(jax.tree.leaves(paged_grad)), strict=True))
+    assert sum(float(np.abs(b).max()) > 0 for _, b in leaves) > len(leaves) // 2  # the gradient reaches the network
     for a, b in leaves:  # gradients up to ~30: float32 summation order gives ~2e-6
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
