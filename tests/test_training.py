@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,20 +172,41 @@ def _tiny_train_config(**overrides):
 SHARED_CONFIG = dict(steps=12, prediction="x0")
 
 
-def test_loss_falls():
+class SharedRuns(NamedTuple):
+    config: TrainConfig
+    straight: Any  # TrainResult of the whole run
+    interrupted: Any  # TrainResult of the same run stopped after 4 steps (a checkpoint every 4)
+    interrupted_dir: Path  # its directory: a test that continues it continues a copy
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """The SHARED_CONFIG run trained once for the file: the loss, resume and refusal tests read it, and continue
+    copies of the interrupted one (training is the bulk of their cost, the claims do not need a run each)."""
     config = _tiny_train_config(**SHARED_CONFIG)
+    root = tmp_path_factory.mktemp("shared_runs")
+    straight = train(config, root / "straight", progress=False)
+    interrupted = train(config, root / "interrupted", progress=False, stop_after=4)
+    return SharedRuns(config, straight, interrupted, root / "interrupted")
+
+
+def _continue_in(tmp_path, shared_runs, name):
+    target = tmp_path / name
+    shutil.copytree(shared_runs.interrupted_dir, target)
+    return target
+
+
+def test_loss_falls(shared_runs):
+    config = shared_runs.config
     graphdef, state = init_train_state(config)
-    step = make_train_step(config, graphdef)
     held_out = sample_training_batch(999, 0, 8, config.sequence_frames, config.max_gap)
     key = jax.random.key(7)
     # Jitted: one compile instead of the eager op-by-op forward (~15 s on CPU).
     held_out_loss = jax.jit(lambda params: batch_loss(graphdef, params, config.model_config, held_out, key,
                                                       config.objective))
     before = float(held_out_loss(state.params))
-    for i in range(config.steps):
-        state, _ = step(state, sample_training_batch(config.seed, i, config.batch_size, config.sequence_frames,
-                                                     config.max_gap))
-    after = float(held_out_loss(state.params))
+    # The run's 12 steps (train's batches are sample_training_batch(seed, step, ...)).
+    after = float(held_out_loss(nnx.split(shared_runs.straight.modules)[1]))
     assert after < 0.6 * before, (before, after)
 
 
@@ -201,13 +225,12 @@ def test_checkpoint_round_trips_bit_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_resumed_run_continues_the_same_run(tmp_path, capsys):
-    config = _tiny_train_config(**SHARED_CONFIG)  # a checkpoint every 4 steps
-    straight = train(config, tmp_path / "straight", progress=False)
-    interrupted = train(config, tmp_path / "resumed", progress=True, stop_after=4)
+def test_resumed_run_continues_the_same_run(tmp_path, capsys, shared_runs):
+    config, straight, interrupted = shared_runs.config, shared_runs.straight, shared_runs.interrupted
     assert len(interrupted.losses) == 4 and interrupted.resumed_from is None
+    resumed_dir = _continue_in(tmp_path, shared_runs, "resumed")
     with count_compiles() as compiled:
-        resumed = train(config, tmp_path / "resumed", progress=False)
+        resumed = train(config, resumed_dir, progress=True)
     assert resumed.resumed_from == 4
     assert "step" not in compiled, compiled  # the same config and graph reuse the compiled step
     assert resumed.losses == straight.losses
@@ -215,28 +238,32 @@ def test_resumed_run_continues_the_same_run(tmp_path, capsys):
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "train" in capsys.readouterr().err  # the tqdm bar
-    record = json.loads((tmp_path / "resumed" / "losses.json").read_text())
+    record = json.loads((resumed_dir / "losses.json").read_text())
     assert len(record["losses"]) == 12 and record["wall_seconds"] > 0
-    png = (tmp_path / "resumed" / "loss_curve.png").read_bytes()
+    png = (resumed_dir / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_resume_under_another_config_is_refused_naming_the_fields(tmp_path):
-    config = _tiny_train_config(**SHARED_CONFIG)
-    train(config, tmp_path / "run", progress=False, stop_after=4)
+def test_a_resume_under_another_config_is_refused_naming_the_fields(tmp_path, shared_runs):
+    config = shared_runs.config
+    run = _continue_in(tmp_path, shared_runs, "run")  # the run stopped after 4 steps
     other = _tiny_train_config(**(SHARED_CONFIG | {"seed": 1, "batch_size": 8}))
     with pytest.raises(ValueError, match=r"another TrainConfig \(batch_size: 4 -> 8; seed: 0 -> 1\)"):
-        train(other, tmp_path / "run", progress=False)
-    record = json.loads((tmp_path / "run" / "losses.json").read_text())
+        train(other, run, progress=False)
+    record = json.loads((run / "losses.json").read_text())
     assert record["config"] == config.as_dict() and len(record["losses"]) == 4  # nothing relabelled
-    # A bookkeeping field may change; force continues a changed run and says so in losses.json.
     longer = _tiny_train_config(**(SHARED_CONFIG | {"steps": 14}))
     with pytest.raises(ValueError, match="steps: 12 -> 14"):
-        train(longer, tmp_path / "run", progress=False)
-    resumed = train(longer, tmp_path / "run", progress=False, force=True, stop_after=1)
-    assert resumed.resumed_from == 4
-    record = json.loads((tmp_path / "run" / "losses.json").read_text())
-    assert record["config"] == longer.as_dict() and record["resumed_from_config"] == config.as_dict()
+        train(longer, run, progress=False)
+    # A bookkeeping field may change; force continues a changed run and says so in losses.json. The change is one
+    # to the data (longer gaps), not to the compiled step (steps would change its schedule): the step is shared.
+    wider = _tiny_train_config(**(SHARED_CONFIG | {"max_gap": 9}))
+    with pytest.raises(ValueError, match="max_gap: 6 -> 9"):
+        train(wider, run, progress=False)
+    resumed = train(wider, run, progress=False, force=True, stop_after=1)
+    assert resumed.resumed_from == 4 and len(resumed.losses) == 5
+    record = json.loads((run / "losses.json").read_text())
+    assert record["config"] == wider.as_dict() and record["resumed_from_config"] == config.as_dict()
 
 
 def test_the_evaluation_seed_is_refused_for_training():
@@ -334,21 +361,25 @@ def test_encounter_sampling_and_weighting():
 
 
 def test_a_fine_tune_starts_from_exported_weights_and_resumes(tmp_path):
-    base = _tiny_train_config(**SHARED_CONFIG)
+    # The file holds seed 1's weights and the fine-tune runs under seed 0, the shared runs' seed: its step differs
+    # from theirs only in how batches are drawn (numpy), so it is the same program (one compile per suite run).
+    base = _tiny_train_config(**SHARED_CONFIG, seed=1)
     graphdef, state = init_train_state(base)
     path = save_weights(nnx.merge(graphdef, state.params), tmp_path / "start.npz", {"note": "a test run"})
-    tune = _tiny_train_config(**SHARED_CONFIG, seed=1, init_weights=str(path), encounter_share=1.0,
+    tune = _tiny_train_config(**SHARED_CONFIG, seed=0, init_weights=str(path), encounter_share=1.0,
                               encounter_weight=2.0)
     _, start = init_train_state(tune)
     for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(state.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the file's weights, not seed 1's
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the file's weights, not seed 0's
     fresh = init_train_state(dataclasses.replace(tune, init_weights=""))[1]
     assert not all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(jax.tree.leaves(fresh.params), jax.tree.leaves(start.params), strict=True))
-    straight = train(tune, tmp_path / "straight", progress=False)
+    # Six steps straight, or four and a resume from the checkpoint at 4 for two more (the full 12-step resume is
+    # test_resumed_run_continues_the_same_run's): the same losses.
+    straight = train(tune, tmp_path / "straight", progress=False, stop_after=6)
     train(tune, tmp_path / "resumed", progress=False, stop_after=4)
-    resumed = train(tune, tmp_path / "resumed", progress=False)
-    assert resumed.resumed_from == 4 and resumed.losses == straight.losses
+    resumed = train(tune, tmp_path / "resumed", progress=False, stop_after=2)
+    assert resumed.resumed_from == 4 and len(straight.losses) == 6 and resumed.losses == straight.losses
     # The starting point is part of what defines the run.
     with pytest.raises(ValueError, match="init_weights"):
         train(dataclasses.replace(tune, init_weights=""), tmp_path / "resumed", progress=False)
