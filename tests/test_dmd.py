@@ -68,7 +68,9 @@ def recording_sgd(learning_rate: float) -> optax.GradientTransformation:
     """SGD whose state keeps the gradient it was given (and its learning rate, settable without recompiling)."""
 
     def init(params):
-        return Recorded(jnp.float32(learning_rate), jax.tree.map(jnp.zeros_like, params))
+        # numpy zeros put on the device: no eager zeros_like program to compile per parameter shape.
+        zeros = jax.tree.map(lambda a: jnp.asarray(np.zeros(a.shape, a.dtype)), params)
+        return Recorded(jnp.float32(learning_rate), zeros)
 
     def update(grads, state, params=None):
         del params
@@ -116,7 +118,7 @@ def parts() -> Parts:
     graphdef, generator = nnx.split(DiTModules.create(CONFIG, 0))
     # The teacher: a fixed network, the generator's weights moved by a seeded perturbation (numpy: nothing to compile).
     rng = np.random.default_rng(5)
-    real = jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.2 * np.std(a) * rng.standard_normal(a.shape),
+    real = jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + 0.2 * np.asarray(a).std() * rng.standard_normal(a.shape),
                                               np.float32), generator)
     table = np.asarray(generator["text_encoder"]["table"])  # the byte encoder, in numpy
 
