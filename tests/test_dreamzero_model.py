@@ -46,6 +46,28 @@ def _run_dit(graphdef, params, latents, t, start, text, image, attention, condit
 run_dit = jax.jit(_run_dit, static_argnums=0)
 
 
+def _cross_kv(graphdef, params, text_pos, text_neg, clip):
+    model = nnx.merge(graphdef, params)
+    return model.text_cross_kv(text_pos), model.text_cross_kv(text_neg), model.image_cross_kv(clip)
+
+
+#: Both prompts' and the CLIP tokens' cross-attention K/V in one program per network (as the pipeline jits them;
+#: run eagerly, each of their operations was compiled on its own).
+cross_kv = jax.jit(_cross_kv, static_argnums=0)
+
+
+def _teacher_forcing(graphdef, params, like_inference, noisy, clean, t, text, clip, register, condition):
+    model = nnx.merge(graphdef, params)
+    out = model.forward_teacher_forcing(noisy, clean, t, model.text_cross_kv(text), model.image_cross_kv(clip),
+                                        register, condition=condition, state_attends_like_inference=like_inference)
+    return out.video, out.registers
+
+
+#: The whole-sequence forward, one program per network and visibility (eagerly, its hundreds of operations were
+#: each compiled on their own).
+teacher_forcing = jax.jit(_teacher_forcing, static_argnums=(0, 2))
+
+
 class Replay:
     """A fixture's network, loaded from its checkpoint, and an episode's caches in our paged KV pools."""
 
@@ -64,9 +86,9 @@ class Replay:
         spec = type(spec)(**{**spec.__dict__, "max_scratch_tokens_per_branch": cfg.action_register.num_tokens})
         cache = ARDiffusionKVCache(spec, dtype=self.dtype, available_memory_bytes=10**10, gpu_memory_fraction=1.0)
         state = cache.create_state("episode")
-        image = self.model.image_cross_kv(jnp.asarray(self.ref["clip"]))
-        for branch, context in (("positive", "context_pos"), ("negative", "context_neg")):
-            text = self.model.text_cross_kv(jnp.asarray(self.ref[context]))
+        text_pos, text_neg, image = cross_kv(self.graphdef, self.params, jnp.asarray(self.ref["context_pos"]),
+                                             jnp.asarray(self.ref["context_neg"]), jnp.asarray(self.ref["clip"]))
+        for branch, text in (("positive", text_pos), ("negative", text_neg)):
             state.populate_cross_attention(branch, "text", zip(*text, strict=True))
             state.populate_cross_attention(branch, "image", zip(*image, strict=True))
         return cache, state
@@ -333,20 +355,18 @@ def test_the_training_forward_equals_the_releases(replay: Replay) -> None:
     """The teacher-forcing whole-sequence forward (clean + noisy frames, every block's register) against the
     release's ``_forward_train`` (``whole_flow_video``, ``whole_flow_action``); the release's state token
     attends only to itself there, and giving it the inference visibility moves the outputs (the mask matters)."""
-    ref, model = replay.ref, replay.model
+    ref = replay.ref
     frames = ref["whole_x"].shape[0]
-    text = model.text_cross_kv(jnp.asarray(ref["context_pos"]))
-    image = model.image_cross_kv(jnp.asarray(ref["clip"]))
     register = ActionStateInputs(jnp.asarray(ref["whole_action"]), jnp.asarray(ref["whole_t_action"]),
                                  jnp.asarray(ref["whole_state"]))
 
     outs = {}
     for like_inference in (False, True):
-        out = model.forward_teacher_forcing(jnp.asarray(ref["whole_x"]), jnp.asarray(ref["whole_clean_x"]),
-                                            jnp.asarray(ref["whole_t"]), text, image, register,
-                                            condition=jnp.asarray(ref["ys"][:frames]),
-                                            state_attends_like_inference=like_inference)
-        outs[like_inference] = (np.asarray(out.video), np.asarray(out.registers))
+        video, registers = teacher_forcing(replay.graphdef, replay.params, like_inference, jnp.asarray(ref["whole_x"]),
+                                           jnp.asarray(ref["whole_clean_x"]), jnp.asarray(ref["whole_t"]),
+                                           jnp.asarray(ref["context_pos"]), jnp.asarray(ref["clip"]), register,
+                                           jnp.asarray(ref["ys"][:frames]))
+        outs[like_inference] = (np.asarray(video), np.asarray(registers))
     video, actions = outs[False]
     assert np.abs(video - ref["whole_flow_video"]).max() < ATOL
     assert np.abs(actions - ref["whole_flow_action"]).max() < ATOL

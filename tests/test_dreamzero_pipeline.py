@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -225,7 +224,9 @@ def test_many_robots_in_one_forward_equal_one_by_one(dynamic: bool) -> None:
     """``generate_batch`` over robots at different points of their episodes (one starting, two continuing)
     runs as one batched forward and equals each robot run alone, the per-row dynamic schedule included (to
     float32 rounding: the batched program is another compiled program; measured 7e-7)."""
-    config = DreamZeroPipelineConfig(dynamic_schedule=dynamic, session_capacity=4)
+    # The default capacity (3) holds the three robots, and its pools are the other tests' here: the single-session
+    # programs are theirs, and bucket 3's batched ones are what the warmup test builds.
+    config = DreamZeroPipelineConfig(dynamic_schedule=dynamic)
     alone = Episode("dreamzero", config)
     together = Episode("dreamzero", config)
     ref = alone.ref
@@ -315,7 +316,10 @@ def test_after_warmup_an_episode_and_its_restart_compile_nothing() -> None:
     from helpers import count_compiles
 
     name = "dreamzero"
-    pipeline = DreamZeroPipeline.from_checkpoint(FIXTURES / name / "DreamZero-DROID-tiny", dtype="float32")
+    # One robot slot: the warmup then compiles the one-robot programs only (no batch buckets, whose warmup would run
+    # two sessions' episodes per bucket), and those are the offloaded-robot test's (the same one-slot pools).
+    pipeline = DreamZeroPipeline.from_checkpoint(FIXTURES / name / "DreamZero-DROID-tiny", dtype="float32",
+                                                 pipeline_config=DreamZeroPipelineConfig(session_capacity=1))
     engine = ARDiffusionEngine(pipeline, EngineConfig(dtype="float32", available_memory_bytes=10**10,
                                                       gpu_memory_fraction=1.0))
     ref = _fixture(name)
@@ -336,7 +340,7 @@ def test_robots_in_one_forward_compile_their_solver_step_once() -> None:
     (vmapped zeros), jit compiled the step a second time at each batched call's first step."""
     from helpers import count_compiles
 
-    episode = Episode("dreamzero", DreamZeroPipelineConfig(session_capacity=2))
+    episode = Episode("dreamzero")  # the default capacity (3): two robots run bucket 2, as the warmup test builds it
     for robot in (0, 1):
         episode.engine.generate(request(f"r{robot}", 0, _robot_inputs(episode.ref, robot, 0)))
     dz_pipeline._solver_step_batch.clear_cache()  # this test's compiles happen here, whatever ran before
