@@ -279,7 +279,7 @@ def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_
     schedule = pipeline.schedule
     cond, probe = mg_rollout.cond, mg_rollout.probe
     noise = jax.random.normal(jax.random.key(3), (1, n, schedule.num_steps) + MG.block_shape)
-    exits = jnp.asarray([2, 0, 1, 0], jnp.int32)  # after, at and before the other blocks' exits
+    exits = np.asarray([2, 0, 1, 0], np.int32)  # after, at and before the other blocks' exits
     targets = jax.random.normal(jax.random.key(4), (n,) + MG.block_shape)
     (paged_value, out), paged_grad = mg_rollout.run(noise, exits, targets)
     committed, exit_input = out.committed[0], out.exit_input[0]
@@ -303,19 +303,22 @@ def test_matrix_game_gradient_equals_a_dense_recomputation_on_forward_blocks(mg_
         return jnp.sum(jnp.square(x - sigma * y.video - target) * probe)
 
     ring = init_action_cache(MG)
-    # Summed on the host: eagerly, every leaf shape compiled its own zeros, add, abs and max programs.
+    # Sliced and summed on the host: eagerly, every slice and every leaf shape's zeros, add, abs and max compiled
+    # its own program.
+    host = jax.device_get((exit_input, starts, full, condition, block_actions, targets, clean.action_kv))
+    exit_input, starts, full, condition, block_actions, targets, clean_action_kv = host
     dense_value, dense_grad = 0.0, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params)
     device = jax.devices()[0]
     for i in range(n):
         t = schedule.timesteps[int(exits[i])]
-        # Committed to the device: the first block's fresh ring (and eager slices) are uncommitted, later rings
+        # Committed to the device: the first block's fresh ring (and host slices) are uncommitted, later rings
         # committed, and that difference alone compiled exit_loss a second time.
-        args = jax.device_put((exit_input[i], jnp.float32(t), jnp.float32(t / schedule.num_train_timesteps),
+        args = jax.device_put((exit_input[i], np.float32(t), np.float32(t / schedule.num_train_timesteps),
                                starts[i], full[(n + i) * tokens, :n * tokens], condition[i],
                                jax.tree.map(lambda a: a[i], block_actions), ring, targets[i]), device)
         value, grad = exit_loss(params, *args)
         dense_value, dense_grad = dense_value + float(value), jax.tree.map(np.add, dense_grad, jax.device_get(grad))
-        ring = commit_action_cache(MG, ring, _block_kv(clean.action_kv, i), starts[i])
+        ring = commit_action_cache(MG, ring, _block_kv(clean_action_kv, i), starts[i])
 
     np.testing.assert_allclose(float(dense_value), float(paged_value), rtol=1e-5)
     leaves = list(zip(jax.tree.leaves(dense_grad), jax.device_get(jax.tree.leaves(paged_grad)), strict=True))
