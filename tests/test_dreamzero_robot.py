@@ -239,14 +239,16 @@ def test_serve_dreamzero_serves_a_robot_from_the_command_line(tmp_path) -> None:
 
 def test_openpis_own_client_drives_dreamzero_and_gets_what_the_engine_gives_directly(policy) -> None:
     """openpi's ``WebsocketClientPolicy`` (the client robot teams use, ``openpi-client``) against the DreamZero
-    policy server: an episode of several calls whose actions equal the same policy called directly (a second,
-    identically built one), a session-id change that starts a new episode, and its API key header."""
+    policy server: an episode of several calls whose actions equal the same policy called directly, a session-id
+    change that starts a new episode, and its API key header.
+
+    The direct calls go to the served policy itself under a key of their own (``"direct"``; the server's robots are
+    ``"robot-<n>"``), so its engine's sessions are the only difference: a second, identically built policy would
+    trace and compile every program again for the same numbers."""
     websocket_client_policy = pytest.importorskip("openpi_client.websocket_client_policy")
     from ardiff_jax.serve import ServerAccess
 
-    direct = build_robot_policy(engine_config=EngineConfig(dtype="float32", available_memory_bytes=10**10,
-                                                           gpu_memory_fraction=1.0, warmup=False))
-    with serving(policy, ServerAccess(api_key="k" * 24)) as port, contextlib.closing(direct.engine):
+    with serving(policy, ServerAccess(api_key="k" * 24)) as port:
         client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port, api_key="k" * 24)
         assert client.get_server_metadata()["needs_session_id"] is True
         rng = np.random.default_rng(7)
@@ -255,7 +257,8 @@ def test_openpis_own_client_drives_dreamzero_and_gets_what_the_engine_gives_dire
         for call, (obs, episode) in enumerate(calls):
             served = client.infer({**obs, "session_id": episode})
             if call == 3:  # a new session_id: the server resets the robot, so the direct one starts over too
-                direct.reset("robot")
-            expected = direct.infer_batch([("robot", obs)])[0]
+                policy.reset("direct")
+            expected = policy.infer_batch([("direct", obs)])[0]
             assert isinstance(served, np.ndarray) and served.shape == (24, 8)
             np.testing.assert_array_equal(served, expected)
+    policy.reset("direct")
