@@ -143,29 +143,49 @@ def block_causal_recomputation(pipeline: CausalWanPipeline, session_key, embeds:
     """Blocks of one session, each from one dense pass over every clean block so far plus the noisy one."""
     config, schedule = pipeline.config, pipeline.schedule
     graphdef, params = nnx.split(pipeline.transformer)
-    text_kv = pipeline.transformer.text_cross_kv(jnp.asarray(pipeline._check_embeds(embeds).embeds))
+    text_kv = _text_kv(pipeline, embeds)
     f = config.frames_per_block
-    clean: list[jax.Array] = []
+    clean: list[np.ndarray] = []
     for block in range(num_blocks):
-        starts = jnp.arange(block + 1, dtype=jnp.int32) * f
-        mask = block_causal_mask(config, starts, jnp.arange(block + 1) < block)
+        starts = np.arange(block + 1, dtype=np.int32) * f
         x = block_noise(session_key, np.int32(block), config.block_shape)
         for step in range(schedule.num_steps):
-            t, sigma, sigma_next = schedule.step_args(step)
-            times = jnp.asarray([0.0] * block + [t], jnp.float32)
-            flow = _dense_flow(graphdef, params, jnp.stack([*clean, x]), times, starts, text_kv, mask)
-            x0 = x - sigma * flow
-            noise = jax.random.normal(step_noise_key(session_key, np.int32(block), np.int32(step)), x.shape)
-            x = renoise(x0, sigma_next, noise)
+            x0, x = _dense_step(graphdef, params, clean, x, starts, schedule, block, step, session_key, text_kv)
         clean.append(x0)
-    return [np.asarray(c) for c in clean]
+    return clean
+
+
+def _text_kv(pipeline: CausalWanPipeline, embeds: np.ndarray):
+    """The prompt's text K/V through the pipeline's own jitted program and device placement (compiled once)."""
+    return wan_text_kv(pipeline._graphdef, pipeline._params, pipeline._to_device(pipeline._check_embeds(embeds).embeds))
+
+
+def _dense_step(graphdef, params, clean: list[np.ndarray], x, starts: np.ndarray, schedule, block: int, step: int,
+                session_key, text_kv) -> tuple[np.ndarray, np.ndarray]:
+    """One denoise step of the noisy last instance ``x`` after the clean ones: ``(x0, x at the next step)``.
+
+    Host (numpy) inputs and one jitted program per instance count: eagerly, the mask, the stacking,
+    the step arithmetic and the noise keys each compiled a program per shape."""
+    t, sigma, sigma_next = schedule.step_args(step)
+    times = np.asarray([0.0] * len(clean) + [t], np.float32)
+    is_clean = np.arange(len(clean) + 1) < len(clean)
+    stacked = np.stack(clean) if clean else np.zeros((0, *np.shape(x)), np.float32)
+    # The noise outside the step's program: threefry compiles once for the block shape, not into every program.
+    noise = jax.random.normal(step_noise_key(session_key, np.int32(block), np.int32(step)), np.shape(x))
+    x0, x = _dense_step_jit(graphdef, params, stacked, np.asarray(x), times, starts, is_clean, text_kv,
+                            np.float32(sigma), np.float32(sigma_next), noise)
+    return np.asarray(x0), np.asarray(x)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _dense_flow(graphdef, params, latents, times, starts, text_kv, mask):
-    """The last instance's flow in one masked pass over every instance (training mode)."""
+def _dense_step_jit(graphdef, params, clean, x, times, starts, is_clean, text_kv, sigma, sigma_next, noise):
+    """The last instance's flow in one masked pass over every instance (training mode), then the sampler step."""
     model = nnx.merge(graphdef, params)
-    return model.forward_blocks(latents, times, starts, text_kv, attention=MaskedAttention(mask)).video[-1]
+    mask = block_causal_mask(model.config, starts, is_clean)
+    latents = jnp.concatenate([clean, x[None]])
+    flow = model.forward_blocks(latents, times, starts, text_kv, attention=MaskedAttention(mask)).video[-1]
+    x0 = x - sigma * flow
+    return x0, renoise(x0, sigma_next, noise)
 
 
 def test_rollout_equals_a_block_causal_recomputation(modules):
@@ -270,17 +290,12 @@ def test_recache_recomputes_the_visible_history_under_the_new_prompt(modules):
     config, schedule = pipeline.config, pipeline.schedule
     key = pipeline._sessions["S"].key
     visible = [clean[0], clean[3]]
-    starts = jnp.asarray([0, 9, 12], jnp.int32)
-    mask = block_causal_mask(config, starts, jnp.asarray([True, True, False]))
+    starts = np.asarray([0, 9, 12], np.int32)
     graphdef, params = nnx.split(pipeline.transformer)
-    text_kv = pipeline.transformer.text_cross_kv(jnp.asarray(pipeline._check_embeds(new).embeds))
+    text_kv = _text_kv(pipeline, new)
     x = block_noise(key, np.int32(4), config.block_shape)
     for step in range(schedule.num_steps):
-        t, sigma, sigma_next = schedule.step_args(step)
-        times = jnp.asarray([0.0, 0.0, t], jnp.float32)
-        flow = _dense_flow(graphdef, params, jnp.stack([*map(jnp.asarray, visible), x]), times, starts, text_kv, mask)
-        x0 = x - sigma * flow
-        x = renoise(x0, sigma_next, jax.random.normal(step_noise_key(key, np.int32(4), np.int32(step)), x.shape))
+        x0, x = _dense_step(graphdef, params, visible, x, starts, schedule, 4, step, key, text_kv)
     diff = float(np.max(np.abs(switched - np.asarray(x0))))
     assert diff <= 1e-4, f"recached block: max |paged - dense| = {diff:.3g}"
 
