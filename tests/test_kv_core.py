@@ -37,6 +37,9 @@ from ardiff_jax.kv import (
 )
 from helpers import contract_resident, contract_visible, make_cache, randn
 
+#: The dense reference as one program per shape (eagerly each of its ops compiles a program per shape).
+_ref_attention = jax.jit(ref_attention)
+
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -308,12 +311,12 @@ def test_worked_example_sink_plus_newest_frames():
     q, k, v = randn(rng, 3, 2, 4), randn(rng, 2, 2, 4), randn(rng, 2, 2, 4)
     for layer in range(layout.num_layers):
         keys, values = _dense(frames, [0, 4, 5, 6, 7], layer, k, v)
-        want = np.asarray(ref_attention(q, keys, values))
+        want = np.asarray(_ref_attention(q, keys, values))
         np.testing.assert_allclose(np.asarray(caches.attend(layer, q, k, v)), want, **F32_TOL)
         np.testing.assert_allclose(np.asarray(caches.ref_attend(layer, q, k, v)), want, **F32_TOL)
     # Sanity: the evicted frames 1-3 would change the result (the comparison can fail).
     keys, values = _dense(frames, [0, 1, 4, 5, 6, 7], 0, k, v)
-    assert not np.allclose(np.asarray(ref_attention(q, keys, values)), np.asarray(caches.attend(0, q, k, v)),
+    assert not np.allclose(np.asarray(_ref_attention(q, keys, values)), np.asarray(caches.attend(0, q, k, v)),
                            **F32_TOL)
 
 
@@ -334,11 +337,11 @@ def test_gqa_grouping_matches_dot_product_attention(groups):
     want = np.asarray(jax.nn.dot_product_attention(q[None], keys[None], values[None], implementation="xla"))[0]
     got = np.asarray(caches.attend(1, q, k, v, extra_k=ek, extra_v=ev))
     np.testing.assert_allclose(got, want, **F32_TOL)
-    np.testing.assert_allclose(np.asarray(ref_attention(q, keys, values)), want, **F32_TOL)
+    np.testing.assert_allclose(np.asarray(_ref_attention(q, keys, values)), want, **F32_TOL)
     # Query head h reads KV head h // groups: attending each query head alone to that KV head agrees.
     for h in range(2 * groups):
         kv_head = slice(h // groups, h // groups + 1)
-        alone = ref_attention(q[:, h:h + 1], keys[:, kv_head], values[:, kv_head])
+        alone = _ref_attention(q[:, h:h + 1], keys[:, kv_head], values[:, kv_head])
         np.testing.assert_allclose(got[:, h:h + 1], np.asarray(alone), **F32_TOL)
 
 
@@ -454,7 +457,7 @@ def test_released_pages_never_leak_into_a_new_session(sink, reset, dtype):
     for fn in (caches.attend, caches.ref_attend):
         out = np.asarray(fn(0, q, k, v)).astype(np.float32)
         assert np.isfinite(out).all()
-        np.testing.assert_allclose(out, np.asarray(ref_attention(q, k, v)), **tol)
+        np.testing.assert_allclose(out, np.asarray(_ref_attention(q, k, v)), **tol)
     # After a few real commits the remaining NaN pages (and the masked ring) still contribute nothing.
     frames = _commit_frames(new, "main", rng, 2, layout)
     frames = [(np.asarray(jnp.asarray(a).astype(dtype)).astype(np.float32),
@@ -464,7 +467,7 @@ def test_released_pages_never_leak_into_a_new_session(sink, reset, dtype):
     assert visible == contract_visible(sink, 3, reset, 2, 1)
     for layer in range(layout.num_layers):
         keys, values = _dense(frames, visible, layer, k, v)
-        want = np.asarray(ref_attention(q, keys, values))
+        want = np.asarray(_ref_attention(q, keys, values))
         for fn in (caches.attend, caches.ref_attend):
             out = np.asarray(fn(layer, q, k, v)).astype(np.float32)
             assert np.isfinite(out).all()
@@ -488,7 +491,7 @@ def test_paged_attention_reads_only_its_own_run():
     rows = np.concatenate([np.arange(2 * g, 2 * g + 2) for g in (0, 2, 3)])
     keys = np.concatenate([hist_k[0][rows], k])
     values = np.concatenate([hist_v[0][rows], v])
-    want = np.asarray(ref_attention(q, keys, values))
+    want = np.asarray(_ref_attention(q, keys, values))
     fast = jax.jit(functools.partial(paged_attention, layout))(pools, cursor, 0, q, k, v)
     ref = jax.jit(functools.partial(ref_paged_attention, layout))(pools, cursor, 0, q, k, v)
     np.testing.assert_allclose(np.asarray(fast), want, **F32_TOL)
