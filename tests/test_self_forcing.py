@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -70,8 +71,12 @@ def _snap(latents):
     return snap_to_cells(latents, jnp)
 
 
-def _text_kv(modules, config, rows):
-    kv = modules.transformer.text_cross_kv(modules.text_encoder(jnp.asarray(tokenize_prompt("", config.text_len))))
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _text_kv(graphdef, params, config, rows, prompt=""):
+    """A prompt's cross-attention K/V for ``rows`` rows, one jitted program (eagerly, every op of the text encoder
+    compiled its own)."""
+    modules = nnx.merge(graphdef, params)
+    kv = modules.transformer.text_cross_kv(modules.text_encoder(jnp.asarray(tokenize_prompt(prompt, config.text_len))))
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (rows,) + a.shape), kv)
 
 
@@ -99,8 +104,7 @@ def test_sprite_rollout_commits_exactly_the_engines_blocks():
     frames = jnp.zeros((1, n) + config.block_shape).at[0, 0].set(frames_to_latents(observation[None]))
     observed = jnp.arange(n)[None] == 0
     controls = jnp.asarray(action_registers(np.concatenate([[0], actions]), 5))[None, :, None]
-    modules = nnx.merge(pipeline._graphdef, pipeline._params)
-    cond = RolloutConditioning(text_kv=_text_kv(modules, config, 1), controls=controls)
+    cond = RolloutConditioning(text_kv=_text_kv(pipeline._graphdef, pipeline._params, config, 1), controls=controls)
     out = self_rollout(pipeline._graphdef, pipeline._params, frames, observed, cond, noise, jnp.zeros(n, jnp.int32),
                        schedule=ONE_STEP, prediction="delta", finish=_snap)
     np.testing.assert_allclose(np.asarray(out.committed[0, 1:, 0]), np.concatenate(blocks), rtol=0, atol=1e-5)
@@ -138,11 +142,7 @@ def test_world_rollout_matches_a_four_step_engine_session_with_registers(tiny_wo
     blocks = [np.asarray(engine.generate(DiffusionRequest(
         f"r{i}", prompt="a red car" if i == 0 else None, extra_args={"session_id": "w"},
         inputs={"action": registers[i].astype(np.float32)})).latents) for i in range(n)]
-    graphdef, params = pipeline._graphdef, pipeline._params
-    modules = nnx.merge(graphdef, params)
-    text_kv = modules.transformer.text_cross_kv(modules.text_encoder(
-        jnp.asarray(tokenize_prompt("a red car", config.text_len))))
-    cond = RolloutConditioning(text_kv=jax.tree.map(lambda a: a[None], text_kv),
+    cond = RolloutConditioning(text_kv=_text_kv(pipeline._graphdef, pipeline._params, config, 1, "a red car"),
                                registers=jnp.asarray(registers, jnp.float32)[None])
     noise = pipeline_noise(pipeline._sessions["w"].key, 0, n, schedule.num_steps, config.block_shape)[None]
     last = jnp.full((n,), schedule.num_steps - 1, jnp.int32)  # exit at the last step: the whole schedule
@@ -160,7 +160,7 @@ def _sprite_problem(modules, rows=2, n=5, seed=0):
     observed = (index == 0) | ((jnp.arange(rows)[:, None] == 1) & (index <= 2))
     run_start = jnp.asarray([1] + [40] * (rows - 1), jnp.int32)
     noise = jax.random.normal(jax.random.key(seed), (rows, n, 1) + SPRITE.block_shape)
-    cond = RolloutConditioning(text_kv=_text_kv(modules, SPRITE, rows), controls=controls)
+    cond = RolloutConditioning(text_kv=_text_kv(*nnx.split(modules), SPRITE, rows), controls=controls)
     weights = jnp.where(observed, 0.0, 1.0)
     return latents, observed, cond, noise, run_start, weights
 
@@ -290,10 +290,9 @@ def test_exit_step_chooses_which_step_carries_the_gradient(tiny_world):
     pipeline, schedule = tiny_world
     config = pipeline.config
     graphdef, params = pipeline._graphdef, pipeline._params
-    modules = nnx.merge(graphdef, params)
     n = WORLD_BLOCKS
     noise = jax.random.normal(jax.random.key(0), (1, n, schedule.num_steps) + config.block_shape)
-    cond = RolloutConditioning(text_kv=_text_kv(modules, config, 1),
+    cond = RolloutConditioning(text_kv=_text_kv(graphdef, params, config, 1),
                                registers=jnp.zeros((1, n, config.num_register_tokens, config.register_dim)))
     frames = jnp.zeros((1, n) + config.block_shape)
     outs = [_world_rollout(tiny_world, frames, cond, noise, jnp.full((n,), e, jnp.int32))
