@@ -101,13 +101,14 @@ def test_buckets_are_powers_of_two_up_to_capacity():
 def test_write_blocks_equals_one_write_per_row_and_padded_rows_write_nothing():
     pools = _pools()
     rng = np.random.default_rng(1)
-    k = jnp.asarray(rng.normal(size=(3, 2, 2, 2, 4)), jnp.float32)  # [B, L, f*T, H, D]
-    v = jnp.asarray(rng.normal(size=(3, 2, 2, 2, 4)), jnp.float32)
+    # Host inputs and jitted writes: eagerly every slice and scatter op compiled a program of its own.
+    k = rng.normal(size=(3, 2, 2, 2, 4)).astype(np.float32)  # [B, L, f*T, H, D]
+    v = rng.normal(size=(3, 2, 2, 2, 4)).astype(np.float32)
     pages = np.array([[5], [9], [LAYOUT.null_page]], np.int32)  # the third row is padding
-    batched = write_blocks(LAYOUT, pools, pages, k, v)
+    batched = jax.jit(write_blocks, static_argnums=0)(LAYOUT, pools, pages, k, v)
     expected = pools
     for row in range(2):
-        expected = write_block(LAYOUT, expected, pages[row], k[row], v[row])
+        expected = jax.jit(write_block, static_argnums=0)(LAYOUT, expected, pages[row], k[row], v[row])
     np.testing.assert_array_equal(np.asarray(batched.k), np.asarray(expected.k))
     np.testing.assert_array_equal(np.asarray(batched.v), np.asarray(expected.v))
 
@@ -131,10 +132,12 @@ def test_batched_view_attends_each_row_to_its_own_run_and_padding_reads_nothing(
     assert caches.batch_size == 4
     out = jax.jit(jax.vmap(lambda c, q, k, v: c.attend(1, q, k, v), in_axes=(caches.vmap_axes(), 0, 0, 0)))(
         caches, q, k, v)
+    # The references jitted (static layout): eagerly each of their ops compiled a program of its own.
+    ref_jit, alone_jit = jax.jit(ref_paged_attention, static_argnums=0), jax.jit(paged_attention, static_argnums=0)
     for row in range(4):
-        want = ref_paged_attention(LAYOUT, pools, jnp.asarray(cursors[row]), 1, q[row], k[row], v[row])
+        want = ref_jit(LAYOUT, pools, cursors[row], 1, q[row], k[row], v[row])
         np.testing.assert_allclose(np.asarray(out[row]), np.asarray(want), rtol=1e-5, atol=1e-5)
-        alone = np.asarray(paged_attention(LAYOUT, pools, cursors[row], 1, q[row], k[row], v[row]))
+        alone = np.asarray(alone_jit(LAYOUT, pools, cursors[row], 1, q[row], k[row], v[row]))
         if rowwise:  # each row is exactly the unbatched program
             np.testing.assert_array_equal(np.asarray(out[row]), alone)
         else:
