@@ -90,7 +90,9 @@ class DreamZeroRobotPolicy:
         self._videos: dict[str, PredictedVideo] = {}
         self._inferences: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._encode_video = jax.jit(lambda video: self.vae.encode(video))
+        # The VAE's own per-chunk programs (its weights an argument): one jit around the whole encode would bake
+        # the weights into the program as constants and compile the unrolled chunks again for each clip length.
+        self._encode_video = self.vae.encode
         self._encode_image = jax.jit(lambda image: self.clip.encode_image(image))
 
     # -- checks -------------------------------------------------------------------------------------------
