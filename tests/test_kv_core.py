@@ -39,6 +39,7 @@ from helpers import contract_resident, contract_visible, make_cache, randn
 
 #: The dense reference as one program per shape (eagerly each of its ops compiles a program per shape).
 _ref_attention = jax.jit(ref_attention)
+_dot_product_attention = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="xla"))
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -334,7 +335,7 @@ def test_gqa_grouping_matches_dot_product_attention(groups):
     q = randn(rng, 5, 2 * groups, 4)
     k, v, ek, ev = randn(rng, 2, 2, 4), randn(rng, 2, 2, 4), randn(rng, 2, 2, 4), randn(rng, 2, 2, 4)
     keys, values = _dense(frames, visible, 1, k, v, ek, ev)
-    want = np.asarray(jax.nn.dot_product_attention(q[None], keys[None], values[None], implementation="xla"))[0]
+    want = np.asarray(_dot_product_attention(q[None], keys[None], values[None]))[0]
     got = np.asarray(caches.attend(1, q, k, v, extra_k=ek, extra_v=ev))
     np.testing.assert_allclose(got, want, **F32_TOL)
     np.testing.assert_allclose(np.asarray(_ref_attention(q, keys, values)), want, **F32_TOL)

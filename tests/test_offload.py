@@ -361,7 +361,8 @@ def test_a_restore_writes_all_of_its_own_slot_and_nothing_else(world_modules, mo
 
 
 def test_restore_is_one_donated_write_and_offload_copies_one_slot(world_modules):
-    _, engine = _world(world_modules, capacity=3)
+    # Capacity 6: the round-robin tests' resident engine, so its programs are already compiled.
+    _, engine = _world(world_modules, capacity=6)
     engine.generate(_world_request("s0", 0))
     cache = engine.runner.kv_cache
     pages = cache.read_slot(0)
@@ -381,8 +382,8 @@ def test_restore_is_one_donated_write_and_offload_copies_one_slot(world_modules)
     assert np.array_equal(np.asarray(cache.read_slot(1).v), np.asarray(pages.v))
     with pytest.raises(ValueError, match="slot pages k must be"):
         cache.write_slot(1, type(pages)(k=pages.k[:, :1], v=pages.v))
-    with pytest.raises(IndexError, match="slot 3 out of range"):
-        cache.read_slot(3)
+    with pytest.raises(IndexError, match="slot 6 out of range"):
+        cache.read_slot(6)
 
 
 # -- faults ---------------------------------------------------------------------------------------------
