@@ -35,7 +35,7 @@ from ardiff_jax.kv import ref_attention
 from helpers import CFG, MAIN, contract_visible, make_cache, randn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-MAX_SINK, MAX_WINDOW, MAX_TOKENS, MAX_EXTRA = 3, 5, 3, 4
+MAX_SINK, MAX_WINDOW, MAX_TOKENS, MAX_EXTRA, MAX_QUERIES = 3, 5, 3, 4, 3
 #: Keys of the padded model reference: the largest visible video + the largest extra.
 PAD_KEYS = (MAX_SINK + MAX_WINDOW) * MAX_TOKENS + MAX_EXTRA
 HEAD_SIZE = 4
@@ -47,12 +47,16 @@ def _padded_ref(q, keys, values, mask):
 
 
 def model_attention(q, keys, values):
-    """``ref_attention`` over the model's ordered keys, zero-padded (and masked) to ``PAD_KEYS``."""
-    n = keys.shape[0]
-    assert n <= PAD_KEYS
+    """``ref_attention`` over the model's ordered keys, zero-padded (and masked) to ``PAD_KEYS``.
+
+    The queries (independent rows) are zero-padded to ``MAX_QUERIES`` too and cut off again, so the
+    reference compiles once per head geometry rather than once per query count as well."""
+    n, s = keys.shape[0], q.shape[0]
+    assert n <= PAD_KEYS and s <= MAX_QUERIES
     pad = ((0, PAD_KEYS - n), (0, 0), (0, 0))
     mask = np.arange(PAD_KEYS) < n
-    return np.asarray(_padded_ref(q, np.pad(keys, pad), np.pad(values, pad), mask))
+    q = np.pad(q, ((0, MAX_QUERIES - s), (0, 0), (0, 0)))
+    return np.asarray(_padded_ref(q, np.pad(keys, pad), np.pad(values, pad), mask))[:s]
 
 
 OPS = ["commit"] * 5 + ["probe"] * 2 + ["probe_clear"] * 2 + ["reset"]
@@ -77,7 +81,7 @@ def scenarios(draw):
     ops = draw(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, len(shapes) - 1), st.sampled_from(branches)),
                         min_size=1, max_size=3 * (sink + window) + 3))
     return dict(
-        geometry=geometry, shapes=shapes, ops=ops, groups=draw(st.integers(1, 2)), queries=draw(st.integers(1, 3)),
+        geometry=geometry, shapes=shapes, ops=ops, groups=draw(st.integers(1, 2)), queries=draw(st.integers(1, MAX_QUERIES)),
         batched=draw(st.booleans()), neighbour=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
     )
 

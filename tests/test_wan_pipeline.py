@@ -272,7 +272,10 @@ def test_bfloat16_weights_and_pools_stay_close_to_float32(modules):
 
 def _in_bfloat16(modules, config):
     graphdef, state = nnx.split(modules.transformer)
-    state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state)
+    # Cast on the host (ml_dtypes' round-to-nearest-even, XLA's convert): eagerly each parameter shape
+    # compiled a convert program of its own.
+    state = jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(jnp.bfloat16)) if x.dtype == jnp.float32
+                         else x, state)
     return WanModules(_with_config(nnx.merge(graphdef, state), config))
 
 
