@@ -130,6 +130,26 @@ def test_a_bad_observation_fails_its_robot_only_and_changes_nothing(policy) -> N
         policy.reset(key)
 
 
+def test_a_later_call_encodes_its_frames_with_the_programs_the_episode_start_compiled(policy) -> None:
+    """The VAE encodes through its own per-chunk programs (weights an argument): a later call's 9 frames are chunked
+    1, 4, 4 like the episode start's 33, so they compile no encode program. One jit around the whole encode made a
+    program per clip length, with the VAE weights baked in as constants."""
+    import jax
+
+    from ardiff_jax._compile_events import count_compiles
+
+    jax.clear_caches()  # what earlier tests compiled must not hide a per-length program
+    rng = np.random.default_rng(3)
+    with count_compiles() as started:
+        policy.infer_batch([("encoder", _observation(rng, 1))])
+    assert "jit(_encode_step_split)" in {program.name for program in started}
+    with count_compiles() as later:
+        policy.infer_batch([("encoder", _observation(rng, 4))])
+    made = {program.name for program in later}
+    assert not made & {"jit(_encode_step_split)", "jit(<lambda>)"}, made
+    policy.reset("encoder")
+
+
 @contextlib.contextmanager
 def serving(policy, access):
     """``create_policy_app(policy)`` on uvicorn in a thread on a free loopback port; yields the port."""
