@@ -50,7 +50,7 @@ collect_ignore = [] if os.environ.get("ARDIFF_MESH_SUITE") == "1" else ["mesh"]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _RUN_CACHE_OWNER and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if _RUN_CACHE_OWNER:  # the process that made it (workers and subprocesses inherit it, so never own it)
         import shutil
 
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
@@ -63,16 +63,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter.write_line("no test passed: failing the run (see tests/conftest.py)", red=True)
 
 
-#: The files that take longest (CPU seconds, ``ARDIFF_CPU_REPORT``, of the idle 2-core run of 2026-12-06 at 11 min 39 s),
-#: handed out first after the mesh suite: with whole files per worker (``--dist loadfile``) a long file handed out
-#: last leaves the other worker idle at the end, so the longest go first and the short ones fill in.
+#: The files that take longest (CPU seconds, ``ARDIFF_CPU_REPORT``, of the idle 2-core run of 2026-12-06 at
+#: 11 min 39 s), handed out first after the mesh suite: with whole files per worker (``--dist loadfile``) a long
+#: file handed out last leaves the other worker idle at the end, so the longest go first and the short ones fill in.
 #: Order only: a file missing here runs after these, alphabetically, and a stale figure costs a few seconds.
 LONGEST_FILES = (
     "test_self_forcing.py", "test_dreamzero_robot.py", "test_training.py", "test_benchmarks_smoke.py",  # 83-69 s
     "test_self_forcing_models.py", "test_demo.py", "test_dreamzero_pipeline.py", "test_batch_failures.py",  # 68-47
     "test_notebooks.py", "test_dreamzero_watch.py", "test_matrix_game_pipeline.py", "test_gpu_check_smoke.py",  # 44-32
-    "test_dmd.py", "test_wan_video.py", "test_kv_shapes.py", "test_state_machine.py", "test_dreamzero_model.py",  # 31-21
-    "test_visible_property.py", "test_batch.py", "test_wan_vae.py", "test_wan_checkpoints.py",  # 21-13
+    "test_dmd.py", "test_wan_video.py", "test_kv_shapes.py", "test_state_machine.py",  # 31-24
+    "test_dreamzero_model.py", "test_visible_property.py", "test_batch.py", "test_wan_vae.py",  # 21-17
+    "test_wan_checkpoints.py",  # 13
 )
 
 

@@ -81,7 +81,8 @@ def scenarios(draw):
     ops = draw(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, len(shapes) - 1), st.sampled_from(branches)),
                         min_size=1, max_size=3 * (sink + window) + 3))
     return dict(
-        geometry=geometry, shapes=shapes, ops=ops, groups=draw(st.integers(1, 2)), queries=draw(st.integers(1, MAX_QUERIES)),
+        geometry=geometry, shapes=shapes, ops=ops, groups=draw(st.integers(1, 2)),
+        queries=draw(st.integers(1, MAX_QUERIES)),
         batched=draw(st.booleans()), neighbour=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
     )
 
