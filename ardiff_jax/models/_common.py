@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FewStepSchedule", "DiTModules", "text_cross_kv", "image_cross_kv", "block_noise", "session_seed",
            "resolve_config", "NOISE_PRNG_IMPL", "PipelineBase", "PipelineConfigBase", "PipelineSession",
            "dit_kv_spec", "check_prompt", "check_seed", "noise_key", "step_noise_key", "renoise", "with_tick_metadata",
-           "weights_fingerprint", "mesh_placement", "stack_rows", "unstack_rows"]
+           "weights_fingerprint", "mesh_placement", "stack_rows", "unstack_rows", "jitted_encode_image"]
 
 #: PRNG implementation of the per-session noise keys. ``"rbg"`` (XLA's RngBitGenerator)
 #: compiles several times faster than threefry on XLA:CPU. Its streams are deterministic
@@ -785,3 +785,17 @@ class PipelineBase(BoundStateMixin, abc.ABC):
 
     def _to_device(self, array: Any) -> jax.Array:
         return jax.device_put(np.asarray(array), self.device)
+
+
+def jitted_encode_image(encoder: Any) -> Any:
+    """``encoder.encode_image`` compiled once, an NNX module split so its weights are arguments (a jit closing
+    over the module would bake them into the program as constants); any other encoder is called as it is."""
+    if not isinstance(encoder, nnx.Module):
+        return encoder.encode_image
+    graphdef, params = nnx.split(encoder)
+
+    @jax.jit
+    def encode(params: Any, image: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params).encode_image(image)
+
+    return lambda image: encode(params, image)

@@ -19,10 +19,9 @@ Concurrent robots' calls are one ``engine.generate_batch`` (one batched forward 
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +41,7 @@ from ardiff_jax.models.dreamzero._droid import (
     tile_views,
 )
 from ardiff_jax.models.dreamzero._watch import PredictedVideo, PredictedVideoDecoder
+from ardiff_jax.models._common import jitted_encode_image
 from ardiff_jax.types import DiffusionRequest
 
 __all__ = ["DreamZeroRobotPolicy", "ROBOT_POLICY_CONFIG"]
@@ -90,10 +90,11 @@ class DreamZeroRobotPolicy:
         self._videos: dict[str, PredictedVideo] = {}
         self._inferences: dict[str, int] = {}
         self._lock = threading.Lock()
-        # The VAE's own per-chunk programs (its weights an argument): one jit around the whole encode would bake
-        # the weights into the program as constants and compile the unrolled chunks again for each clip length.
+        # Both encoders take their weights as arguments: a jit closing over a module bakes its weights into the
+        # program as constants (CLIP ViT-H: ~630M). The VAE runs its own per-chunk programs (one jit around the
+        # whole encode would also compile the unrolled chunks again for each clip length); CLIP is split once.
         self._encode_video = self.vae.encode
-        self._encode_image = jax.jit(lambda image: self.clip.encode_image(image))
+        self._encode_image = jitted_encode_image(self.clip)
 
     # -- checks -------------------------------------------------------------------------------------------
     def validate(self, session_key: str, obs: Mapping[str, Any]) -> None:

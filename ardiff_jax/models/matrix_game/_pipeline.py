@@ -43,6 +43,7 @@ from flax import nnx
 from ardiff_jax.models._common import (
     FewStepSchedule,
     check_seed,
+    jitted_encode_image,
     renoise,
     resolve_config,
     step_noise_key,
@@ -81,19 +82,6 @@ class _ImagePrompt(NamedTuple):
     digest: str
     embeds: None
     image: np.ndarray  # f32[1, 3, H, W] in [-1, 1]
-
-
-def _jitted_encode_image(encoder: Any) -> Any:
-    """``encoder.encode_image`` compiled once (an NNX module is split so its weights are arguments)."""
-    if not isinstance(encoder, nnx.Module):
-        return encoder.encode_image
-    graphdef, params = nnx.split(encoder)
-
-    @jax.jit
-    def encode(params: Any, image: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params).encode_image(image)
-
-    return lambda image: encode(params, image)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +222,7 @@ class MatrixGamePipeline(CausalWanPipeline):
                             f"{type(image_encoder).__name__}")
         super().__init__(config, pipeline_config, modules=modules, vae=vae, device=device)
         self.image_encoder = image_encoder
-        self._encode_image = None if image_encoder is None else _jitted_encode_image(image_encoder)
+        self._encode_image = None if image_encoder is None else jitted_encode_image(image_encoder)
 
     @classmethod
     def from_checkpoint(cls, path: Any, config: CausalDiTConfig | str | None = None, *, vae: Any = None,
